@@ -1,0 +1,3 @@
+from smgd.cli import main
+
+raise SystemExit(main())

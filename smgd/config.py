@@ -1,0 +1,376 @@
+"""The one typed schema of ``smgd.toml``, with env and CLI overrides derived from it.
+
+Precedence (what users of gateways expect): CLI flags > ``SMGD_*`` environment > file > defaults.
+Every Struct forbids unknown fields, so a typo is an error with its key path, never ignored.
+
+Overrides address keys by dotted path (``server.port``, ``engines.0.model_dir``):
+- environment: ``SMGD_SERVER__PORT=9000``, ``SMGD_ENGINES__0__MODEL_DIR=/m`` (``__`` separates)
+- CLI: ``--set server.port=9000``, and one flag per scalar key of the fixed sections
+  (``--server-port 9000``), generated from the schema below.
+Values are parsed as TOML literals (``9000``, ``true``, ``"x"``, ``[1, 2]``); anything that is
+not a TOML literal is taken as a string.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from smgd.errors import ConfigError
+
+ENV_PREFIX = "SMGD_"
+
+
+class WireFamily(enum.Enum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
+    TOKENSPEED = "tokenspeed"
+    MOCK = "mock"  # smgd launches its built-in mock engine (speaking `mock.wire`)
+
+
+class RoutingPolicy(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+    PREFIX_AFFINITY = "prefix_affinity"
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # LLM streams run for minutes; hypercorn's own 3 s graceful timeout would cut them.
+    drain_timeout_s: float = 30.0
+    # An SSE comment this often while a request waits (queue, long prefill) keeps proxies
+    # from closing an idle-looking connection; 15 s is under common 30-60 s proxy idle limits.
+    keepalive_interval_s: float = 15.0
+    # Largest accepted request body. 8 MiB fits a 1M-character prompt with room to spare.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Bearer keys for the inference endpoints; empty = no auth. Read from this env var
+    # (comma-separated) and/or this file (one key per line), never from smgd.toml itself.
+    api_keys_env: str | None = None
+    api_keys_file: str | None = None
+
+
+class AdminConfig(_Section):
+    # Admin endpoints (reload, drain) listen separately, on loopback by default.
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: no admin listener
+    token_env: str | None = None
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["human", "json"] = "human"
+    access_log: bool = False
+
+
+class RoutingConfig(_Section):
+    policy: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
+    # Per served model name; overrides `policy` for that model.
+    models: dict[str, RoutingPolicy] = msgspec.field(default_factory=dict)
+    # prefix_affinity: how many leading prompt tokens decide the engine. 256 tokens covers a
+    # typical system prompt; longer keys only split traffic that shares the same prefix cache.
+    prefix_tokens: int = 256
+
+
+class Addresses(_Section):
+    """Explicit ZMQ endpoints; when absent they are derived from `ipc_dir`."""
+
+    input: str | None = None
+    output: str | None = None
+    handshake: str | None = None
+
+
+class LaunchConfig(_Section):
+    """A child process smgd starts, wires to its sockets, and supervises."""
+
+    kind: Literal["sglang", "vllm", "tokenspeed", "mock", "command"]
+    python: str | None = None  # interpreter of the engine's venv (sglang / vllm)
+    args: list[str] = msgspec.field(default_factory=list)  # passed through to the engine
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    command: list[str] = msgspec.field(default_factory=list)  # kind = "command" only
+
+
+class MockConfig(_Section):
+    wire: Literal["sglang", "vllm", "tokenspeed"] = "sglang"
+    # 20 ms is a realistic decode step for a mid-size model on one GPU.
+    step_ms: float = 20.0
+    max_batch: int = 256
+    max_model_len: int = 4096
+
+
+class TimeoutsConfig(_Section):
+    # SGLang needs ~30-40 s to import and load even a tiny model on this CPU; real models more.
+    ready_s: float = 600.0
+    # A send that cannot complete in this time means the peer is gone (PUSH to a dead
+    # scheduler blocks forever); 5 s is far above any healthy queueing delay.
+    send_s: float = 5.0
+    # No frame at all for this long while requests are in flight = the engine is wedged.
+    # A long prefill of a huge prompt on a slow GPU stays well under 60 s.
+    silence_s: float = 60.0
+
+
+class EngineConfig(_Section):
+    name: str
+    wire: WireFamily
+    models: list[str]
+    model_dir: str
+    tokenizer_dir: str | None = None
+    ipc_dir: str | None = None
+    addresses: Addresses = msgspec.field(default_factory=Addresses)
+    launch: LaunchConfig | None = None
+    mock: MockConfig = msgspec.field(default_factory=MockConfig)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    max_model_len: int | None = None  # override what the engine / config.json says
+    chat_template: str | None = None  # path to a template file, overrides the tokenizer's
+    required: bool = True  # readiness waits for it
+    # Admission: requests in flight on this engine before new ones queue; 0 = unlimited.
+    max_inflight: int = 0
+    max_queue: int = 1024
+    queue_timeout_s: float = 30.0
+
+
+class Config(_Section):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    # Where ipc sockets live unless an engine says otherwise. Unix socket paths are limited
+    # to 107 bytes, so this defaults to a short per-user directory, not the repo.
+    run_dir: str | None = None
+    engines: list[EngineConfig] = msgspec.field(default_factory=list)
+    # Directory of the file it was loaded from; relative paths resolve against it.
+    base_dir: str = "."
+
+
+# --------------------------------------------------------------------------- loading
+
+_AT_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`")
+
+
+def _fields_of(path: str) -> list[str]:
+    """Field names valid at a msgspec path like ``$.engines[0].launch``."""
+    struct: Any = Config
+    for part in re.findall(r"\.(\w+)", path):
+        fields = {f.name: f for f in msgspec.structs.fields(struct)}
+        if part not in fields:
+            return []
+        typ = fields[part].type
+        struct = _struct_in(typ)
+        if struct is None:
+            return []
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def _struct_in(typ: Any) -> type[msgspec.Struct] | None:
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        return typ
+    for arg in getattr(typ, "__args__", ()):
+        found = _struct_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _translate(err: msgspec.ValidationError) -> ConfigError:
+    match = _AT_PATH.match(str(err))
+    assert match is not None
+    msg, path = match["msg"], match["path"] or "$"
+    hint = None
+    if unknown := _UNKNOWN.match(msg):
+        field = unknown["field"]
+        valid = _fields_of(path)
+        close = difflib.get_close_matches(field, valid, n=1)
+        path = f"{path}.{field}"
+        msg = f"unknown key `{field}`"
+        hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(valid)}"
+    elif "Invalid enum value" in msg and path.endswith(".wire"):
+        hint = "wire is one of " + ", ".join(w.value for w in WireFamily)
+    elif "Invalid enum value" in msg:
+        hint = "policies: " + ", ".join(p.value for p in RoutingPolicy)
+    elif msg.startswith("Object missing required field"):
+        field = msg.split("`")[1]
+        path = f"{path}.{field}"
+        msg = f"missing required key `{field}`"
+    return ConfigError(msg, path=path, hint=hint)
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], dotted: list[str], value: Any, origin: str) -> None:
+    node: Any = tree
+    for i, key in enumerate(dotted):
+        last = i == len(dotted) - 1
+        if isinstance(node, list):
+            if not key.isdigit():
+                raise ConfigError(f"{origin}: `{key}` is not a list index", path="$")
+            idx = int(key)
+            if idx >= len(node):
+                raise ConfigError(
+                    f"{origin}: index {idx} is past the end ({len(node)} entries)", path="$"
+                )
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+        else:
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+
+
+def env_overrides(environ: Mapping[str, str]) -> Iterator[tuple[list[str], Any, str]]:
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        dotted = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        yield dotted, _parse_literal(raw), name
+
+
+def scalar_flags() -> Iterator[tuple[str, str, Any]]:
+    """(flag, dotted path, type) for every scalar key of the fixed sections."""
+    for section in msgspec.structs.fields(Config):
+        struct = _struct_in(section.type)
+        if struct is None or section.name == "engines":
+            continue
+        for field in msgspec.structs.fields(struct):
+            if _struct_in(field.type) is None and not str(field.type).startswith("dict"):
+                flag = f"--{section.name}-{field.name}".replace("_", "-")
+                yield flag, f"{section.name}.{field.name}", field.type
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: list[str] | None = None,
+    check_paths: bool = True,
+) -> Config:
+    """Read, merge overrides, validate. Raises :class:`ConfigError` (with the key path)."""
+    tree: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        file = Path(path)
+        try:
+            text = file.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {file}: {exc.strerror}", path="$") from None
+        try:
+            tree = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{file} is not valid TOML: {exc}", path="$") from None
+        base = file.resolve().parent
+    if "base_dir" in tree:
+        raise ConfigError("unknown key `base_dir`", path="$.base_dir", hint="set by smgd")
+    tree["base_dir"] = str(base)
+    for dotted, value, origin in env_overrides(os.environ if environ is None else environ):
+        _set_path(tree, dotted, value, origin)
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE", path="$")
+        _set_path(tree, key.strip().split("."), _parse_literal(raw.strip()), f"--set {key}")
+    try:
+        config = msgspec.convert(tree, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _translate(exc) from None
+    validate(config, check_paths=check_paths)
+    return config
+
+
+def resolve_path(config: Config, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(config.base_dir) / path
+
+
+def validate(config: Config, *, check_paths: bool = True) -> None:
+    """Cross-field checks msgspec cannot express."""
+    seen: dict[str, int] = {}
+    served: dict[str, str] = {}
+    if not 0 <= config.server.port <= 65535:
+        raise ConfigError("port out of range 0..65535", path="$.server.port")
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", engine.name):
+            raise ConfigError(
+                f"engine name {engine.name!r} must be 1-64 of [A-Za-z0-9_.-]", path=f"{at}.name"
+            )
+        if engine.name in seen:
+            raise ConfigError(
+                f"duplicate engine name {engine.name!r} (also engines[{seen[engine.name]}])",
+                path=f"{at}.name",
+                hint="engine names must be unique",
+            )
+        seen[engine.name] = i
+        if not engine.models:
+            raise ConfigError("an engine serves at least one model name", path=f"{at}.models")
+        for model in engine.models:
+            served.setdefault(model, engine.name)
+        if check_paths:
+            for key in ("model_dir", "tokenizer_dir"):
+                value = getattr(engine, key)
+                if value is not None and not resolve_path(config, value).is_dir():
+                    raise ConfigError(
+                        f"{key} {value!r} is not a directory", path=f"{at}.{key}",
+                        hint="point it at the model's directory (tokenizer.json, config.json)",
+                    )
+        if engine.launch is not None and engine.launch.kind == "command" and not engine.launch.command:
+            raise ConfigError("launch.kind = \"command\" needs `command`", path=f"{at}.launch.command")
+    for model in config.routing.models:
+        if model not in served:
+            raise ConfigError(
+                f"routing for model {model!r} that no engine serves",
+                path=f"$.routing.models.{model}",
+            )
+
+
+def default_run_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "smgd"
+    return Path(f"/tmp/smgd-{os.getuid()}")
+
+
+def run_dir(config: Config) -> Path:
+    return resolve_path(config, config.run_dir) if config.run_dir else default_run_dir()
+
+
+def engine_ipc_dir(config: Config, engine: EngineConfig) -> Path:
+    if engine.ipc_dir:
+        return resolve_path(config, engine.ipc_dir)
+    return run_dir(config) / engine.name
+
+
+def to_builtins(config: Config) -> dict[str, Any]:
+    result: dict[str, Any] = msgspec.to_builtins(config)
+    return result
+
+
+def diff_engines(
+    old: Config, new: Config
+) -> tuple[list[EngineConfig], list[EngineConfig], list[EngineConfig]]:
+    """(added, removed, changed) engines between two configs, matched by name."""
+    before = {e.name: e for e in old.engines}
+    after = {e.name: e for e in new.engines}
+    added = [e for n, e in after.items() if n not in before]
+    removed = [e for n, e in before.items() if n not in after]
+    changed = [e for n, e in after.items() if n in before and before[n] != e]
+    return added, removed, changed
