@@ -1,14 +1,135 @@
-"""Command line: `smgd serve | check-config | wire | mock-engine | bench`."""
+"""Command line: ``smgd serve | check-config | wire | mock-engine | bench``.
+
+Flags for the fixed config sections are generated from the schema in :mod:`smgd.config`
+(one schema, no second hand-written copy), and ``--set key.path=value`` reaches any key.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+from typing import Any
+
+import msgspec
+
+from smgd import __version__
+from smgd.config import Config, load_config, scalar_flags
+from smgd.errors import ConfigError, SmgdError
+
+DEFAULT_CONFIG = "smgd.toml"
+EXIT_CONFIG = 2  # a bad config file / flag: exit 2, like argparse's usage errors
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", "-c", default=None, help=f"config file (default: ./{DEFAULT_CONFIG})"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override any key, e.g. --set engines.0.mock.step_ms=5",
+    )
+    group = parser.add_argument_group("config overrides (generated from the schema)")
+    for flag, dotted, _typ in scalar_flags():
+        group.add_argument(flag, dest=f"cfg:{dotted}", default=None, metavar="VALUE")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    items = list(args.set)
+    for key, value in vars(args).items():
+        if key.startswith("cfg:") and value is not None:
+            items.append(f"{key[4:]}={value}")
+    return items
+
+
+def _config_path(args: argparse.Namespace, positional: str | None = None) -> str:
+    return positional or args.config or os.environ.get("SMGD_CONFIG") or DEFAULT_CONFIG
+
+
+def load_from_args(args: argparse.Namespace, positional: str | None = None) -> Config:
+    return load_config(_config_path(args, positional), overrides=_overrides(args))
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config = load_from_args(args, args.path)
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(config), indent=2).decode() + "\n")
+    print(f"ok: {len(config.engines)} engine(s)", file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from smgd.daemon import serve_main
+
+    config = load_from_args(args)
+    return serve_main(config)
+
+
+def _cmd_wire(args: argparse.Namespace) -> int:
+    from smgd.wire.jsonform import run_wire_command
+
+    return run_wire_command(args.action, args.engine, sys.stdin.read(), sys.stdout)
+
+
+def _cmd_mock_engine(args: argparse.Namespace) -> int:
+    from smgd.mock.main import mock_engine_main
+
+    return mock_engine_main(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module: Any = importlib.import_module("smgd.bench.main")
+    result: int = module.bench_main(args)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="smgd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"smgd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    _add_config_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a config and print it resolved")
+    check.add_argument("path", nargs="?", default=None)
+    _add_config_args(check)
+    check.set_defaults(func=_cmd_check_config)
+
+    wire = sub.add_parser("wire", help="decode/encode one engine wire message (hex <-> JSON)")
+    wire.add_argument("action", choices=["decode", "encode"])
+    wire.add_argument("--engine", required=True, choices=["sglang", "vllm", "tokenspeed"])
+    wire.set_defaults(func=_cmd_wire)
+
+    mock = sub.add_parser("mock-engine", help="run a mock engine scheduler on a wire")
+    from smgd.mock.main import add_mock_args
+
+    add_mock_args(mock)
+    mock.set_defaults(func=_cmd_mock_engine)
+
+    try:
+        bench_module: Any = importlib.import_module("smgd.bench.main")
+    except ImportError:
+        bench_module = None
+    if bench_module is not None:
+        bench = sub.add_parser("bench", help="benchmark smgd against baselines on a mock engine")
+        bench_module.add_bench_args(bench)
+        bench.set_defaults(func=_cmd_bench)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="smgd")
-    parser.add_subparsers(dest="command", required=True)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    print(args, file=sys.stderr)
-    return 0
+    try:
+        result: int = args.func(args)
+    except ConfigError as exc:
+        print(f"smgd: {exc.one_line()}", file=sys.stderr)
+        return EXIT_CONFIG
+    except SmgdError as exc:
+        print(f"smgd: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return result

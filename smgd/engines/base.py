@@ -1,0 +1,311 @@
+"""The engine client shape shared by every wire family.
+
+One :class:`EngineClient` per configured engine. ``run()`` owns a nursery with:
+
+- the sockets (bound by the subclass in :meth:`EngineClient._open`), and the optional launched
+  engine process, whose exit (any exit code) means the engine is gone;
+- a **reader** task: the only task touching the output socket; it decodes each frame and
+  demultiplexes by rid into :class:`~smgd.engines.stream.RequestStream` slots, never awaiting
+  a consumer;
+- a **sender** task: the only task touching the input socket; it drains an unbounded outbox so
+  request handlers (and their shielded ``finally`` aborts) never block on a socket;
+- a **silence watchdog**: no frame at all for ``timeouts.silence_s`` while requests are in
+  flight means the engine is wedged.
+
+Any death signal (process exit, decode-error streak, send deadline, silence, the engine's own
+dead sentinel) fails every in-flight stream with one :class:`~smgd.errors.EngineDead` and
+ends ``run()`` by raising it; the supervisor decides whether to relaunch.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from smgd.engines.stream import RequestStream, StreamState, fail_all
+from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
+from smgd.wire.common import EngineInfo, EngineLoad, FinishReason, GenerateRequest, TokenDelta
+
+if TYPE_CHECKING:
+    from smgd.config import EngineConfig
+    from smgd.zmq_trio import TrioSocket
+
+log = logging.getLogger("smgd.engine")
+
+# Consecutive undecodable frames before the engine is declared dead. One garbled frame can be a
+# bug in an exotic field; a streak means the peer does not speak our wire (wrong version/mode).
+DECODE_ERROR_STREAK = 8
+# Frames taken off the output socket per wakeup. Bounded so the reader yields to consumers
+# between batches even when an engine floods us; 64 frames = dozens of engine steps.
+RECV_BATCH = 64
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    wire: str
+    state: str
+    in_flight: int
+    requests_total: int
+    tokens_total: int
+    decode_errors: int
+    last_error: str | None
+    load: EngineLoad | None
+    max_model_len: int | None
+
+
+class EngineClient:
+    """Base class; subclasses implement the wire-specific hooks below."""
+
+    wire: str = "?"
+    # vLLM and TokenSpeed never answer an abort; SGLang does (finish abort or AbortReq echo).
+    abort_gets_reply: bool = True
+
+    def __init__(self, config: EngineConfig, *, fallback_info: EngineInfo | None) -> None:
+        self.config = config
+        self.name = config.name
+        self.models = tuple(config.models)
+        self.state = EngineState.STARTING
+        self.info: EngineInfo | None = None
+        self.load: EngineLoad | None = None
+        self.last_error: str | None = None
+        self._fallback_info = fallback_info
+        self._streams: dict[str, RequestStream] = {}
+        self._outbox_send, self._outbox_recv = trio.open_memory_channel[list[bytes]](math.inf)
+        self._ready = trio.Event()
+        self._dead = trio.Event()
+        self._death: EngineDead | None = None
+        self._last_frame = 0.0
+        self._decode_streak = 0
+        self._decode_errors = 0
+        self._requests_total = 0
+        self._tokens_total = 0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            name=self.name,
+            wire=self.wire,
+            state=self.state.value,
+            in_flight=len(self._streams),
+            requests_total=self._requests_total,
+            tokens_total=self._tokens_total,
+            decode_errors=self._decode_errors,
+            last_error=self.last_error,
+            load=self.load,
+            max_model_len=self.info.max_model_len if self.info else None,
+        )
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    def validate(self, req: GenerateRequest) -> None:
+        """Reject what would kill or wedge the engine. Raises InvalidRequest."""
+        info = self.info
+        if info is None:
+            raise EngineNotReady(f"engine {self.name} is not ready")
+        if not req.prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        vocab = info.vocab_size
+        if vocab is not None:
+            for tid in req.prompt_ids:
+                if not 0 <= tid < vocab:
+                    raise InvalidRequest(
+                        f"token id {tid} is outside the vocabulary (0..{vocab - 1})",
+                        param="prompt",
+                    )
+        total = len(req.prompt_ids) + req.sampling.max_tokens
+        if total > info.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(req.prompt_ids)} in the prompt, "
+                f"{req.sampling.max_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if req.rid in self._streams:
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
+
+    @asynccontextmanager
+    async def open_stream(self, req: GenerateRequest) -> AsyncIterator[RequestStream]:
+        """Submit a request; yield its output stream; abort it on the engine if it is left early.
+
+        Leaving the block before the stream finished (client gone, stop string hit, error)
+        sends an abort from ``finally``. The outbox is unbounded, so the abort is queued
+        synchronously and cannot be lost to a cancellation.
+        """
+        if self.state is not EngineState.READY:
+            raise EngineNotReady(f"engine {self.name} is {self.state.value}")
+        self.validate(req)
+        stream = RequestStream(req.rid, self.name)
+        frames = self._encode_request(req)
+        self._streams[req.rid] = stream
+        self._requests_total += 1
+        self._outbox_send.send_nowait(frames)
+        try:
+            yield stream
+        finally:
+            still_running = stream.state is StreamState.OPEN
+            self._streams.pop(req.rid, None)
+            if still_running:
+                stream.state = StreamState.CLOSED
+                if self.state is EngineState.READY:
+                    self._outbox_send.send_nowait(self._encode_abort(req.rid))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bind, (launch,) become ready, then serve until cancelled or dead.
+
+        ``task_status.started`` fires once the sockets are bound (readiness comes later, see
+        :meth:`wait_ready`). Raises :class:`EngineDead` when the engine dies.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._open(nursery)
+                task_status.started(self)
+                self._last_frame = trio.current_time()
+                nursery.start_soon(self._reader_task)
+                nursery.start_soon(self._sender_task)
+                nursery.start_soon(self._silence_watchdog)
+                nursery.start_soon(self._death_waiter, nursery.cancel_scope)
+                info = await self._become_ready()
+                self.info = info
+                self.state = EngineState.READY
+                self._ready.set()
+                log.info(
+                    "engine %s ready (wire=%s, max_model_len=%s, vocab=%s)",
+                    self.name, self.wire, info.max_model_len, info.vocab_size,
+                )
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close()
+            if self._death is None:
+                self.state = EngineState.STOPPED
+                fail_all(self._streams, EngineDead(f"engine {self.name} stopped"))
+        if self._death is not None:
+            raise self._death
+
+    async def _death_waiter(self, scope: trio.CancelScope) -> None:
+        await self._dead.wait()
+        scope.cancel()
+
+    def die(self, reason: str) -> None:
+        """Declare the engine dead: fail every stream with one error, stop run()."""
+        if self._death is not None:
+            return
+        self.state = EngineState.DEAD
+        self.last_error = reason
+        self._death = EngineDead(f"engine {self.name} failed: {reason}")
+        failed = fail_all(self._streams, self._death)
+        log.error("engine %s dead: %s (%d in-flight request(s) failed)", self.name, reason, failed)
+        self._dead.set()
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _reader_task(self) -> None:
+        sock = self._output_socket()
+        while True:
+            batch = await sock.recv_multipart_batch(RECV_BATCH)
+            self._last_frame = trio.current_time()
+            for frames in batch:
+                try:
+                    self._handle_frames(frames)
+                except WireError as exc:
+                    self._decode_errors += 1
+                    self._decode_streak += 1
+                    log.warning("engine %s: undecodable frame: %s", self.name, exc)
+                    if self._decode_streak >= DECODE_ERROR_STREAK:
+                        self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
+                        return
+                else:
+                    self._decode_streak = 0
+            # One wakeup per batch for consumers: let them run before taking more.
+            await trio.lowlevel.checkpoint()
+
+    async def _sender_task(self) -> None:
+        sock = self._input_socket()
+        send_s = self.config.timeouts.send_s
+        async for frames in self._outbox_recv:
+            try:
+                await sock.send_multipart(frames, deadline=trio.current_time() + send_s)
+            except TransportError as exc:
+                self.die(f"send failed: {exc.message}")
+                return
+
+    async def _silence_watchdog(self) -> None:
+        silence = self.config.timeouts.silence_s
+        # Check at a fraction of the limit so detection lags the limit by at most 25 %.
+        period = silence / 4
+        while True:
+            await trio.sleep(period)
+            if self._streams and trio.current_time() - self._last_frame > silence:
+                self.die(f"no output for {silence:g} s with {len(self._streams)} request(s) in flight")
+                return
+            if not self._streams:
+                self._last_frame = trio.current_time()
+
+    # ------------------------------------------------------------------ demux helpers
+
+    def deliver(self, delta: TokenDelta) -> None:
+        """Route one decoded delta to its stream (called by the subclass's frame handler)."""
+        stream = self._streams.get(delta.rid)
+        if stream is None:
+            return  # finished or aborted locally already; late frames are expected
+        self._tokens_total += len(delta.token_ids)
+        stream.push(delta)
+        if delta.finish is not None:
+            del self._streams[delta.rid]
+
+    def finish_locally(self, rid: str, reason: FinishReason, message: str) -> None:
+        from smgd.wire.common import Finish
+
+        self.deliver(TokenDelta(rid=rid, token_ids=[], finish=Finish(reason=reason, message=message)))
+
+    # ------------------------------------------------------------------ hooks
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        raise NotImplementedError
+
+    async def _become_ready(self) -> EngineInfo:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        raise NotImplementedError
+
+    def _input_socket(self) -> TrioSocket:
+        raise NotImplementedError
+
+    def _output_socket(self) -> TrioSocket:
+        raise NotImplementedError
+
+    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+        raise NotImplementedError
+
+    def _encode_abort(self, rid: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def _handle_frames(self, frames: list[Any]) -> None:
+        raise NotImplementedError

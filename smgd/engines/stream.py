@@ -1,0 +1,119 @@
+"""Per-request output stream: the coalescing slot between an engine's reader task and a consumer.
+
+The reader task calls :meth:`RequestStream.push` / :meth:`fail` synchronously and never waits:
+deltas accumulate in one pending :class:`TokenDelta` (bounded by max_tokens), and the consumer
+takes *all* pending output in one :meth:`receive`. A consumer that keeps up gets one delta per
+engine step; one that lags gets fewer, fuller deltas, with nothing dropped. At most one wakeup
+per request per engine step.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import trio
+
+from smgd.errors import EngineError
+from smgd.wire.common import TokenDelta
+
+
+class StreamState(enum.Enum):
+    OPEN = "open"
+    FINISHED = "finished"  # a finish arrived; pending output may still be unread
+    FAILED = "failed"
+    CLOSED = "closed"  # the consumer closed it (abort sent by the owner)
+
+
+class RequestStream:
+    """Output of one engine request, as the consumer sees it."""
+
+    __slots__ = ("_error", "_pending", "_waiter", "engine", "rid", "state")
+
+    def __init__(self, rid: str, engine: str) -> None:
+        self.rid = rid
+        self.engine = engine
+        self.state = StreamState.OPEN
+        self._pending: TokenDelta | None = None
+        self._error: BaseException | None = None
+        self._waiter: trio.Event | None = None
+
+    # ---- producer side (reader task; synchronous, never blocks)
+    def push(self, delta: TokenDelta) -> None:
+        if self.state is not StreamState.OPEN:
+            return
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.merge(delta)
+        if delta.finish is not None:
+            self.state = StreamState.FINISHED
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self.state is not StreamState.OPEN:
+            return
+        self._error = error
+        self.state = StreamState.FAILED
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    # ---- consumer side
+    @property
+    def finished(self) -> bool:
+        return self.state is not StreamState.OPEN and self._pending is None
+
+    def receive_nowait(self) -> TokenDelta | None:
+        """All pending output, or None if there is none yet. Raises the failure if failed."""
+        if self._pending is not None:
+            delta, self._pending = self._pending, None
+            return delta
+        if self.state is StreamState.FAILED:
+            assert self._error is not None
+            raise self._error
+        if self.state is not StreamState.OPEN:
+            raise trio.EndOfChannel
+        return None
+
+    async def receive(self) -> TokenDelta:
+        """Wait for output and return everything pending, merged into one delta.
+
+        Raises ``trio.EndOfChannel`` after the final delta was returned, or the engine's
+        :class:`~smgd.errors.EngineError` if the engine failed.
+        """
+        while True:
+            delta = self.receive_nowait()
+            if delta is not None:
+                await trio.lowlevel.checkpoint()
+                return delta
+            if self._waiter is not None:
+                raise trio.BusyResourceError("another task is already receiving on this stream")
+            self._waiter = event = trio.Event()
+            try:
+                await event.wait()
+            finally:
+                if self._waiter is event:
+                    self._waiter = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+def fail_all(streams: dict[str, RequestStream], error: EngineError) -> int:
+    """Fail every stream with one shared error; return how many were failed."""
+    count = 0
+    for stream in list(streams.values()):
+        if stream.state is StreamState.OPEN:
+            stream.fail(error)
+            count += 1
+    streams.clear()
+    return count

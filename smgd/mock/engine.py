@@ -1,0 +1,160 @@
+"""The mock engine's trio shell: sockets, the step loop, fault injection.
+
+The wire-specific part is a :class:`MockWire` (one per engine wire); the scheduling is the
+sans-IO :class:`~smgd.mock.scheduler.MockScheduler`. One task owns the input socket and feeds
+the scheduler; the step loop owns the output socket and sends one batched frame per step,
+exactly like a real scheduler. Runs in-process (tests) or as ``smgd mock-engine`` (a child).
+
+Faults, on command (:meth:`MockEngine.inject` or the ``--control`` socket):
+``die`` (exit at once, exit code 1), ``hang`` (stop stepping and reading), ``garble`` (send one
+undecodable frame per step), ``silent`` (keep reading, never send), ``ok`` (clear faults).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import trio
+import zmq
+
+from smgd.mock.scheduler import MockScheduler, StepOutput
+from smgd.zmq_trio import TrioSocket
+
+log = logging.getLogger("smgd.mock")
+
+Fault = Literal["die", "hang", "garble", "silent", "ok"]
+FAULTS: tuple[Fault, ...] = ("die", "hang", "garble", "silent", "ok")
+GARBAGE = b"\xc1 not msgpack \xff"
+
+
+class MockWire(Protocol):
+    """What a wire adds to the generic mock."""
+
+    async def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, TrioSocket]:
+        """Connect (and handshake); return (input socket, output socket)."""
+        ...
+
+    def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
+        """Apply one request message; return messages to send back at once (if any)."""
+        ...
+
+    def encode_step(
+        self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
+    ) -> list[list[bytes]]:
+        """Messages for one step's outputs (usually one batch message)."""
+        ...
+
+    def garbage(self) -> list[bytes]: ...
+
+
+class EngineExit(Exception):
+    """The mock was asked to exit (shutdown request or a `die` fault)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class MockEngine:
+    def __init__(
+        self,
+        wire: MockWire,
+        sched: MockScheduler,
+        *,
+        step_s: float,
+        control: str | None = None,
+        exit_process_on_die: bool = False,
+    ) -> None:
+        self.wire = wire
+        self.sched = sched
+        self.step_s = step_s
+        self.control = control
+        self.exit_process_on_die = exit_process_on_die
+        self.fault: Fault = "ok"
+        self._work = trio.Event()
+        self.frames_sent = 0
+
+    def inject(self, fault: Fault) -> None:
+        log.warning("mock: fault %s", fault)
+        if fault == "die":
+            if self.exit_process_on_die:
+                os._exit(1)
+            raise EngineExit(1)
+        self.fault = fault
+        self._work.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            in_sock, out_sock = await self.wire.open(ctx)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._reader, in_sock, out_sock)
+                    if self.control:
+                        nursery.start_soon(self._control_task, ctx, self.control)
+                    task_status.started(self)
+                    await self._step_loop(out_sock)
+            finally:
+                in_sock.close()
+                out_sock.close()
+        finally:
+            ctx.term()
+
+    async def _reader(self, in_sock: TrioSocket, out_sock: TrioSocket) -> None:
+        while True:
+            if self.fault == "hang":
+                await trio.sleep_forever()
+            batch = await in_sock.recv_multipart_batch(256)
+            for frames in batch:
+                replies = self.wire.on_request([bytes(f) for f in frames], self.sched)
+                if self.fault != "silent":
+                    for reply in replies:
+                        await out_sock.send_multipart(reply)
+            self._work.set()
+
+    async def _step_loop(self, out_sock: TrioSocket) -> None:
+        next_step = trio.current_time()
+        while True:
+            if self.sched.idle and self.fault != "garble":
+                self._work = trio.Event()
+                await self._work.wait()
+                next_step = trio.current_time()
+            if self.fault == "hang":
+                await trio.sleep_forever()
+            outputs = self.sched.step()
+            messages = self.wire.encode_step(outputs, self.sched.take_aborted_queued(), self.sched)
+            if self.fault == "garble":
+                messages.insert(0, self.wire.garbage())
+            if self.fault != "silent":
+                for message in messages:
+                    await out_sock.send_multipart(message)
+                    self.frames_sent += 1
+            next_step += self.step_s
+            now = trio.current_time()
+            if next_step > now:
+                await trio.sleep_until(next_step)
+            else:
+                # Fell behind (steps cost more than step_s): do not try to catch up in a burst.
+                next_step = now
+                await trio.lowlevel.checkpoint()
+
+    async def _control_task(self, ctx: zmq.Context[zmq.Socket[bytes]], addr: str) -> None:
+        sock = TrioSocket(ctx.socket(zmq.PULL))
+        sock.socket.bind(addr)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    command = json.loads(bytes(frames[0]))
+                    fault = command["fault"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("mock: bad control message")
+                    continue
+                if fault in FAULTS:
+                    self.inject(fault)
+        finally:
+            sock.close()

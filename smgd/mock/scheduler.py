@@ -1,0 +1,152 @@
+"""A sans-IO mock engine scheduler: continuous batching with one token per running request per step.
+
+It plays what matters of a real scheduler for smgd: a waiting queue and a running batch capped
+at ``max_batch``; one new token per running request per :meth:`MockScheduler.step`; max tokens,
+EOS and stop token ids; aborts of running requests (finish ``abort`` in the next step) and of
+queued ones (``aborted_queued``, which SGLang answers with an ``AbortReq`` echo).
+
+Output tokens echo the prompt cyclically (skipping ``skip_ids``, e.g. special tokens), so a
+test can compute every stream's exact expected output and the demo streams readable text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class MockFinish(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # EOS or stop token id
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class MockRequest:
+    rid: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    stream: bool = True
+    # Filled by the scheduler:
+    source: list[int] = field(default_factory=list)
+    generated: int = 0
+    unsent: list[int] = field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class StepOutput:
+    rid: str
+    new_ids: list[int]
+    finish: MockFinish | None
+    matched: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class MockScheduler:
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        eos_ids: Iterable[int] = (),
+        skip_ids: Iterable[int] = (),
+        # Non-stream requests still report every 50 tokens, as SGLang does
+        # (SGLANG_FORCE_STREAM_INTERVAL), so partial frames get exercised.
+        nonstream_interval: int = 50,
+    ) -> None:
+        self.max_batch = max_batch
+        self.eos_ids = frozenset(eos_ids)
+        self.skip_ids = frozenset(skip_ids) | self.eos_ids
+        self.nonstream_interval = nonstream_interval
+        self.waiting: deque[MockRequest] = deque()
+        self.running: dict[str, MockRequest] = {}
+        self.aborted_queued: list[str] = []
+        self.steps = 0
+        self.tokens = 0
+        self._seen_prefixes: set[tuple[int, ...]] = set()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running and not self.aborted_queued
+
+    def add(self, req: MockRequest) -> None:
+        source = [t for t in req.prompt_ids if t not in self.skip_ids]
+        req.source = source or [t for t in req.prompt_ids if t not in self.eos_ids] or [4]
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        """Abort by exact rid; an empty rid aborts everything (SGLang's prefix rule)."""
+        for req in list(self.waiting):
+            if req.rid.startswith(rid):
+                self.waiting.remove(req)
+                self.aborted_queued.append(req.rid)
+        for req in self.running.values():
+            if req.rid.startswith(rid):
+                req.aborted = True
+
+    def _cached(self, prompt: list[int]) -> int:
+        # A crude prefix cache: the longest previously seen 16-token-aligned prefix.
+        best = 0
+        for end in range(16, len(prompt) + 1, 16):
+            key = tuple(prompt[:end])
+            if key in self._seen_prefixes:
+                best = end
+            else:
+                self._seen_prefixes.add(key)
+        return best
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests, produce one token per running request."""
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting.popleft()
+            self.running[req.rid] = req
+        outputs: list[StepOutput] = []
+        finished: list[str] = []
+        for req in self.running.values():
+            finish: MockFinish | None = None
+            matched: int | None = None
+            if req.aborted:
+                finish = MockFinish.ABORT
+            else:
+                token = req.source[req.generated % len(req.source)]
+                req.generated += 1
+                req.unsent.append(token)
+                self.tokens += 1
+                if token in req.stop_token_ids or (token in self.eos_ids and not req.ignore_eos):
+                    finish, matched = MockFinish.STOP, token
+                elif req.generated >= req.max_tokens:
+                    finish = MockFinish.LENGTH
+            if (
+                req.stream
+                or finish is not None
+                or len(req.unsent) >= self.nonstream_interval
+            ):
+                cached = self._cached(req.prompt_ids) if req.generated <= 1 else 0
+                outputs.append(
+                    StepOutput(
+                        rid=req.rid,
+                        new_ids=req.unsent,
+                        finish=finish,
+                        matched=matched,
+                        prompt_tokens=len(req.prompt_ids),
+                        completion_tokens=req.generated,
+                        cached_tokens=cached,
+                    )
+                )
+                req.unsent = []
+            if finish is not None:
+                finished.append(req.rid)
+        for rid in finished:
+            del self.running[rid]
+        self.steps += 1
+        return outputs
+
+    def take_aborted_queued(self) -> list[str]:
+        rids, self.aborted_queued = self.aborted_queued, []
+        return rids
