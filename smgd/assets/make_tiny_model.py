@@ -104,7 +104,7 @@ def build_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(  # type: ignore[call-arg]
+    trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         min_frequency=1,
         special_tokens=SPECIAL_TOKENS,

@@ -1,0 +1,128 @@
+"""Incremental detokenization: token-id deltas in, new text out, O(new tokens) per step.
+
+The fast path is ``tokenizers.decoders.DecodeStream`` (Rust): it keeps a small window of ids
+and returns ``None`` while the newest bytes do not yet form a complete UTF-8 character, so a
+character split across tokens is held back instead of streamed as ``"�"``.
+
+The fallback is the classic prefix/read-offset scheme (vLLM's slow path, HF ``TextStreamer``):
+decode the short window ``ids[prefix:]`` and emit what extends ``ids[prefix:read]``'s text.
+It is used when DecodeStream raises (``"Invalid prefix encountered"`` for decoders whose output
+is not prefix-stable, e.g. some Metaspace/cleanup setups) or is disabled.
+
+``flush()`` at the end returns whatever is still held (an incomplete character at the very
+end decodes to ``"�"``, exactly as a one-shot ``decode`` of the whole output would).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
+
+from smgd.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tokenizers import Tokenizer as HfTokenizer
+
+__all__ = ["IncrementalDetokenizer"]
+
+_REPLACEMENT = "\ufffd"
+# Ids of already-emitted context decoded together with new ids by the fallback and by
+# flush(): enough for a decoder to see the previous word boundary (vLLM uses 5).
+_CONTEXT_IDS = 6
+# Prompt priming (for decoders that strip a leading space on the first token): try prompt
+# suffixes of this many ids, shortest first, and use the first that decodes without "�"
+# (the range vLLM's FastIncrementalDetokenizer searches).
+_PRIME_MIN, _PRIME_MAX = 4, 24
+
+
+class IncrementalDetokenizer:
+    """Per-request detokenizer. ``push(ids)`` returns the text those ids completed."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | HfTokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] | None = None,
+        use_decode_stream: bool = True,
+    ) -> None:
+        self._hf = tokenizer.hf if isinstance(tokenizer, Tokenizer) else tokenizer
+        self._skip = skip_special_tokens
+        prime = self._prime_ids(prompt_ids) if prompt_ids else []
+        self._ids: list[int] = list(prime)  # primed prompt suffix + every output id
+        self._base = len(prime)
+        self._emitted = len(prime)  # ids[:_emitted] have had all their text returned
+        self._stream: DecodeStream | None = None
+        if use_decode_stream:
+            self._stream = DecodeStream(ids=prime or None, skip_special_tokens=skip_special_tokens)
+        # Fallback offsets (valid whenever _stream is None).
+        self._prefix = max(self._base, self._emitted - _CONTEXT_IDS)
+        self._read = self._emitted
+
+    @property
+    def num_tokens(self) -> int:
+        """Output ids pushed so far."""
+        return len(self._ids) - self._base
+
+    @property
+    def using_fallback(self) -> bool:
+        return self._stream is None
+
+    def _prime_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        if len(prompt_ids) <= _PRIME_MIN:
+            return list(prompt_ids)
+        for n in range(_PRIME_MIN, min(len(prompt_ids), _PRIME_MAX) + 1):
+            suffix = list(prompt_ids[-n:])
+            if _REPLACEMENT not in self._decode(suffix):
+                return suffix
+        return []
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._hf.decode(ids, skip_special_tokens=self._skip))
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new output ids; return the newly completed text (possibly ``""``)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._hf, list(token_ids))
+            except Exception:  # DecodeStream's Rust errors are plain Exceptions
+                self._stream = None
+                self._prefix = max(self._base, self._emitted - _CONTEXT_IDS)
+                self._read = self._emitted
+                return self._fallback_step()
+            if text is None:
+                return ""
+            self._emitted = len(self._ids)
+            return str(text)
+        return self._fallback_step()
+
+    def _fallback_step(self) -> str:
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) <= len(prefix_text) or full.endswith(_REPLACEMENT):
+            return ""
+        self._prefix = self._read
+        self._read = self._emitted = len(self._ids)
+        return full[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Text of ids still held back (an unfinished character decodes to ``"�"``)."""
+        if self._emitted >= len(self._ids):
+            return ""
+        held = self._emitted
+        start = max(self._base, held - _CONTEXT_IDS)
+        head = self._decode(self._ids[start:held])
+        full = self._decode(self._ids[start:])
+        # Terminal: later pushes (there should be none) continue on the fallback path.
+        self._stream = None
+        self._prefix, self._read = start, len(self._ids)
+        self._emitted = len(self._ids)
+        if full.startswith(head):
+            return full[len(head) :]
+        return self._decode(self._ids[held:])

@@ -1,0 +1,93 @@
+"""Stop strings, matched on detokenized text as it streams.
+
+Engines only know stop *token ids*; stop *strings* are smgd's job. Text arrives in arbitrary
+pieces, so a stop can straddle two pieces: the matcher holds back the last
+``max(len(stop)) - 1`` characters (they could be the start of a stop) and releases them once
+more text shows they are not, or at ``flush()``.
+
+Semantics (the one-shot reference the property tests check): generation stops at the stop
+occurrence that *ends* first in the text; if several end at the same place, the longest (the
+one starting earliest) wins. Output is the text before it, plus the stop itself when
+``include_stop``. That is what a client sees from an engine that checks stops after every
+token: the first stop to complete ends the output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["StopMatcher", "cut_at_first_stop"]
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start index, stop) of the stop occurrence ending first in ``text`` (ties: longest)."""
+    best: tuple[int, int, str] | None = None  # (end, -len, stop)
+    for stop in stops:
+        start = text.find(stop)  # a fixed string's first occurrence is also its first end
+        if start < 0:
+            continue
+        key = (start + len(stop), -len(stop), stop)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    end, neg_len, stop = best
+    return end + neg_len, stop
+
+
+def cut_at_first_stop(
+    text: str, stops: Sequence[str], *, include_stop: bool = False
+) -> tuple[str, str | None]:
+    """One-shot version: ``text`` cut at its first stop, and the stop that matched."""
+    found = _first_stop(text, stops)
+    if found is None:
+        return text, None
+    start, stop = found
+    return text[: start + len(stop) if include_stop else start], stop
+
+
+class StopMatcher:
+    """Streaming stop-string matcher with hold-back. Finished once a stop matched."""
+
+    def __init__(self, stops: Sequence[str], *, include_stop: bool = False) -> None:
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        self.stops = tuple(dict.fromkeys(stops))  # dedupe, keep order
+        self.include_stop = include_stop
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.hit: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.hit is not None
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit now, the stop string if one matched now)."""
+        if self.hit is not None or not text:
+            return "", None
+        if not self.stops:
+            return text, None
+        # Stops entirely inside _pending were already searched for, so any match found here
+        # ends in the new text; _pending is short, so this is O(len(text)) per stop.
+        buf = self._pending + text
+        found = _first_stop(buf, self.stops)
+        if found is not None:
+            start, stop = found
+            self.hit = stop
+            self._pending = ""
+            return buf[: start + len(stop) if self.include_stop else start], stop
+        if len(buf) <= self._hold:
+            self._pending = buf
+            return "", None
+        cut = len(buf) - self._hold
+        self._pending = buf[cut:]
+        return buf[:cut], None
+
+    def flush(self) -> str:
+        """End of output: release the held-back tail (no stop can complete any more)."""
+        tail, self._pending = self._pending, ""
+        return "" if self.hit is not None else tail

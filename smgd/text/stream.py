@@ -1,0 +1,66 @@
+"""``TextStream``: one request's output text, from token-id deltas to client-ready text.
+
+Chains the incremental detokenizer and the stop-string matcher. The API handler makes one per
+choice, calls ``push`` for each engine delta and ``finish`` when the engine says it is done (or
+when ``push`` reported a stop hit, after which it aborts the engine request).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from smgd.text.detok import IncrementalDetokenizer
+from smgd.text.stops import StopMatcher
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from smgd.text.tokenizer import Tokenizer
+
+__all__ = ["TextStream"]
+
+
+class TextStream:
+    """Per-request text pipeline: ``push(ids) -> (text, stop_hit)``, then ``finish()``."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | HfTokenizer,
+        *,
+        stops: Sequence[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
+        )
+        self.stops = StopMatcher(stops, include_stop=include_stop)
+        self._include_stop = include_stop
+
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self.stops.hit
+
+    def push(self, token_ids: Sequence[int], *, stop_token: bool = False) -> tuple[str, str | None]:
+        """Feed new ids; return (text to send, stop string if one matched in it).
+
+        ``stop_token``: the last id is the EOS / stop token id that ended the request
+        (``Finish.matched_token``); like vLLM, its text is not part of the output unless
+        stop strings are included (``include_stop``).
+        """
+        if self.stops.done:
+            return "", None
+        if stop_token and token_ids and not self._include_stop:
+            token_ids = token_ids[:-1]
+        return self.stops.feed(self.detok.push(token_ids))
+
+    def finish(self) -> str:
+        """Final text: held-back bytes and characters. Check ``stop_hit`` afterwards."""
+        if self.stops.done:
+            return ""
+        text, _ = self.stops.feed(self.detok.flush())
+        return text + self.stops.flush()

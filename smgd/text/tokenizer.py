@@ -1,0 +1,234 @@
+"""Load a model's tokenizer from a Hugging Face style model dir, without ``transformers``.
+
+Reads ``tokenizer.json`` (through the Rust ``tokenizers`` library), ``tokenizer_config.json``
+(BOS/EOS strings, ``add_bos_token``, chat template), ``generation_config.json`` (the EOS ids
+the model really stops on) and ``config.json`` (context length). Pure and synchronous.
+
+BOS handling: ``encode(text, add_special_tokens=True)`` runs the tokenizer's own post-processor
+(which adds BOS for Llama-style tokenizer.json files) and then adds BOS/EOS as
+``add_bos_token``/``add_eos_token`` ask, never twice: a chat template that already renders
+``{{ bos_token }}`` does not end up with two BOS tokens.
+
+Threads: ``encode`` holds the GIL for the whole call; ``encode_many`` goes through
+``encode_batch``, which releases it, so big prompts should be tokenized with
+``trio.to_thread.run_sync(tok.encode_many, [text])``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import Tokenizer as HfTokenizer
+
+from smgd.errors import ConfigError, InvalidRequest
+from smgd.text.chat import ChatTemplate, load_chat_template
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+# config.json keys that carry the context length, most common first (Llama/Qwen, GPT-2,
+# MPT/others). Multimodal configs nest them under `text_config`.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def _read_json(path: Path, *, required: bool, config_path: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{path} not found", path=config_path) from None
+        return {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}", path=config_path) from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}", path=config_path) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must contain a JSON object", path=config_path)
+    return data
+
+
+def _token_str(value: object) -> str | None:
+    """A special token in tokenizer_config: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _int_ids(value: object) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+    return ()
+
+
+def _context_len(config: Mapping[str, Any]) -> int | None:
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict):
+            for key in _CONTEXT_KEYS:
+                value = section.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+class Tokenizer:
+    """A loaded tokenizer: encode/decode, special ids, EOS ids, context length, chat template."""
+
+    def __init__(
+        self,
+        hf: HfTokenizer,
+        *,
+        tokenizer_config: Mapping[str, Any],
+        generation_config: Mapping[str, Any],
+        model_config: Mapping[str, Any],
+        chat: ChatTemplate | None,
+    ) -> None:
+        self.hf = hf  # the raw `tokenizers.Tokenizer` (the detokenizer steps it directly)
+        self.chat = chat
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special
+        )
+        self.special_tokens: dict[str, str] = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = _token_str(tokenizer_config.get(name))
+            if text is not None:
+                self.special_tokens[name] = text
+        self.bos_token_id = self._special_id("bos_token", generation_config, model_config)
+        eos_id = self._special_id("eos_token", {}, {})
+        self.eos_token_ids: tuple[int, ...] = (
+            _int_ids(generation_config.get("eos_token_id"))
+            or ((eos_id,) if eos_id is not None else ())
+            or _int_ids(model_config.get("eos_token_id"))
+        )
+        self.add_bos = bool(tokenizer_config.get("add_bos_token", False))
+        self.add_eos = bool(tokenizer_config.get("add_eos_token", False))
+        self.max_model_len: int | None = _context_len(model_config)
+
+    def _special_id(
+        self, name: str, generation_config: Mapping[str, Any], model_config: Mapping[str, Any]
+    ) -> int | None:
+        text = self.special_tokens.get(name)
+        if text is not None:
+            token_id = self.hf.token_to_id(text)
+            if token_id is not None:
+                return int(token_id)
+        for source in (generation_config, model_config):
+            ids = _int_ids(source.get(f"{name}_id"))
+            if ids:
+                return ids[0]
+        return None
+
+    def _fix_specials(self, ids: list[int]) -> list[int]:
+        bos = self.bos_token_id
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        if self.add_eos and self.eos_token_ids and (not ids or ids[-1] not in self.eos_token_ids):
+            ids.append(self.eos_token_ids[0])
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._fix_specials(ids) if add_special_tokens else ids
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Encode several texts in one ``encode_batch`` call (releases the GIL)."""
+        encodings = self.hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        if not add_special_tokens:
+            return [e.ids for e in encodings]
+        return [self._fix_specials(e.ids) for e in encodings]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token = self.hf.id_to_token(token_id)
+        return None if token is None else str(token)
+
+    def token_to_id(self, token: str) -> int | None:
+        token_id = self.hf.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """Render a chat prompt; 400 if the model has no chat template.
+
+        Encode the result with ``add_special_tokens=False`` when the template renders BOS
+        itself (most do); ``encode`` also never doubles a BOS that is already there.
+        """
+        if self.chat is None:
+            raise InvalidRequest(
+                "this model has no chat template; use /v1/completions or configure "
+                "chat_template for the engine",
+                param="messages",
+            )
+        return self.chat.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+        )
+
+
+def load_tokenizer(
+    model_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    chat_template: str | Path | None = None,
+    *,
+    config_path: str = "$",
+) -> Tokenizer:
+    """Load the tokenizer of ``model_dir`` (tokenizer files from ``tokenizer_dir`` if given).
+
+    ``chat_template`` is an override template file. ``config_path`` is the smgd.toml key the
+    dirs came from (``$.engines[0].model_dir``), used in ``ConfigError`` messages.
+    """
+    model = Path(model_dir)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else model
+    tokenizer_file = tok_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ConfigError(
+            f"no tokenizer.json in {tok_dir}",
+            path=config_path,
+            hint="smgd needs a fast tokenizer (tokenizer.json); set tokenizer_dir if elsewhere",
+        )
+    try:
+        hf = HfTokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # the Rust side raises plain Exception for every parse error
+        raise ConfigError(f"cannot load {tokenizer_file}: {exc}", path=config_path) from exc
+    tokenizer_config = _read_json(
+        tok_dir / "tokenizer_config.json", required=False, config_path=config_path
+    )
+    generation_config = _read_json(
+        model / "generation_config.json", required=False, config_path=config_path
+    )
+    model_config = _read_json(model / "config.json", required=False, config_path=config_path)
+    special = {
+        name: text
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if (text := _token_str(tokenizer_config.get(name))) is not None
+    }
+    try:
+        chat = load_chat_template(
+            tok_dir, tokenizer_config, override=chat_template, special_tokens=special
+        )
+    except ConfigError as exc:
+        raise ConfigError(exc.message, path=config_path, hint=exc.hint) from exc
+    return Tokenizer(
+        hf,
+        tokenizer_config=tokenizer_config,
+        generation_config=generation_config,
+        model_config=model_config,
+        chat=chat,
+    )
