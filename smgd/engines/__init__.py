@@ -1,0 +1,59 @@
+"""Engine clients, one per wire family, built from an ``[[engines]]`` entry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from smgd.config import EngineConfig, WireFamily, engine_ipc_dir
+from smgd.errors import ConfigError
+from smgd.launch import launcher_script, mock_argv
+
+if TYPE_CHECKING:
+    from smgd.engines.base import EngineClient
+    from smgd.gateway import Gateway
+
+
+def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
+    config = gateway.config
+    ipc_dir = engine_ipc_dir(config, engine)
+    fallback = gateway.fallback_info(engine)
+    wire = engine.mock.wire if engine.wire is WireFamily.MOCK else engine.wire.value
+    input_path = str(ipc_dir / "in.sock")
+    output_path = str(ipc_dir / "out.sock")
+    argv: list[str] | None = None
+    env: dict[str, str] | None = None
+    launch = engine.launch
+    if engine.wire is WireFamily.MOCK or (launch is not None and launch.kind == "mock"):
+        text = gateway.text(engine.models[0])
+        extra = [
+            "--step-ms", str(engine.mock.step_ms),
+            "--max-batch", str(engine.mock.max_batch),
+            "--context-len", str(fallback.max_model_len),
+            "--eos-token-ids", ",".join(map(str, text.tokenizer.eos_token_ids)),
+            "--skip-ids", ",".join(map(str, sorted(text.tokenizer.special_ids))),
+            *(launch.args if launch else []),
+        ]
+        argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
+    elif launch is not None:
+        env = dict(launch.env)
+        if launch.kind == "command":
+            argv = list(launch.command)
+        elif launch.kind == "sglang":
+            python = launch.python or "python3"
+            model_dir = str(gateway.text(engine.models[0]).model_dir)
+            argv = [
+                python, launcher_script("sglang_scheduler.py"),
+                "--smgd-input", f"ipc://{input_path}", "--smgd-output", f"ipc://{output_path}",
+                "--model-path", model_dir, *launch.args,
+            ]
+    if wire == "sglang":
+        from smgd.engines.sglang import SglangEngineClient
+
+        return SglangEngineClient(
+            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
+            launch_argv=argv, launch_env=env,
+        )
+    raise ConfigError(
+        f"wire {wire!r} is not supported yet",
+        path=f"$.engines[{config.engines.index(engine)}].wire",
+    )

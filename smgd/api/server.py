@@ -1,0 +1,42 @@
+"""The HTTP server: hypercorn's trio worker serving the quart-trio app, started with nursery.start."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from smgd.gateway import Gateway
+
+log = logging.getLogger("smgd.http")
+
+
+def hypercorn_config(gateway: Gateway) -> HypercornConfig:
+    server = gateway.config.server
+    cfg = HypercornConfig()
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    cfg.bind = [f"{host}:{server.port}"]
+    # hypercorn's default 3 s graceful timeout would cut LLM streams; drain owns the deadline.
+    cfg.graceful_timeout = server.drain_timeout_s
+    cfg.accesslog = logging.getLogger("hypercorn.access") if gateway.config.logging.access_log else None
+    cfg.errorlog = logging.getLogger("hypercorn.error")
+    # Streams idle between tokens for long prefills; keep-alive of idle connections is separate.
+    cfg.keep_alive_timeout = 75
+    cfg.h11_max_incomplete_size = 64 * 1024  # request line + headers; bodies are limited by the app
+    return cfg
+
+
+async def serve_http(
+    gateway: Gateway, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    from smgd.api.app import create_app
+
+    app = create_app(gateway)
+    await serve(
+        app,  # type: ignore[arg-type]
+        hypercorn_config(gateway),
+        shutdown_trigger=gateway.drain_event.wait,
+        task_status=task_status,
+    )

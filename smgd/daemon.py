@@ -1,0 +1,184 @@
+"""The root task tree (DESIGN.md §2): engines, readiness barrier, HTTP server, signals.
+
+::
+
+    run_daemon                       root nursery
+    ├── supervise_engine × N         one EngineClient at a time per engine; relaunch with backoff
+    ├── readiness_barrier            logs (and sd_notifies) once every required engine is ready
+    ├── HTTP server                  hypercorn's trio worker serving the quart-trio app
+    └── signal task                  SIGTERM/SIGINT → drain; a second one → stop now
+
+Drain: readiness turns 503 and new requests get 503; in-flight streams run on for up to
+``server.drain_timeout_s``; then everything is cancelled (streams end with an error event,
+launched engines are stopped) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from smgd.config import Config, EngineConfig
+from smgd.engines import build_engine_client
+from smgd.errors import EngineDead, SmgdError, TransportError
+from smgd.gateway import Gateway
+from smgd.logs import setup_logging
+
+log = logging.getLogger("smgd")
+
+# Relaunch backoff for a dead engine: first retry after 1 s, doubling up to 60 s, so a crash
+# loop costs little while a transient failure recovers fast. An engine that stayed up for
+# BACKOFF_RESET_S is considered healthy again and starts over at the initial delay.
+BACKOFF_INITIAL_S = 1.0
+BACKOFF_MAX_S = 60.0
+BACKOFF_RESET_S = 60.0
+
+
+async def supervise_engine(
+    gateway: Gateway,
+    engine_config: EngineConfig,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run one engine's client; on death, fail its streams (done by the client) and restart."""
+    backoff = BACKOFF_INITIAL_S
+    first = True
+    while True:
+        client = build_engine_client(engine_config, gateway)
+        gateway.router.put(client)
+        started_at = trio.current_time()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(client.run)
+                if first:
+                    task_status.started()
+                    first = False
+            return
+        except* EngineDead as group:
+            reason = group.exceptions[0]
+            log.warning("engine %s: %s; restarting in %.1f s", engine_config.name, reason, backoff)
+        if first:
+            # Died before it was even bound: a startup failure, not something to retry silently.
+            raise TransportError(f"engine {engine_config.name} failed to start: {client.last_error}")
+        if trio.current_time() - started_at > BACKOFF_RESET_S:
+            backoff = BACKOFF_INITIAL_S
+        await trio.sleep(backoff)
+        backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+async def readiness_barrier(gateway: Gateway) -> None:
+    required = [e.name for e in gateway.config.engines if e.required]
+    while True:
+        engines = {e.name: e for e in gateway.router.engines()}
+        if all(name in engines and engines[name].ready for name in required):
+            break
+        await trio.sleep(0.05)
+    log.info("ready: %d engine(s) serving", len(required))
+    from smgd.sdnotify import notify
+
+    notify("READY=1")
+
+
+async def _signal_task(
+    gateway: Gateway, cancel_all: Callable[[], None], *, task_status: trio.TaskStatus[None]
+) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            if gateway.draining:
+                log.warning("second signal (%s): stopping now", signal.Signals(signum).name)
+                cancel_all()
+                return
+            log.info("%s: draining", signal.Signals(signum).name)
+            gateway.draining = True
+            gateway.drain_event.set()
+
+
+async def _drain_then_cancel(gateway: Gateway, cancel_all: Callable[[], None]) -> None:
+    await gateway.drain_event.wait()
+    from smgd.sdnotify import notify
+
+    notify("STOPPING=1")
+    with trio.move_on_after(gateway.config.server.drain_timeout_s):
+        while any(e.in_flight for e in gateway.router.engines()):
+            await trio.sleep(0.05)
+    left = sum(e.in_flight for e in gateway.router.engines())
+    if left:
+        log.warning("drain timeout: aborting %d request(s)", left)
+    cancel_all()
+
+
+async def run_daemon(
+    config: Config,
+    *,
+    install_signals: bool = True,
+    task_status: trio.TaskStatus[tuple[Gateway, list[str]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    from smgd.api.server import serve_http
+
+    gateway = Gateway.from_config(config)
+    gateway.started_at = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        if install_signals:
+            await nursery.start(_signal_task, gateway, nursery.cancel_scope.cancel)
+        for engine_config in config.engines:
+            await nursery.start(supervise_engine, gateway, engine_config)
+        binds: list[str] = await nursery.start(serve_http, gateway)
+        nursery.start_soon(readiness_barrier, gateway)
+        nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
+        task_status.started((gateway, binds))
+
+
+def _first_smgd_error(exc: BaseException) -> SmgdError | None:
+    if isinstance(exc, SmgdError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_smgd_error(inner)
+            if found is not None:
+                return found
+    if isinstance(exc, OSError):
+        return TransportError(str(exc))
+    return None
+
+
+def serve_main(config: Config) -> int:
+    setup_logging(config.logging)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            gateway, binds = await nursery.start(run_daemon, config)
+            for bind in binds:
+                url = bind.replace("http://", "http://", 1)
+                print(f"smgd listening on {url}", file=sys.stderr)
+            model = config.engines[0].models[0] if config.engines else "MODEL"
+            base = binds[0] if binds else f"http://{config.server.host}:{config.server.port}"
+            print(
+                "try: curl -N " + base + "/v1/completions -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello, smgd!\", "
+                "\"max_tokens\": 32, \"stream\": true}'",
+                file=sys.stderr,
+            )
+            _ = gateway
+
+    try:
+        trio.run(main)
+    except BaseException as exc:  # top level: turn it into a message and an exit code
+        error = _first_smgd_error(exc)
+        if error is None:
+            if isinstance(exc, KeyboardInterrupt):
+                return 0
+            raise
+        print(f"smgd: {_describe(error)}", file=sys.stderr)
+        return 2 if error.__class__.__name__ == "ConfigError" else 1
+    return 0
+
+
+def _describe(error: SmgdError) -> str:
+    one_line: Any = getattr(error, "one_line", None)
+    return str(one_line()) if callable(one_line) else error.message

@@ -1,0 +1,202 @@
+"""SGLang scheduler client (msgpack mode, ``--skip-tokenizer-init``): smgd plays TokenizerManager.
+
+Topology: smgd **binds** PUSH (requests, the scheduler's input) and PULL (outputs; the
+scheduler connects two PUSH sockets to it). Readiness barrier: the scheduler has attached to our
+PUSH (socket monitor ``accepted``) **and** answered a health-check generate. Before that, no
+request is sent: a PUSH with no peer would queue or block it.
+
+Death: the launched process exits (any code: a scheduler that exits is gone), our PUSH's peer
+disconnects, a send misses its deadline, a decode-error streak, or silence with requests in
+flight (all handled by :class:`~smgd.engines.base.EngineClient`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import trio
+import zmq
+
+from smgd import ipc, launch
+from smgd.config import EngineConfig
+from smgd.engines.base import EngineClient
+from smgd.errors import EngineDead
+from smgd.wire import sglang as codec
+from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+from smgd.zmq_trio import TrioSocket, open_monitor
+
+log = logging.getLogger("smgd.engine.sglang")
+
+# SGLang's own sockets use unlimited HWMs (config_socket): a bounded HWM on our PUSH would make
+# sends fail under a burst that the scheduler would have absorbed.
+UNLIMITED_HWM = 0
+# How long a health-check generate may take to be answered during the readiness barrier.
+# A tiny model answers in well under a second; a cold big model's first step can take seconds.
+HEALTH_TIMEOUT_S = 60.0
+
+
+class SglangEngineClient(EngineClient):
+    wire = "sglang"
+    abort_gets_reply = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        fallback_info: EngineInfo | None,
+        input_path: str,
+        output_path: str,
+        launch_argv: list[str] | None = None,
+        launch_env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(config, fallback_info=fallback_info)
+        self.input_path = input_path
+        self.output_path = output_path
+        self.launch_argv = launch_argv
+        self.launch_env = launch_env
+        self.child: launch.Child | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._push: TrioSocket | None = None
+        self._pull: TrioSocket | None = None
+        self._attached = trio.Event()
+        self._health_rid: str | None = None
+        self._health_done = trio.Event()
+
+    @property
+    def input_endpoint(self) -> str:
+        return self.config.addresses.input or f"ipc://{self.input_path}"
+
+    @property
+    def output_endpoint(self) -> str:
+        return self.config.addresses.output or f"ipc://{self.output_path}"
+
+    # ------------------------------------------------------------------ hooks
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx = ctx
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, UNLIMITED_HWM)
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, UNLIMITED_HWM)
+        self._push, self._pull = TrioSocket(push), TrioSocket(pull)
+        for endpoint, sock in ((self.input_endpoint, push), (self.output_endpoint, pull)):
+            if endpoint.startswith("ipc://"):
+                ipc.prepare_ipc_endpoint(endpoint[len("ipc://") :])
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                from smgd.errors import TransportError
+
+                raise TransportError(f"engine {self.name}: cannot bind {endpoint}: {exc.strerror}") from None
+        await nursery.start(self._watch_peer)
+        if self.launch_argv is not None:
+            self.child = await launch.spawn(nursery, self.name, self.launch_argv, env=self.launch_env)
+            nursery.start_soon(self._watch_child, self.child)
+
+    async def _watch_peer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self._push is not None
+        async with open_monitor(self._push, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED) as events:
+            task_status.started()
+            async for event in events:
+                if event.kind == "accepted":
+                    self._attached.set()
+                elif event.kind == "disconnected" and self._attached.is_set():
+                    self.die("the scheduler disconnected from the request socket")
+                    return
+
+    async def _watch_child(self, child: launch.Child) -> None:
+        code = await child.wait()
+        self.die(f"engine process exited with code {code}")
+
+    async def _become_ready(self) -> EngineInfo:
+        with trio.move_on_after(self.config.timeouts.ready_s) as scope:
+            await self._attached.wait()
+            if self.child is not None:
+                # Launched engines (the mock too) print `SMGD_READY {json}` once loaded.
+                await self.child.ready_event.wait()
+        if scope.cancelled_caught:
+            self.die(f"the scheduler did not attach within {self.config.timeouts.ready_s:g} s")
+            raise EngineDead(self.last_error or "not ready")
+        await self.health_check(HEALTH_TIMEOUT_S)
+        return self._engine_info()
+
+    async def health_check(self, timeout: float) -> None:
+        """Send a 1-token health-check generate; any answer for it counts as healthy."""
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        self._health_rid = rid
+        self._health_done = trio.Event()
+        self._outbox_send.send_nowait([codec.encode_health_check(rid)])
+        with trio.move_on_after(timeout) as scope:
+            await self._health_done.wait()
+        self._health_rid = None
+        if scope.cancelled_caught:
+            self.die(f"no answer to a health check within {timeout:g} s")
+            raise EngineDead(self.last_error or "health check failed")
+
+    def _engine_info(self) -> EngineInfo:
+        fallback = self._fallback_info
+        reported: dict[str, Any] = (self.child.ready_info or {}) if self.child else {}
+        max_len = self.config.max_model_len or _positive(reported.get("context_len"))
+        if not max_len and fallback is not None:
+            max_len = fallback.max_model_len
+        if not max_len:
+            raise EngineDead(f"engine {self.name}: unknown context length (set max_model_len)")
+        return EngineInfo(
+            max_model_len=max_len,
+            vocab_size=fallback.vocab_size if fallback else None,
+            kv_cache_tokens=_positive(reported.get("max_total_num_tokens")),
+            max_num_seqs=_positive(reported.get("max_running_requests")),
+            version=reported.get("version"),
+        )
+
+    async def _close(self) -> None:
+        if self.child is not None:
+            await self.child.stop()
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def _input_socket(self) -> TrioSocket:
+        assert self._push is not None
+        return self._push
+
+    def _output_socket(self) -> TrioSocket:
+        assert self._pull is not None
+        return self._pull
+
+    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+        return [codec.encode_generate(req)]
+
+    def _encode_abort(self, rid: str) -> list[bytes]:
+        return [codec.encode_abort(rid)]
+
+    def _handle_frames(self, frames: list[Any]) -> None:
+        result = codec.decode_output(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+        if isinstance(result, list):
+            health = self._health_rid
+            for delta in result:
+                if health is not None and delta.rid == health:
+                    self._health_done.set()
+                    continue
+                self.deliver(delta)
+            return
+        self._handle_control(result)
+
+    def _handle_control(self, message: object) -> None:
+        if isinstance(message, TokenDelta):
+            self.deliver(message)
+            return
+        rid = getattr(message, "rid", None)
+        if self._health_rid is not None and rid == self._health_rid:
+            self._health_done.set()
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and value > 0 else None

@@ -1,0 +1,110 @@
+"""The state the HTTP layer sees: router, per-model text pipelines, drain flag, counters.
+
+One :class:`Gateway` per daemon. The API handlers get it from the app; the daemon fills it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from smgd.config import Config, EngineConfig, resolve_path
+from smgd.errors import ConfigError, ModelNotFound
+from smgd.router import Router
+from smgd.wire.common import EngineInfo
+
+if TYPE_CHECKING:
+    from smgd.text.tokenizer import Tokenizer
+
+
+@dataclass
+class ModelText:
+    """Everything smgd needs to turn text into ids and back for one model."""
+
+    tokenizer: Tokenizer
+    model_dir: Path
+    config_json: dict[str, Any]
+
+    @property
+    def vocab_size(self) -> int:
+        size = self.config_json.get("vocab_size")
+        return int(size) if isinstance(size, int) else self.tokenizer.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            value = self.config_json.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+@dataclass
+class Gateway:
+    config: Config
+    router: Router
+    texts: dict[str, ModelText] = field(default_factory=dict)  # by served model name
+    draining: bool = False
+    drain_event: trio.Event = field(default_factory=trio.Event)
+    started_at: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: Config) -> Gateway:
+        gateway = cls(config=config, router=Router(config.routing))
+        gateway.load_texts(config.engines)
+        return gateway
+
+    def load_texts(self, engines: list[EngineConfig]) -> None:
+        from smgd.text.tokenizer import load_tokenizer
+
+        cache: dict[tuple[str, str | None, str | None], ModelText] = {}
+        for i, engine in enumerate(engines):
+            model_dir = resolve_path(self.config, engine.model_dir)
+            tok_dir = resolve_path(self.config, engine.tokenizer_dir) if engine.tokenizer_dir else None
+            template = str(resolve_path(self.config, engine.chat_template)) if engine.chat_template else None
+            key = (str(model_dir), str(tok_dir) if tok_dir else None, template)
+            if key not in cache:
+                try:
+                    tokenizer = load_tokenizer(model_dir, tok_dir, chat_template=template)
+                except ConfigError as exc:
+                    exc.path = f"$.engines[{i}].model_dir"
+                    raise
+                cache[key] = ModelText(tokenizer, model_dir, _read_json(model_dir / "config.json"))
+            for model in engine.models:
+                self.texts[model] = cache[key]
+
+    def text(self, model: str) -> ModelText:
+        try:
+            return self.texts[model]
+        except KeyError:
+            raise ModelNotFound(
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            ) from None
+
+    def fallback_info(self, engine: EngineConfig) -> EngineInfo:
+        """Context length and vocab when the engine does not report them (never 0)."""
+        text = self.text(engine.models[0])
+        max_len = engine.max_model_len or text.max_model_len
+        if engine.wire.value == "mock":
+            max_len = engine.max_model_len or engine.mock.max_model_len
+        if not max_len:
+            raise ConfigError(
+                "no context length: the model's config.json has no max_position_embeddings",
+                path=f"$.engines[{self.config.engines.index(engine)}].max_model_len",
+                hint="set max_model_len for this engine",
+            )
+        return EngineInfo(max_model_len=max_len, vocab_size=text.vocab_size)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    return data if isinstance(data, dict) else {}

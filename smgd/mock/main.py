@@ -1,0 +1,90 @@
+"""``smgd mock-engine``: run a mock engine scheduler as its own process, on a given wire."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import trio
+
+from smgd.mock.engine import MockEngine, MockWire
+from smgd.mock.scheduler import MockScheduler
+
+
+def _ids(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def add_mock_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--wire", choices=["sglang", "vllm", "tokenspeed"], default="sglang")
+    parser.add_argument("--input", required=True, help="smgd's request endpoint (we connect)")
+    parser.add_argument("--output", required=True, help="smgd's output endpoint (we connect)")
+    parser.add_argument("--handshake", default=None, help="handshake endpoint (vllm/tokenspeed)")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="time per engine step")
+    parser.add_argument("--max-batch", type=int, default=256, help="running requests per step")
+    parser.add_argument("--context-len", type=int, default=4096)
+    parser.add_argument("--eos-token-ids", type=_ids, default=[])
+    parser.add_argument("--skip-ids", type=_ids, default=[], help="ids never echoed (specials)")
+    parser.add_argument("--control", default=None, help="PULL endpoint for fault commands")
+    parser.add_argument(
+        "--fault", choices=["hang", "garble", "silent", "die"], default=None,
+        help="inject this fault after --fault-after-steps steps",
+    )
+    parser.add_argument("--fault-after-steps", type=int, default=0)
+
+
+def build_wire(args: argparse.Namespace) -> MockWire:
+    if args.wire == "sglang":
+        from smgd.mock.sglang import SglangMockWire
+
+        return SglangMockWire(args.input, args.output)
+    raise SystemExit(f"mock-engine: wire {args.wire!r} is not available yet")
+
+
+def mock_engine_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sched = MockScheduler(
+        max_batch=args.max_batch, eos_ids=args.eos_token_ids, skip_ids=args.skip_ids
+    )
+    engine = MockEngine(
+        build_wire(args), sched, step_s=args.step_ms / 1000, control=args.control,
+        exit_process_on_die=True,
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            info = {"context_len": args.context_len, "max_running_requests": args.max_batch,
+                    "version": "smgd-mock"}
+            print("SMGD_READY " + json.dumps(info), flush=True)
+            if args.fault:
+                while sched.steps < args.fault_after_steps:
+                    await trio.sleep(args.step_ms / 1000)
+                engine.inject(args.fault)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as exc:
+        from smgd.mock.engine import EngineExit
+
+        code = _exit_code(exc, EngineExit)
+        if code is None:
+            raise
+        print(f"mock-engine: exiting with {code}", file=sys.stderr)
+        return code
+    return 0
+
+
+def _exit_code(exc: BaseException, kind: type[Exception]) -> int | None:
+    if isinstance(exc, kind):
+        return int(exc.args[0])
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            code = _exit_code(inner, kind)
+            if code is not None:
+                return code
+    return None
