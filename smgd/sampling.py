@@ -1,0 +1,397 @@
+"""Request sampling parameters → one normalized, validated form.
+
+Two inputs: OpenAI bodies (``/v1/chat/completions``, ``/v1/completions``, including the vLLM
+extensions clients commonly send: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``)
+and SGLang-native ``sampling_params`` (``/generate``). One output: the engine part,
+:class:`smgd.wire.common.SamplingParams`, and the smgd-side text part, :class:`TextOptions`
+(stop strings never reach an engine; smgd matches them on the detokenized text).
+
+Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Policy:
+
+- ``max_tokens`` (chat: ``max_completion_tokens`` first) defaults to the room left in the
+  context; asking for more than that is a 400 like OpenAI's (code
+  ``context_length_exceeded``). Native ``max_new_tokens`` defaults to SGLang's 128.
+- Features that need constrained decoding or a parser smgd does not have are rejected by
+  name rather than silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``,
+  ``response_format`` json_object / json_schema, ``tool_choice`` "required" or a named
+  function, guided_* / structured outputs, ``prompt_logprobs``, non-text modalities, and
+  SGLang's regex / json_schema / ebnf / structural_tag / stop_regex / custom_params.
+- ``tools`` are the chat template's business (``smgd.text.chat`` rejects them when the
+  template does not render them); tool calls come back as plain text, not parsed.
+- Keys nobody here knows are ignored, as vLLM does (OpenAI adds fields faster than servers
+  follow), and listed in ``TextOptions.ignored`` so the API layer can log them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from smgd.errors import InvalidRequest
+from smgd.wire.common import SamplingParams
+
+__all__ = ["MAX_N", "MAX_STOPS", "TextOptions", "from_native", "from_openai"]
+
+# `n` fans one HTTP request out into n engine requests while admission counts one; 16 keeps a
+# single caller from filling a decode batch (OpenAI allows 128, but its fleet is larger).
+MAX_N = 16
+# Every stop string is searched on every text delta; 32 bounds that per-token cost (OpenAI
+# allows 4; vLLM has no limit).
+MAX_STOPS = 32
+# vLLM's default max_logprobs: top-k logprobs cost a sort per token per request on the engine.
+MAX_LOGPROBS = 20
+# SGLang's own SamplingParams default, so native clients get what SGLang itself would give.
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Keys the API layer consumes (or that are pure bookkeeping); neither sampling nor "ignored".
+_OPENAI_API_KEYS = frozenset(
+    {
+        "model", "messages", "prompt", "stream", "stream_options", "tools", "parallel_tool_calls",
+        "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
+        "continue_final_message", "documents", "request_id", "user", "metadata", "store",
+        "service_tier", "priority",
+    }
+)  # fmt: skip
+_OPENAI_SAMPLING_KEYS = frozenset(
+    {
+        "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "min_tokens",
+        "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "n",
+        "echo", "skip_special_tokens", "include_stop_str_in_output", "best_of", "suffix",
+        "response_format", "tool_choice", "spaces_between_special_tokens",
+    }
+)  # fmt: skip
+# Present and not null → 400, whatever the value.
+_OPENAI_UNSUPPORTED = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs", "prompt_logprobs", "prediction", "audio", "functions", "function_call",
+)  # fmt: skip
+_NATIVE_KEYS = frozenset(
+    {
+        "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
+        "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+        "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+        "n", "sampling_seed", "seed", "logit_bias", "stream_interval",
+    }
+)  # fmt: skip
+_NATIVE_UNSUPPORTED = (
+    "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
+)  # fmt: skip
+
+
+class TextOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The smgd-side half of a request's options (text handling, fan-out)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    echo: bool = False
+    ignored: tuple[str, ...] = ()  # request keys that had no effect (for a log line)
+
+
+class _Reader:
+    """Typed, range-checked access to one request dict; errors name the param."""
+
+    def __init__(self, body: Mapping[str, Any], prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def fail(self, key: str, message: str) -> InvalidRequest:
+        return InvalidRequest(message, param=self.prefix + key)
+
+    def number(
+        self,
+        key: str,
+        default: float,
+        lo: float,
+        hi: float,
+        *,
+        lo_open: bool = False,
+    ) -> float:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"`{key}` must be a number")
+        if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+            bracket = "(" if lo_open else "["
+            raise self.fail(key, f"`{key}` must be in {bracket}{lo:g}, {hi:g}], got {value!r}")
+        return float(value)
+
+    def integer(self, key: str, default: int | None, lo: int, hi: int | None) -> int | None:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"`{key}` must be an integer")
+        if value < lo or (hi is not None and value > hi):
+            upper = "" if hi is None else f" and <= {hi}"
+            raise self.fail(key, f"`{key}` must be >= {lo}{upper}, got {value}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.body.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(key, f"`{key}` must be a boolean")
+        return value
+
+    def stops(self, key: str) -> tuple[str, ...]:
+        value = self.body.get(key)
+        if value is None:
+            return ()
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise self.fail(key, f"`{key}` must be a string or an array of strings")
+        if len(items) > MAX_STOPS:
+            raise self.fail(key, f"at most {MAX_STOPS} stop sequences are allowed")
+        if any(not s for s in items):
+            raise self.fail(key, "stop sequences must be non-empty strings")
+        return tuple(dict.fromkeys(items))
+
+    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
+        value = self.body.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in value
+        ):
+            raise self.fail(key, f"`{key}` must be an array of token ids in [0, {vocab_size})")
+        return tuple(value)
+
+    def logit_bias(self, key: str, vocab_size: int) -> dict[int, float] | None:
+        value = self.body.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.fail(key, f"`{key}` must be an object of token id -> bias")
+        out: dict[int, float] = {}
+        for raw_id, bias in value.items():
+            try:
+                token_id = int(raw_id)
+            except (TypeError, ValueError):
+                raise self.fail(key, f"`{key}` key {raw_id!r} is not a token id") from None
+            if not 0 <= token_id < vocab_size:
+                raise self.fail(key, f"`{key}` token id {token_id} not in [0, {vocab_size})")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise self.fail(key, f"`{key}` values must be numbers")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise self.fail(key, f"`{key}` values must be in [-100, 100], got {bias!r}")
+            out[token_id] = float(bias)
+        return out or None
+
+    def top_k(self, key: str, vocab_size: int) -> int:
+        value = self.integer(key, -1, -1, None)
+        assert value is not None
+        # vLLM also takes 0 as "off"; a cut at or above the vocab is no cut either.
+        return -1 if value in (0, -1) or value >= vocab_size else value
+
+    def seed(self, key: str) -> int | None:
+        return self.integer(key, None, _INT64_MIN, _INT64_MAX)
+
+    def reject_present(self, keys: Sequence[str], why: str) -> None:
+        for key in keys:
+            if self.body.get(key) is not None:
+                raise self.fail(key, f"`{key}` is not supported by smgd ({why})")
+
+
+def _context_error(ctx: int, prompt_len: int, what: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"This model's maximum context length is {ctx} tokens. However, your {what} resulted "
+        f"in {prompt_len} tokens. Please reduce the length of the {what}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def _max_tokens(
+    requested: int | None, *, key: str, prompt_len: int, context_len: int, what: str
+) -> int:
+    room = context_len - prompt_len
+    if room < 1:  # at least one token must be generated
+        raise _context_error(context_len, prompt_len, what, what)
+    if requested is None:
+        return room
+    if requested > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+            f"{requested} in the completion). Please reduce the length of the {what} or "
+            "completion.",
+            param=key,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _common(
+    r: _Reader,
+    *,
+    max_tokens: int,
+    min_key: str,
+    seed_key: str,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    logprobs: int | None,
+) -> SamplingParams:
+    min_tokens = r.integer(min_key, 0, 0, None) or 0
+    if min_tokens > max_tokens:
+        raise r.fail(min_key, f"`{min_key}` ({min_tokens}) exceeds the output limit {max_tokens}")
+    seed = r.seed(seed_key)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=r.number("temperature", 1.0, 0.0, 2.0),
+        top_p=r.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=r.top_k("top_k", vocab_size),
+        min_p=r.number("min_p", 0.0, 0.0, 1.0),
+        frequency_penalty=r.number("frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=r.number("presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=r.number("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        seed=seed,
+        min_tokens=min_tokens,
+        stop_token_ids=r.token_ids("stop_token_ids", vocab_size),
+        eos_token_ids=tuple(eos_token_ids),
+        ignore_eos=r.flag("ignore_eos", False),
+        logprobs=logprobs,
+        logit_bias=r.logit_bias("logit_bias", vocab_size),
+    )
+
+
+def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
+    if not chat:  # completions: `logprobs` is the number of top alternatives
+        return r.integer("logprobs", None, 0, MAX_LOGPROBS)
+    wanted = r.flag("logprobs", False)
+    top = r.integer("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise r.fail("top_logprobs", "`top_logprobs` requires `logprobs` to be true")
+    return (top or 0) if wanted else None
+
+
+def _openai_features(r: _Reader, n: int) -> None:
+    body = r.body
+    r.reject_present(_OPENAI_UNSUPPORTED, "no constrained decoding or function-call parsing")
+    best_of = r.integer("best_of", None, 1, None)
+    if best_of is not None and best_of not in (1, n):
+        raise r.fail("best_of", "`best_of` is not supported (only 1 or equal to `n`)")
+    if body.get("suffix"):
+        raise r.fail("suffix", "`suffix` is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise r.fail("response_format", f"response_format {kind!r} is not supported (text only)")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise r.fail("tool_choice", "only tool_choice 'auto' and 'none' are supported")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise r.fail("modalities", "only the text modality is supported")
+
+
+def from_openai(
+    body: Mapping[str, Any],
+    *,
+    chat: bool,
+    prompt_len: int,
+    context_len: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[SamplingParams, TextOptions]:
+    """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt."""
+    r = _Reader(body)
+    n = r.integer("n", 1, 1, MAX_N) or 1
+    _openai_features(r, n)
+    key = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        key = "max_completion_tokens"  # the current name; max_tokens is deprecated for chat
+    what = "messages" if chat else "prompt"
+    max_tokens = _max_tokens(
+        r.integer(key, None, 1, None),
+        key=key,
+        prompt_len=prompt_len,
+        context_len=context_len,
+        what=what,
+    )
+    params = _common(
+        r,
+        max_tokens=max_tokens,
+        min_key="min_tokens",
+        seed_key="seed",
+        vocab_size=vocab_size,
+        eos_token_ids=eos_token_ids,
+        logprobs=_openai_logprobs(r, chat),
+    )
+    r.flag("spaces_between_special_tokens", True)  # type-checked only; see module docstring
+    options = TextOptions(
+        stop=r.stops("stop"),
+        include_stop_str_in_output=r.flag("include_stop_str_in_output", False),
+        skip_special_tokens=r.flag("skip_special_tokens", True),
+        n=n,
+        echo=r.flag("echo", False),
+        ignored=tuple(
+            k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS
+        ),
+    )
+    return params, options
+
+
+def from_native(
+    sampling_params: Mapping[str, Any] | None,
+    *,
+    prompt_len: int,
+    context_len: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int] = (),
+    logprobs: int | None = None,
+) -> tuple[SamplingParams, TextOptions]:
+    """Normalize SGLang-native ``sampling_params`` (``/generate``).
+
+    ``logprobs`` comes from the request's top level in SGLang (``return_logprob`` and
+    ``top_logprobs_num``): None for none, k for the sampled token plus top-k.
+    """
+    body = sampling_params or {}
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("`sampling_params` must be an object", param="sampling_params")
+    r = _Reader(body, prefix="sampling_params.")
+    r.reject_present(_NATIVE_UNSUPPORTED, "no constrained decoding")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"`top_logprobs_num` must be in [0, {MAX_LOGPROBS}]", param="top_logprobs_num"
+        )
+    requested = r.integer("max_new_tokens", None, 1, None)
+    if requested is None:
+        # The default is SGLang's, clamped to the room left rather than an error: the
+        # client did not ask for anything that does not fit.
+        requested = max(1, min(NATIVE_DEFAULT_MAX_NEW_TOKENS, context_len - prompt_len))
+    max_tokens = _max_tokens(
+        requested,
+        key="sampling_params.max_new_tokens",
+        prompt_len=prompt_len,
+        context_len=context_len,
+        what="prompt",
+    )
+    seed_key = "sampling_seed" if body.get("sampling_seed") is not None else "seed"
+    params = _common(
+        r,
+        max_tokens=max_tokens,
+        min_key="min_new_tokens",
+        seed_key=seed_key,
+        vocab_size=vocab_size,
+        eos_token_ids=eos_token_ids,
+        logprobs=logprobs,
+    )
+    r.flag("spaces_between_special_tokens", True)
+    options = TextOptions(
+        stop=r.stops("stop"),
+        include_stop_str_in_output=r.flag("no_stop_trim", False),
+        skip_special_tokens=r.flag("skip_special_tokens", True),
+        n=r.integer("n", 1, 1, MAX_N) or 1,
+        ignored=tuple(k for k in body if k not in _NATIVE_KEYS),
+    )
+    return params, options
