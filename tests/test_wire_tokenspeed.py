@@ -562,3 +562,15 @@ def test_json_to_frames_garbage_is_a_wire_error(obj: dict[str, Any]) -> None:
 def test_frames_to_json_garbage_is_a_wire_error(frames: list[bytes]) -> None:
     with pytest.raises(WireError):
         ts.frames_to_json(frames)
+
+
+# SMG's cross-language output vector (crates/engine_zmq_client protocol/tokenspeed/output.rs,
+# quoted in /work/shared/wire/smg_zmq.md §3.4): Rust, Python and smgd agree byte for byte.
+SMG_PINNED_OUTPUT = (
+    "9eb34261746368546f6b656e49444f7574536c696d91a57665632d3191920a0b91a66c656e677468910391029101"
+    "9192cbbfe0000000000000cbbfd000000000000091920a0b01020564cd0190"
+)
+
+
+def test_smg_pinned_output_vector_equals_tokenspeeds() -> None:
+    assert bytes.fromhex(SMG_PINNED_OUTPUT) == frame("out_length_with_logprobs")
