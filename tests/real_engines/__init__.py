@@ -1,0 +1,1 @@
+"""Tests against REAL engines (``-m real_engine``), run from the engines' own venvs."""
