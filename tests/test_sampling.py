@@ -1,0 +1,286 @@
+"""Sampling-parameter normalization and validation (OpenAI and SGLang-native)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from smgd.errors import InvalidRequest
+from smgd.sampling import MAX_N, from_native, from_openai
+from smgd.wire.common import SamplingParams
+
+CTX = {"prompt_len": 10, "context_len": 100, "vocab_size": 1024, "eos_token_ids": (2, 5)}
+
+
+def chat(body: dict[str, Any], **kw: Any) -> Any:
+    return from_openai(body, chat=True, **{**CTX, **kw})
+
+
+def completion(body: dict[str, Any], **kw: Any) -> Any:
+    return from_openai(body, chat=False, **{**CTX, **kw})
+
+
+def rejected(body: dict[str, Any], *, is_chat: bool = True) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        from_openai(body, chat=is_chat, **CTX)  # type: ignore[arg-type]
+    return info.value
+
+
+def test_defaults() -> None:
+    params, opts = chat({"model": "m", "messages": []})
+    assert params == SamplingParams(max_tokens=90, eos_token_ids=(2, 5))
+    assert opts.stop == ()
+    assert opts.n == 1
+    assert opts.skip_special_tokens
+    assert opts.ignored == ()
+
+
+def test_full_openai_body() -> None:
+    params, opts = chat(
+        {
+            "max_completion_tokens": 20,
+            "max_tokens": 99,  # deprecated name loses to max_completion_tokens
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 40,
+            "min_p": 0.1,
+            "frequency_penalty": -1.5,
+            "presence_penalty": 2,
+            "repetition_penalty": 1.1,
+            "seed": -7,
+            "min_tokens": 3,
+            "stop": ["\n\n", "User:", "\n\n"],
+            "stop_token_ids": [7],
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 5,
+            "logit_bias": {"17": -100, "3": 2.5},
+            "n": 2,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+            "response_format": {"type": "text"},
+            "tool_choice": "auto",
+        }
+    )
+    assert params.max_tokens == 20
+    assert params.greedy
+    assert (params.top_p, params.top_k, params.min_p) == (0.5, 40, 0.1)
+    assert (params.frequency_penalty, params.presence_penalty) == (-1.5, 2.0)
+    assert params.repetition_penalty == 1.1
+    assert (params.seed, params.min_tokens, params.stop_token_ids) == (-7, 3, (7,))
+    assert params.ignore_eos
+    assert params.logprobs == 5
+    assert params.logit_bias == {17: -100.0, 3: 2.5}
+    assert opts.stop == ("\n\n", "User:")
+    assert (opts.n, opts.include_stop_str_in_output, opts.skip_special_tokens) == (2, True, False)
+
+
+def test_chat_logprobs_forms() -> None:
+    assert chat({"logprobs": True})[0].logprobs == 0
+    assert chat({"logprobs": False})[0].logprobs is None
+    assert rejected({"top_logprobs": 2}).param == "top_logprobs"
+    assert rejected({"logprobs": 3}).param == "logprobs"
+
+
+def test_completion_logprobs_and_echo() -> None:
+    params, opts = completion({"logprobs": 3, "echo": True, "stop": "END"})
+    assert params.logprobs == 3
+    assert opts.echo
+    assert opts.stop == ("END",)
+    assert rejected({"logprobs": 21}, is_chat=False).param == "logprobs"
+    assert rejected({"logprobs": True}, is_chat=False).param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.01),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("min_p", 1.1),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 2.1),
+        ("n", 0),
+        ("n", MAX_N + 1),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("max_tokens", 0),
+        ("max_tokens", 5.0),
+        ("min_tokens", -1),
+        ("stop", [""]),
+        ("stop", ["a"] * 33),
+        ("stop", 5),
+        ("stop_token_ids", [1024]),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {"1024": 1}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"1": 101}),
+        ("logit_bias", {"1": "a"}),
+        ("ignore_eos", "yes"),
+        ("top_logprobs", 21),
+    ],
+)
+def test_out_of_range_names_the_param(key: str, value: object) -> None:
+    body: dict[str, Any] = {key: value}
+    if key == "top_logprobs":
+        body["logprobs"] = True
+    err = rejected(body)
+    assert err.param == key
+    assert err.status == 400
+
+
+def test_edges_are_accepted() -> None:
+    params, opts = chat(
+        {
+            "temperature": 2,
+            "top_p": 1,
+            "min_p": 0,
+            "frequency_penalty": -2,
+            "repetition_penalty": 2,
+            "n": MAX_N,
+            "seed": 2**63 - 1,
+            "stop": ["s"] * 32,
+            "logit_bias": {"1023": 100, "0": -100},
+        }
+    )
+    assert params.temperature == 2.0
+    assert opts.n == MAX_N
+    assert params.seed == 2**63 - 1
+
+
+def test_top_k_off_spellings() -> None:
+    assert chat({"top_k": 0})[0].top_k == -1
+    assert chat({"top_k": -1})[0].top_k == -1
+    assert chat({"top_k": 5000})[0].top_k == -1  # beyond the vocab: no cut
+    assert chat({"top_k": 1})[0].top_k == 1
+
+
+def test_max_tokens_must_fit_context() -> None:
+    assert chat({"max_tokens": 90})[0].max_tokens == 90
+    err = rejected({"max_tokens": 91})
+    assert err.param == "max_tokens"
+    assert err.code == "context_length_exceeded"
+    assert "maximum context length is 100 tokens" in err.message
+    assert "101 tokens (10 in the messages, 91 in the completion)" in err.message
+    assert rejected({"max_completion_tokens": 500}).param == "max_completion_tokens"
+
+
+def test_prompt_filling_context_is_rejected() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        completion({}, prompt_len=100)
+    assert info.value.param == "prompt"
+    assert "your prompt resulted in 100 tokens" in info.value.message
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    err = rejected({"max_tokens": 5, "min_tokens": 6})
+    assert err.param == "min_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"guided_json": {}}, "guided_json"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_unsupported_features_are_named(body: dict[str, Any], param: str) -> None:
+    err = rejected(body)
+    assert err.param == param
+
+
+def test_harmless_forms_of_unsupported_features() -> None:
+    params, opts = completion({"best_of": 2, "n": 2, "suffix": "", "guided_json": None})
+    assert opts.n == 2
+    assert params.max_tokens == 90
+
+
+def test_unknown_keys_are_reported_not_fatal() -> None:
+    _, opts = chat({"model": "m", "stream": True, "user": "u", "frobnicate": 1, "verbosity": "x"})
+    assert opts.ignored == ("frobnicate", "verbosity")
+
+
+def native(sp: dict[str, Any] | None, **kw: Any) -> Any:
+    return from_native(sp, **{**CTX, **kw})
+
+
+def test_native_defaults_follow_sglang() -> None:
+    params, opts = native(None)
+    assert params.max_tokens == 90  # SGLang's 128, clamped to the room left
+    assert native({}, context_len=1000)[0].max_tokens == 128
+    assert opts.n == 1
+    assert not opts.include_stop_str_in_output
+
+
+def test_native_params() -> None:
+    params, opts = native(
+        {
+            "max_new_tokens": 8,
+            "min_new_tokens": 2,
+            "stop": "x",
+            "stop_token_ids": [9],
+            "temperature": 0.7,
+            "top_k": 20,
+            "sampling_seed": 11,
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+            "ignore_eos": True,
+            "n": 3,
+            "stream_interval": 4,
+            "weird": 1,
+        },
+        logprobs=2,
+    )
+    assert (params.max_tokens, params.min_tokens, params.top_k, params.seed) == (8, 2, 20, 11)
+    assert params.stop_token_ids == (9,)
+    assert params.ignore_eos
+    assert params.logprobs == 2
+    assert opts.stop == ("x",)
+    assert opts.include_stop_str_in_output
+    assert opts.n == 3
+    assert not opts.skip_special_tokens
+    assert opts.ignored == ("weird",)
+    assert native({"seed": 5})[0].seed == 5
+
+
+@pytest.mark.parametrize(
+    ("sp", "param"),
+    [
+        ({"max_new_tokens": 91}, "sampling_params.max_new_tokens"),
+        ({"temperature": -1}, "sampling_params.temperature"),
+        ({"min_new_tokens": 50, "max_new_tokens": 10}, "sampling_params.min_new_tokens"),
+        ({"regex": "a+"}, "sampling_params.regex"),
+        ({"json_schema": "{}"}, "sampling_params.json_schema"),
+        ({"n": 17}, "sampling_params.n"),
+    ],
+)
+def test_native_rejections(sp: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        native(sp)
+    assert info.value.param == param
+
+
+def test_native_logprobs_range_and_shape() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        native({}, logprobs=21)
+    assert info.value.param == "top_logprobs_num"
+    with pytest.raises(InvalidRequest):
+        native([1, 2])  # type: ignore[arg-type]

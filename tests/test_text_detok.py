@@ -1,0 +1,167 @@
+"""Incremental detokenizer and TextStream: streamed text equals one-shot decode."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smgd.assets import TINY_MODEL_DIR
+from smgd.text.detok import IncrementalDetokenizer
+from smgd.text.stream import TextStream
+from smgd.text.tokenizer import Tokenizer, load_tokenizer
+from tests.test_text_stops import reference_cut
+
+
+@functools.cache
+def tok() -> Tokenizer:
+    return load_tokenizer(TINY_MODEL_DIR)
+
+
+def chunks(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    out, i = [], 0
+    for size in sizes:
+        if i >= len(ids):
+            break
+        out.append(list(ids[i : i + size]))
+        i += size
+    if i < len(ids):
+        out.append(list(ids[i:]))
+    return out
+
+
+def stream_text(d: IncrementalDetokenizer, parts: list[list[int]]) -> list[str]:
+    return [d.push(p) for p in parts] + [d.flush()]
+
+
+# Ids anywhere in the vocab (specials included, so random byte tokens make invalid UTF-8
+# too) and chunk sizes 1..4, so deltas of one and of several tokens both occur.
+IDS = st.lists(st.integers(0, 1023), max_size=40)
+SIZES = st.lists(st.integers(1, 4), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=IDS, sizes=SIZES, skip=st.booleans(), fast=st.booleans())
+def test_streamed_text_equals_one_shot_decode(
+    ids: list[int], sizes: list[int], skip: bool, fast: bool
+) -> None:
+    d = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    assert "".join(stream_text(d, chunks(ids, sizes))) == tok().decode(
+        ids, skip_special_tokens=skip
+    )
+    assert d.num_tokens == len(ids)
+
+
+TEXT = st.text(st.sampled_from("ab c\nçé日本🙂🚀👩‍💻<s>"), max_size=30)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=TEXT, sizes=SIZES, fast=st.booleans())
+def test_real_text_streams_without_replacement_chars(
+    text: str, sizes: list[int], fast: bool
+) -> None:
+    ids = tok().encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok(), use_decode_stream=fast)
+    pieces = stream_text(d, chunks(ids, sizes))
+    assert "".join(pieces) == tok().decode(ids)
+    assert not any("\ufffd" in p for p in pieces)  # never a broken character mid-stream
+
+
+def test_split_character_is_held_until_complete() -> None:
+    ids = tok().encode("a🦀b", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok())
+    out = [d.push([i]) for i in ids]
+    assert out[0] == "a"
+    assert out[-1] == "b"
+    assert "".join(out) == "a🦀b"
+    assert "" in out  # at least one token completed no character
+
+
+def test_incomplete_character_at_end_flushes_as_replacement() -> None:
+    ids = tok().encode("🦀", add_special_tokens=False)
+    assert len(ids) > 1
+    d = IncrementalDetokenizer(tok())
+    assert d.push(ids[:-1]) == ""
+    assert d.flush() == tok().decode(ids[:-1])
+    assert "\ufffd" in tok().decode(ids[:-1])
+
+
+def test_skip_special_tokens_option() -> None:
+    ids = [*tok().encode("hi", add_special_tokens=False), 5]
+    keep = IncrementalDetokenizer(tok(), skip_special_tokens=False)
+    assert "".join(stream_text(keep, [ids])) == "hi<|im_end|>"
+    drop = IncrementalDetokenizer(tok())
+    assert "".join(stream_text(drop, [ids])) == "hi"
+
+
+def test_prompt_priming_does_not_change_output() -> None:
+    prompt = tok().encode("Hello there, 日本語 🙂 friend")
+    out = tok().encode(" world 🚀 again", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok(), prompt_ids=prompt)
+    assert "".join(stream_text(d, [[i] for i in out])) == tok().decode(out)
+    assert d.num_tokens == len(out)
+
+
+class _BrokenStream:
+    """Stands in for a DecodeStream that hits "Invalid prefix" after a few steps."""
+
+    def __init__(self, real: object, fail_after: int) -> None:
+        self.real, self.left = real, fail_after
+
+    def step(self, hf: object, ids: list[int]) -> str | None:
+        self.left -= 1
+        if self.left < 0:
+            raise Exception("Invalid prefix encountered")
+        text: str | None = self.real.step(hf, ids)  # type: ignore[attr-defined]
+        return text
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 3, 6])
+def test_decode_stream_error_switches_to_fallback(fail_after: int) -> None:
+    text = "Café 🙂 crème brûlée 日本語 done"
+    ids = tok().encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok())
+    d._stream = _BrokenStream(d._stream, fail_after)  # type: ignore[assignment]
+    assert "".join(stream_text(d, [[i] for i in ids])) == text
+    assert d.using_fallback
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=TEXT,
+    sizes=SIZES,
+    stops=st.lists(st.text(st.sampled_from("ab c🙂日"), min_size=1, max_size=3), max_size=3),
+    include=st.booleans(),
+)
+def test_text_stream_matches_decode_then_cut(
+    text: str, sizes: list[int], stops: list[str], include: bool
+) -> None:
+    ids = tok().encode(text, add_special_tokens=False)
+    ts = TextStream(tok(), stops=stops, include_stop=include)
+    pieces = [ts.push(p) for p in chunks(ids, sizes)]
+    got = "".join(t for t, _ in pieces) + ts.finish()
+    hits = [h for _, h in pieces if h is not None]
+    want, want_hit = reference_cut(tok().decode(ids), stops, include)
+    assert got == want
+    assert ts.stop_hit == want_hit
+    assert len(hits) <= 1
+
+
+def test_text_stream_drops_stop_token_text() -> None:
+    ids = tok().encode("hi", add_special_tokens=False)
+    ts = TextStream(tok(), skip_special_tokens=False)
+    assert ts.push([*ids, 2], stop_token=True) == ("hi", None)
+    kept = TextStream(tok(), skip_special_tokens=False, include_stop=True)
+    assert kept.push([*ids, 2], stop_token=True) == ("hi</s>", None)
+
+
+def test_text_stream_after_stop_is_silent() -> None:
+    ts = TextStream(tok(), stops=["lo"])
+    ids = tok().encode("Hello world", add_special_tokens=False)
+    text, hit = ts.push(ids)
+    assert (text, hit) == ("Hel", "lo")
+    assert ts.push(ids) == ("", None)
+    assert ts.finish() == ""

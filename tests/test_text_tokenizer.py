@@ -1,0 +1,128 @@
+"""Tokenizer loading from a model dir, BOS/EOS handling, and the shipped tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from smgd.assets import TINY_MODEL_DIR
+from smgd.assets.make_tiny_model import write_model_dir
+from smgd.errors import ConfigError, InvalidRequest
+from smgd.text.tokenizer import load_tokenizer
+
+
+@pytest.fixture
+def model_copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "model"
+    shutil.copytree(TINY_MODEL_DIR, dest)
+    return dest
+
+
+def test_tiny_model_facts() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    assert tok.vocab_size == 1024
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == (2, 5)  # generation_config's list wins
+    assert tok.special_ids == frozenset(range(6))
+    assert tok.max_model_len == 4096
+    assert tok.id_to_token(1) == "<s>"
+    assert tok.token_to_id("<|im_end|>") == 5
+    assert tok.id_to_token(10_000) is None
+
+
+def test_bos_added_once() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    plain = tok.encode("hello world", add_special_tokens=False)
+    assert tok.encode("hello world") == [1, *plain]
+    # A prompt that already starts with BOS (chat templates render it) keeps a single one.
+    assert tok.encode("<s>hello world") == [1, *plain]
+    assert tok.encode("") == [1]
+
+
+def test_encode_many_matches_encode() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    texts = ["Hello 🙂", "日本語", "", "<s>x"]
+    assert tok.encode_many(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_many(texts, add_special_tokens=False) == [
+        tok.encode(t, add_special_tokens=False) for t in texts
+    ]
+
+
+def test_decode_skips_special_tokens() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    ids = tok.encode("<|im_start|>user\nCafé 🚀<|im_end|></s>")
+    assert tok.decode(ids) == "user\nCafé 🚀"
+    assert (
+        tok.decode(ids, skip_special_tokens=False) == "<s><|im_start|>user\nCafé 🚀<|im_end|></s>"
+    )
+
+
+def test_non_ascii_round_trip_splits_characters() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    text = "Zürich 🦀 한국어 👩‍💻"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    # The tiny vocab splits some characters across tokens (what detok tests rely on).
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+def test_eos_falls_back_to_tokenizer_config(model_copy: Path) -> None:
+    (model_copy / "generation_config.json").unlink()
+    assert load_tokenizer(model_copy).eos_token_ids == (2,)
+
+
+def test_context_len_missing_is_none(model_copy: Path) -> None:
+    (model_copy / "config.json").unlink()
+    assert load_tokenizer(model_copy).max_model_len is None
+
+
+def test_separate_tokenizer_dir(tmp_path: Path, model_copy: Path) -> None:
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.move(model_copy / name, tok_dir / name)
+    tok = load_tokenizer(model_copy, tokenizer_dir=tok_dir)
+    assert tok.max_model_len == 4096
+    assert tok.chat is not None
+
+
+def test_missing_tokenizer_json_is_config_error(model_copy: Path) -> None:
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json") as info:
+        load_tokenizer(model_copy, config_path="$.engines[0].model_dir")
+    assert info.value.path == "$.engines[0].model_dir"
+
+
+def test_invalid_tokenizer_json_is_config_error(model_copy: Path) -> None:
+    (model_copy / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ConfigError, match="cannot load"):
+        load_tokenizer(model_copy)
+
+
+def test_invalid_tokenizer_config_is_config_error(model_copy: Path) -> None:
+    (model_copy / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_tokenizer(model_copy)
+
+
+def test_no_chat_template_rejects_chat(model_copy: Path) -> None:
+    cfg_path = model_copy / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    tok = load_tokenizer(model_copy)
+    assert tok.chat is None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_builder_is_byte_identical_and_small(tmp_path: Path) -> None:
+    write_model_dir(tmp_path)
+    shipped = sorted(p.name for p in TINY_MODEL_DIR.iterdir() if p.is_file())
+    assert sorted(p.name for p in tmp_path.iterdir()) == shipped
+    for name in shipped:
+        assert (tmp_path / name).read_bytes() == (TINY_MODEL_DIR / name).read_bytes(), name
+    assert sum((TINY_MODEL_DIR / n).stat().st_size for n in shipped) < 200_000
