@@ -14,6 +14,7 @@ token: the first stop to complete ends the output.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class StopMatcher:
         self.stops = tuple(dict.fromkeys(stops))  # dedupe, keep order
         self.include_stop = include_stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
+        # One C-level scan answers "is any stop in here?" (the per-token common case: no);
+        # only on a hit does _first_stop work out which stop ends first.
+        self._any = re.compile("|".join(map(re.escape, self.stops))) if self.stops else None
         self._pending = ""
         self.hit: str | None = None
 
@@ -74,7 +78,8 @@ class StopMatcher:
         # Stops entirely inside _pending were already searched for, so any match found here
         # ends in the new text; _pending is short, so this is O(len(text)) per stop.
         buf = self._pending + text
-        found = _first_stop(buf, self.stops)
+        assert self._any is not None
+        found = _first_stop(buf, self.stops) if self._any.search(buf) else None
         if found is not None:
             start, stop = found
             self.hit = stop
