@@ -62,7 +62,10 @@ def prepare_ipc_dir(path: str | os.PathLike[str]) -> Path:
     read its outputs.
     """
     directory = Path(path)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TransportError(f"ipc directory {str(directory)!r} is not a directory") from None
     st = directory.lstat()  # lstat: a symlink planted in place of our directory is refused
     if not stat.S_ISDIR(st.st_mode):
         raise TransportError(f"ipc directory {str(directory)!r} is not a directory")
@@ -70,6 +73,13 @@ def prepare_ipc_dir(path: str | os.PathLike[str]) -> Path:
         raise TransportError(
             f"ipc directory {str(directory)!r} is owned by uid {st.st_uid}, not us "
             f"(uid {os.geteuid()}); refusing to use it"
+        )
+    if st.st_mode & stat.S_ISVTX:
+        # A sticky directory is shared by design (/tmp, /dev/shm): chmod-ing it 0700 would
+        # break every other user of it, and leaving it open exposes our sockets.
+        raise TransportError(
+            f"ipc directory {str(directory)!r} is a shared sticky directory; "
+            "use a private subdirectory of it"
         )
     if stat.S_IMODE(st.st_mode) != 0o700:
         # mkdir's mode is filtered by the umask, and an existing directory keeps its mode.

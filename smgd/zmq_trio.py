@@ -35,7 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from smgd.errors import TransportError
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 __all__ = [
     "MonitorEvent",
@@ -102,6 +102,8 @@ class TrioSocket:
             if ready_but_failed:
                 self._waits += 1
                 await trio.sleep(_MISLEADING_READY_POLL_S)
+                if self._closed:  # closed while we slept (no FD wait to report it)
+                    raise trio.ClosedResourceError("zmq socket was closed")
             return True
         # EVENTS was just read and said "not ready", which re-armed the edge: parking is safe.
         self._waits += 1
@@ -366,7 +368,7 @@ async def open_monitor(
 
 async def monitor_events(
     sock: TrioSocket, events: int = zmq.EVENT_ALL
-) -> AsyncIterator[MonitorEvent]:
+) -> AsyncGenerator[MonitorEvent, None]:
     """``async for event in monitor_events(sock)``; prefer :func:`open_monitor` when the loop
     may stop early, so the monitor is torn down deterministically."""
     async with open_monitor(sock, events) as stream:
