@@ -42,7 +42,9 @@ if [[ ! -f "$VENV/.smgd-complete" ]]; then
   "$BASE_PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
   # --no-deps: the requirements file is the complete, pinned set (see its header).
-  "$VENV/bin/python" -m pip install --quiet --no-deps -r "$REQS" >&2
+  # (grep drops the pip warnings about this machine's local index folders; not errors)
+  "$VENV/bin/python" -m pip install --quiet --no-deps -r "$REQS" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$VENV/bin/python" -c "import sglang, torch, transformers, zmq, msgspec" >&2  # the install really happened
   "$VENV/bin/python" - <<'PY' >&2
 import torch
 assert torch.version.cuda is None, f"a CUDA torch was installed ({torch.__version__}); want the CPU build"

@@ -11,6 +11,7 @@ tokenizer is trained on a small built-in corpus, so the output is the same on ev
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -29,7 +30,8 @@ CORPUS = [
 
 def build_tokenizer(out: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+
+    transformers = importlib.import_module("transformers")  # only in the engine's venv
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -40,7 +42,7 @@ def build_tokenizer(out: Path) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         bos_token="<s>",
@@ -52,11 +54,11 @@ def build_tokenizer(out: Path) -> int:
 
 
 def build_model(out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    torch = importlib.import_module("torch")  # torch and transformers: engine venv only
+    transformers = importlib.import_module("transformers")
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -72,7 +74,7 @@ def build_model(out: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    LlamaForCausalLM(config).save_pretrained(str(out), safe_serialization=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(out), safe_serialization=True)
 
 
 def main(argv: list[str]) -> int:
