@@ -1,0 +1,153 @@
+"""The quart-trio application: ``create_app(gateway)``.
+
+Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai`,
+:mod:`~smgd.api.native` and :mod:`~smgd.api.ops`.
+
+- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400) or
+  minted, echoed on every response, and used in the request's log line.
+- API keys (``Authorization: Bearer``) guard the inference endpoints only; keys come from the
+  env var named by ``server.api_keys_env`` (comma-separated) and/or ``server.api_keys_file``
+  (one per line). Keys are never logged.
+- While draining, new inference requests get 503 + ``Retry-After``.
+- Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
+  (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
+- Every error is the OpenAI envelope (:mod:`smgd.api.errors`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import trio
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from smgd.api import native, openai, ops
+from smgd.api.errors import error_body, error_headers, http_error
+from smgd.api.pipeline import check_request_id, new_request_id
+from smgd.api.prepare import ApiContext, api
+from smgd.config import resolve_path
+from smgd.errors import ConfigError, Draining, SmgdError, Unauthorized
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from smgd.config import Config
+    from smgd.gateway import Gateway
+
+__all__ = ["create_app", "load_api_keys"]
+
+log = logging.getLogger("smgd.api")
+
+# Time to receive a whole request body. The largest allowed body (max_body_bytes, 8 MiB by
+# default) arrives in milliseconds on a local socket; 60 s only cuts stalled uploads.
+BODY_TIMEOUT_S = 60
+# Worker threads tokenizing big prompts at once: one per core on the 2-core target, so
+# tokenization cannot starve the event loop's own core of CPU.
+TOKENIZE_THREADS = 2
+
+_AUTH_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
+_GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+
+
+def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
+    """Bearer keys from the configured env var and/or file; () means no auth."""
+    server = config.server
+    env = os.environ if environ is None else environ
+    keys: list[str] = []
+    if server.api_keys_env:
+        keys += [k.strip() for k in env.get(server.api_keys_env, "").split(",")]
+    if server.api_keys_file:
+        path = resolve_path(config, server.api_keys_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read api_keys_file {path}: {exc.strerror}", path="$.server.api_keys_file"
+            ) from None
+        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
+    return tuple(dict.fromkeys(k.encode() for k in keys if k))
+
+
+def _authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer ") :].strip().encode()
+    ok = False
+    for key in keys:  # compare with every key: the time taken does not reveal which matched
+        ok |= hmac.compare_digest(given, key)
+    return ok
+
+
+def _error_response(err: SmgdError) -> Response:
+    rid = g.get("request_id")
+    return Response(error_body(err), status=err.status, headers=error_headers(err, rid))
+
+
+def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> QuartTrio:
+    server = gateway.config.server
+    app = QuartTrio("smgd")
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
+    app.config["MAX_CONTENT_LENGTH"] = server.max_body_bytes
+    app.extensions["smgd"] = ApiContext(
+        gateway=gateway,
+        api_keys=load_api_keys(gateway.config, environ),
+        tokenize_limiter=trio.CapacityLimiter(TOKENIZE_THREADS),
+        keepalive_s=server.keepalive_interval_s,
+        created=int(time.time()),
+    )
+    app.register_blueprint(openai.blueprint)
+    app.register_blueprint(native.blueprint)
+    app.register_blueprint(ops.blueprint)
+
+    @app.before_request
+    async def _before() -> None:
+        header = request.headers.get("X-Request-Id")
+        g.request_id = new_request_id()
+        if header is not None:
+            check_request_id(header, "X-Request-Id")
+            g.request_id = header
+        path = request.path
+        if path.startswith(_AUTH_PATHS):
+            ctx = api()
+            if ctx.api_keys and not _authorized(ctx.api_keys, request.headers.get("Authorization")):
+                raise Unauthorized("Invalid or missing API key (Authorization: Bearer <key>)")
+            if path in _GENERATE_PATHS and ctx.gateway.draining:
+                raise Draining("smgd is shutting down; retry on another instance")
+
+    @app.after_request
+    async def _after(response: Response) -> Response:
+        rid = g.get("request_id")
+        if rid is not None:
+            response.headers["X-Request-Id"] = rid
+        return response
+
+    @app.errorhandler(SmgdError)
+    async def _smgd_error(err: SmgdError) -> Response:
+        if err.status >= 500:
+            log.warning("%s: %s %s", g.get("request_id"), err.status, err.message)
+        return _error_response(err)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        message = exc.description or exc.name
+        if status == 413:
+            message = f"the request body is larger than {server.max_body_bytes} bytes"
+        headers = {"Content-Type": "application/json"}
+        if rid := g.get("request_id"):
+            headers["X-Request-Id"] = rid
+        return Response(http_error(status, message), status=status, headers=headers)
+
+    @app.errorhandler(Exception)
+    async def _internal(exc: Exception) -> Response:
+        log.exception("%s: unhandled error", g.get("request_id"), exc_info=exc)
+        return _error_response(SmgdError(f"internal error: {type(exc).__name__}"))
+
+    return app

@@ -1,0 +1,276 @@
+"""The trio shell around :mod:`smgd.api.pipeline`: run a request's engine streams.
+
+- :func:`collect`: non-streamed; one task per choice, the first error cancels the rest.
+- :func:`stream`: an async generator of SSE bytes for the response body. One choice (the hot
+  path) reads its :class:`~smgd.engines.stream.RequestStream` directly: one event per
+  ``receive()``, which already coalesces everything the engine sent since the last read, so
+  a slow client gets fewer, fuller chunks and nothing is dropped. ``n > 1`` runs one pump task
+  per choice in the app nursery and fans their deltas in over one channel.
+
+Leaving ``EngineClient.open_stream`` early (client gone → ``trio.Cancelled`` in the generator,
+stop string hit, error) sends the engine abort from its ``finally``; ``Cancelled`` is never
+caught here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from smgd.api.sse import KEEPALIVE
+from smgd.errors import EngineDead, SmgdError
+from smgd.wire.common import TokenDelta
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from smgd.api.pipeline import Choice, RequestState
+    from smgd.engines.base import EngineClient
+    from smgd.wire.common import GenerateRequest
+
+__all__ = ["Job", "Renderer", "collect", "log_request", "stream"]
+
+log = logging.getLogger("smgd.api")
+
+
+@dataclass(slots=True)
+class Job:
+    engine: EngineClient
+    request: GenerateRequest
+    choice: Choice
+
+
+class Renderer(Protocol):
+    """Endpoint-specific SSE bytes (OpenAI chunks, SGLang-native events)."""
+
+    def delta(self, choice: Choice, text: str) -> bytes: ...
+    def end(self) -> bytes: ...
+    def error(self, err: SmgdError) -> bytes: ...
+
+
+def log_request(state: RequestState) -> None:
+    fields = state.log_fields(trio.current_time())
+    log.info(
+        "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s",
+        fields["request_id"], fields["endpoint"], fields["prompt_tokens"],
+        fields["completion_tokens"], fields["ttft_ms"], fields["e2e_ms"],
+        fields["finish_reason"], extra=fields,
+    )  # fmt: skip
+
+
+def _internal(exc: Exception, state: RequestState) -> SmgdError:
+    log.exception("request %s failed", state.request_id, exc_info=exc)
+    return SmgdError(f"internal error: {type(exc).__name__}")
+
+
+# --------------------------------------------------------------------------- non-streamed
+
+
+async def _collect_one(job: Job, state: RequestState) -> None:
+    choice = job.choice
+    async with job.engine.open_stream(job.request) as rs:
+        async for delta in rs:
+            text = choice.apply(delta)
+            if choice.completion_tokens:
+                state.first_output(trio.current_time())
+            if text:
+                choice.parts.append(text)
+            if choice.done:
+                return
+    raise EngineDead(f"engine {job.engine.name} ended the request without a finish")
+
+
+async def collect(jobs: list[Job], state: RequestState) -> None:
+    """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled)."""
+    errors: list[SmgdError] = []
+
+    async def run(job: Job, scope: trio.CancelScope) -> None:
+        try:
+            await _collect_one(job, state)
+        except SmgdError as err:
+            errors.append(err)
+            scope.cancel()
+
+    try:
+        if len(jobs) == 1:
+            await _collect_one(jobs[0], state)
+        else:
+            async with trio.open_nursery() as nursery:
+                for job in jobs:
+                    nursery.start_soon(run, job, nursery.cancel_scope)
+            if errors:
+                raise errors[0]
+    except SmgdError as err:
+        state.error = err.message
+        raise
+    finally:
+        log_request(state)
+
+
+# --------------------------------------------------------------------------- streamed
+
+
+def stream(
+    jobs: list[Job],
+    state: RequestState,
+    render: Renderer,
+    *,
+    keepalive_s: float,
+    nursery: trio.Nursery | None,
+) -> AsyncIterator[bytes]:
+    if len(jobs) == 1:
+        return _stream_one(jobs[0], state, render, keepalive_s)
+    assert nursery is not None, "n > 1 streams need the app nursery for their pumps"
+    return _stream_many(jobs, state, render, keepalive_s, nursery)
+
+
+async def _stream_one(
+    job: Job, state: RequestState, render: Renderer, keepalive_s: float
+) -> AsyncIterator[bytes]:
+    choice = job.choice
+    try:
+        async with job.engine.open_stream(job.request) as rs:
+            while True:
+                delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
+                if delta is None:
+                    if keepalive_s > 0:
+                        with trio.move_on_after(keepalive_s):
+                            delta = await rs.receive()
+                        if delta is None:
+                            yield KEEPALIVE
+                            continue
+                    else:
+                        delta = await rs.receive()
+                text = choice.apply(delta)
+                if choice.completion_tokens:
+                    state.first_output(trio.current_time())
+                out = render.delta(choice, text)
+                if out:
+                    yield out
+                if choice.done:
+                    break
+        yield render.end()
+    except trio.EndOfChannel:
+        state.error = "stream ended without a finish"
+        yield render.error(EngineDead(f"engine {job.engine.name} ended the request early"))
+    except SmgdError as err:
+        state.error = err.message
+        yield render.error(err)
+    except Exception as exc:
+        internal = _internal(exc, state)
+        state.error = internal.message
+        yield render.error(internal)
+    finally:
+        log_request(state)
+
+
+_Item = tuple[int, TokenDelta | SmgdError]
+
+
+async def _pump(
+    job: Job,
+    send: trio.MemorySendChannel[_Item],
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Forward one choice's deltas to the fan-in channel; the consumer cancels it when done."""
+    index = job.choice.index
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        try:
+            async with job.engine.open_stream(job.request) as rs:
+                async for delta in rs:
+                    send.send_nowait((index, delta))
+                    if delta.finish is not None:
+                        return
+            send.send_nowait((index, EngineDead(f"engine {job.engine.name} ended early")))
+        except SmgdError as err:
+            send.send_nowait((index, err))
+        except trio.ClosedResourceError:
+            pass  # the consumer is gone; leaving open_stream sent the abort
+        except Exception as exc:  # a pump runs in the app nursery: never let it crash it
+            log.exception("stream pump for %s failed", job.request.rid, exc_info=exc)
+            send.send_nowait((index, SmgdError(f"internal error: {type(exc).__name__}")))
+
+
+async def _stream_many(
+    jobs: list[Job],
+    state: RequestState,
+    render: Renderer,
+    keepalive_s: float,
+    nursery: trio.Nursery,
+) -> AsyncIterator[bytes]:
+    send, recv = trio.open_memory_channel[_Item](math.inf)
+    by_index = {job.choice.index: job.choice for job in jobs}
+    scopes: dict[int, trio.CancelScope] = {}
+    try:
+        for job in jobs:
+            scopes[job.choice.index] = await nursery.start(_pump, job, send)
+        while any(not c.done for c in by_index.values()):
+            items = await _receive_all(recv, keepalive_s)
+            if not items:
+                yield KEEPALIVE
+                continue
+            out: list[bytes] = []
+            for index, payload in _merge(items):
+                if isinstance(payload, SmgdError):
+                    raise payload
+                choice = by_index[index]
+                text = choice.apply(payload)
+                if choice.completion_tokens:
+                    state.first_output(trio.current_time())
+                out.append(render.delta(choice, text))
+                if choice.stopped_here:
+                    scopes[index].cancel()  # abort this one on the engine now
+            yield b"".join(out)
+        yield render.end()
+    except SmgdError as err:
+        state.error = err.message
+        yield render.error(err)
+    except Exception as exc:
+        internal = _internal(exc, state)
+        state.error = internal.message
+        yield render.error(internal)
+    finally:
+        for scope in scopes.values():
+            scope.cancel()
+        send.close()
+        recv.close()
+        log_request(state)
+
+
+async def _receive_all(recv: trio.MemoryReceiveChannel[_Item], keepalive_s: float) -> list[_Item]:
+    """Everything queued (waiting for the first item up to ``keepalive_s``; [] on timeout)."""
+    first: _Item | None = None
+    try:
+        first = recv.receive_nowait()
+    except trio.WouldBlock:
+        if keepalive_s > 0:
+            with trio.move_on_after(keepalive_s):
+                first = await recv.receive()
+            if first is None:
+                return []
+        else:
+            first = await recv.receive()
+    items = [first]
+    while True:
+        try:
+            items.append(recv.receive_nowait())
+        except trio.WouldBlock:
+            return items
+
+
+def _merge(items: list[_Item]) -> list[_Item]:
+    """Coalesce queued deltas per choice (order of first appearance); errors pass through."""
+    merged: dict[int, TokenDelta | SmgdError] = {}
+    for index, payload in items:
+        have = merged.get(index)
+        if isinstance(have, TokenDelta) and isinstance(payload, TokenDelta):
+            have.merge(payload)
+        elif not isinstance(have, SmgdError):
+            merged[index] = payload
+    return list(merged.items())

@@ -1,0 +1,182 @@
+"""``POST /generate``: SGLang's native API.
+
+Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new_tokens``,
+``stop``, ``no_stop_trim``...), ``stream``, ``rid``. Response: ``{"text", "output_ids",
+"meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+"e2e_latency"}}``; a list of those when ``n > 1``. Streamed events carry the *cumulative*
+``text`` and ``output_ids`` so far (SGLang's default), ending with ``data: [DONE]``.
+``finish_reason`` is ``{"type": "stop", "matched": <token id or stop string>}`` or
+``{"type": "length", "length": <max_new_tokens>}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import Blueprint, Response, g
+
+from smgd.api.errors import stream_error
+from smgd.api.execute import collect, stream
+from smgd.api.pipeline import RequestState, check_request_id
+from smgd.api.prepare import (
+    api,
+    app_nursery,
+    encode,
+    plan_jobs,
+    read_json,
+    request_id,
+    resolve_model,
+)
+from smgd.api.sse import DONE, SSE_HEADERS, encode_json, event
+from smgd.errors import InvalidRequest, SmgdError
+from smgd.sampling import from_native
+
+if TYPE_CHECKING:
+    from smgd.api.execute import Job
+    from smgd.api.pipeline import Choice
+    from smgd.sampling import TextOptions
+    from smgd.wire.common import SamplingParams
+
+__all__ = ["NativeRenderer", "blueprint"]
+
+blueprint = Blueprint("native", __name__)
+
+# SGLang request keys for features no engine path here implements; rejected by name.
+_UNSUPPORTED = (
+    "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
+    "custom_logit_processor", "return_hidden_states", "bootstrap_host", "data_parallel_rank",
+)  # fmt: skip
+
+
+def _finish(choice: Choice, max_tokens: int) -> dict[str, Any] | None:
+    if choice.finish_reason is None:
+        return None
+    if choice.finish_reason == "length":
+        return {"type": "length", "length": max_tokens}
+    return {"type": "stop", "matched": choice.matched}
+
+
+def _meta(state: RequestState, choice: Choice, max_tokens: int) -> dict[str, Any]:
+    return {
+        "id": state.request_id,
+        "finish_reason": _finish(choice, max_tokens),
+        "prompt_tokens": choice.prompt_tokens,
+        "completion_tokens": choice.completion_tokens,
+        "cached_tokens": choice.cached_tokens or 0,
+        "e2e_latency": round(trio.current_time() - state.t_start, 6),
+    }
+
+
+class NativeRenderer:
+    def __init__(self, state: RequestState, max_tokens: int, *, indexed: bool) -> None:
+        self.state = state
+        self.max_tokens = max_tokens
+        self.indexed = indexed
+
+    def delta(self, choice: Choice, text: str) -> bytes:
+        if text:
+            choice.parts.append(text)
+        elif not choice.done:
+            return b""
+        out: dict[str, Any] = {
+            "text": "".join(choice.parts),
+            "output_ids": choice.output_ids,
+            "meta_info": _meta(self.state, choice, self.max_tokens),
+        }
+        if self.indexed:
+            out["index"] = choice.index
+        return event(out)
+
+    def end(self) -> bytes:
+        return DONE
+
+    def error(self, err: SmgdError) -> bytes:
+        return stream_error(err)
+
+
+@blueprint.post("/generate")
+async def generate() -> Response:
+    ctx = api()
+    body = await read_json()
+    model, text = resolve_model(ctx.gateway, body)
+    for key in _UNSUPPORTED:
+        if body.get(key) is not None:
+            raise InvalidRequest(f"`{key}` is not supported by smgd", param=key)
+    streaming = body.get("stream") or False
+    if not isinstance(streaming, bool):
+        raise InvalidRequest("`stream` must be a boolean", param="stream")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidRequest(
+            "`rid` must be a string (batched requests are not supported)", param="rid"
+        )
+    if rid is not None:
+        g.request_id = check_request_id(rid, "rid")  # echoed in X-Request-Id and logs
+    prompt_text, input_ids = body.get("text"), body.get("input_ids")
+    if (prompt_text is None) == (input_ids is None):
+        raise InvalidRequest("exactly one of `text` and `input_ids` is required", param="text")
+    if prompt_text is not None:
+        if not isinstance(prompt_text, str):
+            raise InvalidRequest(
+                "`text` must be a string (batched requests are not supported)", param="text"
+            )
+        ids = await encode(text.tokenizer, prompt_text, add_special_tokens=True)
+    else:
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
+            raise InvalidRequest(
+                "`input_ids` must be an array of token ids (batches are not supported)",
+                param="input_ids",
+            )
+        ids = input_ids
+    logprobs: int | None = None
+    if body.get("return_logprob"):
+        top = body.get("top_logprobs_num") or 0
+        logprobs = top if isinstance(top, int) else -1
+    sampling_params = body.get("sampling_params")
+    vocab, eos = text.vocab_size, text.tokenizer.eos_token_ids
+
+    def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
+        return from_native(
+            sampling_params,
+            prompt_len=prompt_len,
+            context_len=context_len,
+            vocab_size=vocab,
+            eos_token_ids=eos,
+            logprobs=logprobs,
+        )
+
+    state = RequestState(
+        request_id=request_id(),
+        kind="generate",
+        model=model,
+        created=int(time.time()),
+        t_start=trio.current_time(),
+    )
+    jobs, options = plan_jobs(
+        ctx.gateway, model, text, [ids], sampling_for, state,
+        keep_ids=True, logprobs_param="return_logprob",
+    )  # fmt: skip
+    max_tokens = jobs[0].request.sampling.max_tokens
+    if streaming:
+        render = NativeRenderer(state, max_tokens, indexed=options.n > 1)
+        body_iter = stream(jobs, state, render, keepalive_s=ctx.keepalive_s, nursery=app_nursery())
+        response = Response(body_iter, headers=SSE_HEADERS)
+        response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
+        return response
+    await collect(jobs, state)
+    outs = [_final(state, job, max_tokens) for job in jobs]
+    payload: Any = outs[0] if len(outs) == 1 else outs
+    return Response(encode_json(payload), content_type="application/json")
+
+
+def _final(state: RequestState, job: Job, max_tokens: int) -> dict[str, Any]:
+    choice = job.choice
+    return {
+        "text": "".join(choice.parts),
+        "output_ids": choice.output_ids,
+        "meta_info": _meta(state, choice, max_tokens),
+    }

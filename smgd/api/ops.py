@@ -1,0 +1,142 @@
+"""Operational endpoints: health, readiness, models, tokenize/detokenize.
+
+- ``GET /health`` and ``GET /liveness``: 200 whenever the event loop answers (a failing
+  liveness probe restarts the process, so it checks nothing else).
+- ``GET /readiness``: 200 only when every required engine is ready and smgd is not draining;
+  otherwise 503 with a reason per engine.
+- ``GET /v1/models``: served model names with the context length the engines reported at
+  their handshake (``max_model_len``), falling back to the model's config.json.
+- ``POST /v1/tokenize`` (also ``/tokenize``): ``{"model", "prompt" | "messages",
+  "add_special_tokens"}`` → ``{"tokens", "count", "max_model_len"}``.
+- ``POST /v1/detokenize`` (also ``/detokenize``): ``{"model", "tokens"}`` → ``{"prompt"}``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from quart import Blueprint, Response
+
+from smgd.api.prepare import api, encode, read_json, resolve_model
+from smgd.api.sse import encode_json
+from smgd.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from smgd.gateway import Gateway
+
+__all__ = ["blueprint", "model_cards", "readiness_report"]
+
+blueprint = Blueprint("ops", __name__)
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(encode_json(payload), status=status, content_type="application/json")
+
+
+@blueprint.get("/health")
+@blueprint.get("/liveness")
+async def health() -> Response:
+    return _json({"status": "ok"})
+
+
+def readiness_report(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
+    """(ready, report): every required engine ready, and not draining."""
+    engines = {e.name: e for e in gateway.router.engines()}
+    report: dict[str, Any] = {}
+    ready = not gateway.draining
+    for config in gateway.config.engines:
+        engine = engines.get(config.name)
+        state = engine.state.value if engine is not None else "absent"
+        up = engine is not None and engine.ready
+        if config.required and not up:
+            ready = False
+        report[config.name] = {
+            "state": state,
+            "ready": up,
+            "required": config.required,
+            "last_error": engine.last_error if engine is not None else None,
+        }
+    status = "ready" if ready else ("draining" if gateway.draining else "not_ready")
+    return ready, {"status": status, "draining": gateway.draining, "engines": report}
+
+
+@blueprint.get("/readiness")
+async def readiness() -> Response:
+    ready, report = readiness_report(api().gateway)
+    response = _json(report, 200 if ready else 503)
+    if not ready:
+        response.headers["Retry-After"] = "5"
+    return response
+
+
+def model_cards(gateway: Gateway, created: int) -> list[dict[str, Any]]:
+    table = gateway.router.models()
+    cards = []
+    for model, text in gateway.texts.items():
+        lens = [e.info.max_model_len for e in table.get(model, []) if e.info is not None]
+        cards.append(
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "smgd",
+                "root": str(text.model_dir),
+                "parent": None,
+                "max_model_len": min(lens) if lens else text.max_model_len,
+                "ready": any(e.ready for e in table.get(model, [])),
+            }
+        )
+    return cards
+
+
+@blueprint.get("/v1/models")
+async def models() -> Response:
+    ctx = api()
+    return _json({"object": "list", "data": model_cards(ctx.gateway, ctx.created)})
+
+
+@blueprint.post("/v1/tokenize")
+@blueprint.post("/tokenize")
+async def tokenize() -> Response:
+    ctx = api()
+    body = await read_json()
+    model, text = resolve_model(ctx.gateway, body)
+    tokenizer = text.tokenizer
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise InvalidRequest("`add_special_tokens` must be a boolean", param="add_special_tokens")
+    if "messages" in body:
+        prompt = tokenizer.render_chat(
+            body["messages"], add_generation_prompt=body.get("add_generation_prompt") is not False
+        )
+        ids = await encode(tokenizer, prompt, add_special_tokens=bool(special))
+    else:
+        raw = body.get("prompt")
+        if not isinstance(raw, str):
+            raise InvalidRequest("`prompt` (a string) or `messages` is required", param="prompt")
+        ids = await encode(tokenizer, raw, add_special_tokens=special is not False)
+    lens = [e.info.max_model_len for e in ctx.gateway.router.models().get(model, []) if e.info]
+    return _json(
+        {
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": min(lens) if lens else text.max_model_len,
+        }
+    )
+
+
+@blueprint.post("/v1/detokenize")
+@blueprint.post("/detokenize")
+async def detokenize() -> Response:
+    ctx = api()
+    body = await read_json()
+    _, text = resolve_model(ctx.gateway, body)
+    tokens = body.get("tokens")
+    vocab = text.vocab_size
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+    ):
+        raise InvalidRequest(
+            f"`tokens` must be an array of token ids in [0, {vocab})", param="tokens"
+        )
+    return _json({"prompt": text.tokenizer.decode(tokens, skip_special_tokens=False)})

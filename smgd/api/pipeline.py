@@ -1,0 +1,212 @@
+"""Per-request state, pure: one :class:`Choice` per engine request, one :class:`RequestState`.
+
+A :class:`Choice` turns the engine's token-id deltas into client text (incremental
+detokenizer + stop-string matcher with hold-back, via :class:`~smgd.text.stream.TextStream`),
+counts tokens and decides the OpenAI ``finish_reason``. :class:`RequestState` holds the
+choices of one HTTP request plus its ids and timings, computes ``usage`` and the one log line
+written when the request ends. No trio, no HTTP: times are passed in.
+
+Request ids: the client's ``X-Request-Id`` (bounded length and charset) or a minted one names
+the HTTP request in headers and logs; each engine request gets its own fixed-length
+``uuid4().hex`` rid, because SGLang aborts by rid *prefix* and clients reuse header ids.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from smgd.api.errors import engine_finish_error
+from smgd.errors import InvalidRequest
+from smgd.wire.common import FinishReason, TokenDelta
+
+if TYPE_CHECKING:
+    from smgd.text.stream import TextStream
+
+__all__ = ["Choice", "RequestState", "check_request_id", "new_engine_rid", "new_request_id"]
+
+# A client id is echoed in headers and every log line: 128 visible characters is enough for
+# any UUID/ULID/trace-id scheme and keeps a hostile header from bloating logs (xLLM caps 256).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+_FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_engine_rid() -> str:
+    """Fixed-length hex: no engine rid is a prefix of another (SGLang aborts by prefix)."""
+    return uuid.uuid4().hex
+
+
+def check_request_id(value: str, param: str) -> str:
+    if not _CLIENT_ID.fullmatch(value):
+        raise InvalidRequest(
+            f"{param} must be 1-128 characters of [A-Za-z0-9._:/+=@-]", param=param
+        )
+    return value
+
+
+class Choice:
+    """One engine request's output as the client sees it."""
+
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "counts_prompt",
+        "engine",
+        "finish_reason",
+        "index",
+        "matched",
+        "output_ids",
+        "parts",
+        "prompt_tokens",
+        "rid",
+        "sent_role",
+        "stopped_here",
+        "text",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        rid: str,
+        text: TextStream,
+        *,
+        prompt_tokens: int,
+        counts_prompt: bool = True,
+        engine: str = "",
+        keep_ids: bool = False,
+    ) -> None:
+        self.index = index
+        self.rid = rid
+        self.text = text
+        self.engine = engine
+        self.prompt_tokens = prompt_tokens
+        self.counts_prompt = counts_prompt  # n > 1 shares a prompt: usage counts it once
+        self.completion_tokens = 0
+        self.cached_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.matched: int | str | None = None
+        self.stopped_here = False  # a stop string matched in smgd: the engine must be aborted
+        self.sent_role = False
+        self.parts: list[str] = []  # text so far, kept for non-streamed and native responses
+        self.output_ids: list[int] | None = [] if keep_ids else None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, delta: TokenDelta) -> str:
+        """Fold one (coalesced) engine delta in; return the new client text.
+
+        Sets ``finish_reason`` when the engine finished or a stop string matched. Raises the
+        :class:`~smgd.errors.SmgdError` for an engine-side abort or failure.
+        """
+        if self.finish_reason is not None:
+            return ""
+        ids = delta.token_ids
+        self.completion_tokens += len(ids)
+        if delta.completion_tokens is not None:
+            self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
+        if delta.prompt_tokens is not None:
+            self.prompt_tokens = delta.prompt_tokens
+        if self.output_ids is not None:
+            self.output_ids.extend(ids)
+        finish = delta.finish
+        if finish is not None and finish.reason not in _FINISH_TEXT:
+            raise engine_finish_error(finish)
+        stop_token = (
+            finish is not None
+            and finish.reason is FinishReason.STOP
+            and finish.matched_token is not None
+            and bool(ids)
+            and ids[-1] == finish.matched_token
+        )
+        text, hit = self.text.push(ids, stop_token=stop_token)
+        if hit is not None:
+            self.finish_reason, self.matched = "stop", hit
+            self.stopped_here = finish is None
+        elif finish is not None:
+            text += self.text.finish()
+            if self.text.stop_hit is not None:  # the held-back tail completed a stop
+                self.finish_reason, self.matched = "stop", self.text.stop_hit
+            else:
+                self.finish_reason = _FINISH_TEXT[finish.reason]
+                self.matched = (
+                    finish.matched_token
+                    if finish.matched_token is not None
+                    else (finish.matched_text)
+                )
+        return text
+
+
+class RequestState:
+    """One HTTP request: its choices, ids, timings; usage and the final log line."""
+
+    __slots__ = (
+        "choices",
+        "created",
+        "error",
+        "kind",
+        "model",
+        "request_id",
+        "t_end",
+        "t_first",
+        "t_start",
+    )
+
+    def __init__(
+        self, *, request_id: str, kind: str, model: str, created: int, t_start: float
+    ) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.model = model
+        self.created = created
+        self.t_start = t_start
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.choices: list[Choice] = []
+        self.error: str | None = None
+
+    def first_output(self, now: float) -> None:
+        if self.t_first is None:
+            self.t_first = now
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(c.prompt_tokens for c in self.choices if c.counts_prompt)
+        completion = sum(c.completion_tokens for c in self.choices)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        cached = [c.cached_tokens for c in self.choices if c.counts_prompt]
+        if any(x is not None for x in cached):
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(x or 0 for x in cached)}
+        return usage
+
+    def log_fields(self, now: float) -> dict[str, Any]:
+        """The structured fields of the request's one log line."""
+        self.t_end = now
+        usage = self.usage()
+        ttft = None if self.t_first is None else round((self.t_first - self.t_start) * 1e3, 2)
+        return {
+            "request_id": self.request_id,
+            "endpoint": self.kind,
+            "model": self.model,
+            "engine": ",".join(sorted({c.engine for c in self.choices})),
+            "engine_rids": [c.rid for c in self.choices],
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
+            "ttft_ms": ttft,
+            "e2e_ms": round((now - self.t_start) * 1e3, 2),
+            "finish_reason": ",".join(c.finish_reason or "none" for c in self.choices),
+            "error": self.error,
+        }

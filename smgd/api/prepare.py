@@ -1,0 +1,174 @@
+"""Request preparation shared by the OpenAI and native endpoints.
+
+Body → JSON dict (400 on anything else), model → :class:`~smgd.gateway.ModelText` (404),
+text → token ids (big prompts in a worker thread), then engines picked and every engine
+request validated *before* the response starts, so no bad input reaches an engine and every
+client error is a real 4xx status rather than a mid-stream event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from quart import current_app, g, request
+
+from smgd.api.execute import Job
+from smgd.api.pipeline import Choice, new_engine_rid
+from smgd.errors import EngineNotReady, InvalidRequest
+from smgd.text.stream import TextStream
+from smgd.wire.common import GenerateRequest
+
+if TYPE_CHECKING:
+    from smgd.api.pipeline import RequestState
+    from smgd.gateway import Gateway, ModelText
+    from smgd.sampling import TextOptions
+    from smgd.text.tokenizer import Tokenizer
+    from smgd.wire.common import SamplingParams
+
+__all__ = [
+    "MAX_CHOICES",
+    "ApiContext",
+    "api",
+    "app_nursery",
+    "encode",
+    "plan_jobs",
+    "read_json",
+    "request_id",
+    "resolve_model",
+]
+
+log = logging.getLogger("smgd.api")
+
+# Prompts longer than this (characters) are tokenized in a worker thread: `encode_batch`
+# releases the GIL, while ~16 K characters tokenize inline in about a millisecond, below the
+# cost of a thread hop.
+BIG_PROMPT_CHARS = 16_384
+# One HTTP request fans out into (prompts x n) engine requests while admission sees one;
+# 64 bounds what a single batched /v1/completions call can put on the engines.
+MAX_CHOICES = 64
+
+_decoder = msgspec.json.Decoder()
+
+
+@dataclass(slots=True)
+class ApiContext:
+    """What the handlers need, stored in ``app.extensions["smgd"]``."""
+
+    gateway: Gateway
+    api_keys: tuple[bytes, ...]
+    tokenize_limiter: trio.CapacityLimiter
+    keepalive_s: float
+    created: int  # unix time the app was built (the `created` of /v1/models)
+
+
+def api() -> ApiContext:
+    ctx: ApiContext = current_app.extensions["smgd"]
+    return ctx
+
+
+def app_nursery() -> trio.Nursery:
+    """quart-trio's app-wide nursery (set up by the ASGI lifespan): home of n > 1 pumps."""
+    nursery: trio.Nursery = current_app.nursery  # type: ignore[attr-defined]
+    return nursery
+
+
+def request_id() -> str:
+    rid: str = g.request_id
+    return rid
+
+
+async def read_json() -> dict[str, Any]:
+    data = await request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
+    assert isinstance(data, bytes)
+    try:
+        body = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def resolve_model(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelText]:
+    model = body.get("model")
+    if model is None:
+        served = list(gateway.texts)
+        if len(served) != 1:
+            raise InvalidRequest("`model` is required", param="model")
+        model = served[0]
+    if not isinstance(model, str):
+        raise InvalidRequest("`model` must be a string", param="model")
+    return model, gateway.text(model)
+
+
+async def encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    if len(text) < BIG_PROMPT_CHARS:
+        return tokenizer.encode(text, add_special_tokens)
+    ids = await trio.to_thread.run_sync(
+        tokenizer.encode_many, [text], add_special_tokens, limiter=api().tokenize_limiter
+    )
+    return ids[0]
+
+
+SamplingFor = Callable[[int, int], "tuple[SamplingParams, TextOptions]"]
+
+
+def plan_jobs(
+    gateway: Gateway,
+    model: str,
+    text: ModelText,
+    prompts: list[list[int]],
+    sampling_for: SamplingFor,
+    state: RequestState,
+    *,
+    keep_ids: bool = False,
+    logprobs_param: str = "logprobs",
+) -> tuple[list[Job], TextOptions]:
+    """Pick an engine per choice, normalize sampling, validate; (prompts x n) jobs."""
+    if not prompts:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    jobs: list[Job] = []
+    options: TextOptions | None = None
+    for p_index, ids in enumerate(prompts):
+        first = gateway.router.pick(model, ids)
+        if first.info is None:
+            raise EngineNotReady(f"engine {first.name} is not ready")
+        params, options = sampling_for(len(ids), first.info.max_model_len)
+        if params.logprobs is not None:
+            raise InvalidRequest("logprobs are not supported by smgd yet", param=logprobs_param)
+        n = options.n
+        if n * len(prompts) > MAX_CHOICES:
+            raise InvalidRequest(
+                f"{len(prompts)} prompt(s) x n={n} exceeds {MAX_CHOICES} choices", param="n"
+            )
+        for j in range(n):
+            engine = first if j == 0 else gateway.router.pick(model, ids)
+            req = GenerateRequest(rid=new_engine_rid(), prompt_ids=ids, sampling=params)
+            engine.validate(req)
+            stream = TextStream(
+                text.tokenizer,
+                stops=options.stop,
+                include_stop=options.include_stop_str_in_output,
+                skip_special_tokens=options.skip_special_tokens,
+                prompt_ids=ids,
+            )
+            choice = Choice(
+                p_index * n + j,
+                req.rid,
+                stream,
+                prompt_tokens=len(ids),
+                counts_prompt=j == 0,
+                engine=engine.name,
+                keep_ids=keep_ids,
+            )
+            jobs.append(Job(engine, req, choice))
+            state.choices.append(choice)
+    assert options is not None
+    if options.ignored:
+        log.debug("%s: ignored request keys %s", state.request_id, ", ".join(options.ignored))
+    return jobs, options
