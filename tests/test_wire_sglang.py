@@ -32,6 +32,11 @@ def frame(name: str) -> bytes:
     return bytes.fromhex(BY_NAME[name]["hex"])
 
 
+def live(kind: str) -> dict[str, Any]:
+    """The first frame of this type captured from the real scheduler."""
+    return next(v for v in VECTORS if v["source"] == "captured_live" and v["type"] == kind)
+
+
 def with_key(key: str) -> list[dict[str, Any]]:
     return [v for v in VECTORS if key in v]
 
@@ -338,8 +343,8 @@ def test_mock_side_encoders_round_trip_through_decode_output() -> None:
     assert sg.decode_output(sg.encode_abort_echo("c" * 32, abort)) == [
         TokenDelta(rid="c" * 32, token_ids=[], finish=abort)
     ]
-    health = sg.decode_output(sg.encode_health_output("HEALTH_CHECK_x"))
-    assert health == sg.HealthCheckOutput(rid="HEALTH_CHECK_x")
+    assert sg.decode_output(sg.encode_health_output()) == sg.HealthCheckOutput()
+    assert sg.encode_health_output() == bytes.fromhex(live("HealthCheckOutput")["hex"])
 
 
 def test_mock_output_has_sglang_shape() -> None:
@@ -373,3 +378,21 @@ def test_json_encode_rejects_bad_input() -> None:
 def test_ids_survive_int64_range() -> None:
     ids = [0, 1, 65536, (1 << 63) - 1, -(1 << 63)]
     assert sg.ext_to_ids(sg.ids_to_ext(ids)) == ids
+
+
+@pytest.mark.parametrize(
+    "vec",
+    [
+        v
+        for v in VECTORS
+        if v["direction"] == "scheduler_to_router" and v["type"] != "PickleWrapper"
+    ],
+    ids=lambda v: v["name"],
+)
+def test_every_scheduler_frame_decodes_on_the_hot_path(vec: dict[str, Any]) -> None:
+    got = sg.decode_output(bytes.fromhex(vec["hex"]))
+    if vec["type"] in ("BatchTokenIDOutput", "AbortReq"):
+        assert isinstance(got, list)
+        assert all(isinstance(d, TokenDelta) for d in got)
+    else:
+        assert type(got).__name__ in (vec["type"], "OtherMessage")

@@ -191,7 +191,11 @@ class AbortReq(BaseReq, kw_only=True):
 
 
 class HealthCheckOutput(BaseReq, kw_only=True):
-    """Sent instead of running a health-check request when the scheduler is busy."""
+    """Sent instead of running a health-check request when the scheduler is busy.
+
+    The scheduler does not echo the health check's rid here (rid is None): it answers the
+    oldest pending check.
+    """
 
 
 class FlushCacheReqInput(BaseReq, kw_only=True):
@@ -943,8 +947,12 @@ def encode_abort_echo(rid: str, finish: Finish | None = None) -> bytes:
     )
 
 
-def encode_health_output(rid: str) -> bytes:
-    """The HealthCheckOutput a busy scheduler sends instead of running a health check."""
+def encode_health_output(rid: str | None = None) -> bytes:
+    """The HealthCheckOutput a busy scheduler sends instead of running a health check.
+
+    SGLang's scheduler leaves ``rid`` empty (it answers the oldest pending health check), so a
+    faithful mock passes no rid.
+    """
     return _encoder.encode(HealthCheckOutput(rid=rid))
 
 

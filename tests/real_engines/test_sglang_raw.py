@@ -119,6 +119,8 @@ def scheduler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scheduler]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
         capture = os.environ.get("SMGD_SGLANG_CAPTURE")
         if capture:
             Path(capture).write_text(json.dumps(sched.captured, indent=1))
@@ -212,7 +214,8 @@ def test_health_check_answers(scheduler: Scheduler) -> None:
     scheduler.send("health", sg.encode_health_check(rid))
     while True:
         got = scheduler.recv("health")
-        if isinstance(got, sg.HealthCheckOutput) and got.rid == rid:
+        if isinstance(got, sg.HealthCheckOutput):  # busy: answered at once, rid not echoed
+            assert got.rid is None
             break
         if isinstance(got, list) and any(d.rid == rid and d.finish for d in got):
             (delta,) = [d for d in got if d.rid == rid]
