@@ -6,8 +6,8 @@ the scheduler; the step loop owns the output socket and sends one batched frame 
 exactly like a real scheduler. Runs in-process (tests) or as ``smgd mock-engine`` (a child).
 
 Faults, on command (:meth:`MockEngine.inject` or the ``--control`` socket):
-``die`` (exit at once, exit code 1), ``hang`` (stop stepping and reading), ``garble`` (send one
-undecodable frame per step), ``silent`` (keep reading, never send), ``ok`` (clear faults).
+``die`` (exit at once, exit code 1), ``hang`` (stop stepping and reading), ``garble`` (every
+output message becomes an undecodable frame), ``silent`` (keep reading, never send), ``ok`` (clear faults).
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class MockEngine:
         self.exit_process_on_die = exit_process_on_die
         self.fault: Fault = "ok"
         self._work = trio.Event()
+        self._fault_changed = trio.Event()
         self.frames_sent = 0
 
     def inject(self, fault: Fault) -> None:
@@ -85,6 +86,8 @@ class MockEngine:
                 os._exit(1)
             raise EngineExit(1)
         self.fault = fault
+        changed, self._fault_changed = self._fault_changed, trio.Event()
+        changed.set()
         self._work.set()
 
     async def run(self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,8 +109,8 @@ class MockEngine:
 
     async def _reader(self, in_sock: TrioSocket, out_sock: TrioSocket) -> None:
         while True:
-            if self.fault == "hang":
-                await trio.sleep_forever()
+            while self.fault == "hang":
+                await self._fault_changed.wait()
             batch = await in_sock.recv_multipart_batch(256)
             for frames in batch:
                 replies = self.wire.on_request([bytes(f) for f in frames], self.sched)
@@ -123,16 +126,19 @@ class MockEngine:
                 self._work = trio.Event()
                 await self._work.wait()
                 next_step = trio.current_time()
-            if self.fault == "hang":
-                await trio.sleep_forever()
+            while self.fault in ("hang", "silent"):
+                # Nothing is produced: park until the next fault command (e.g. "ok").
+                await self._fault_changed.wait()
+                next_step = trio.current_time()
             outputs = self.sched.step()
             messages = self.wire.encode_step(outputs, self.sched.take_aborted_queued(), self.sched)
             if self.fault == "garble":
-                messages.insert(0, self.wire.garbage())
-            if self.fault != "silent":
-                for message in messages:
-                    await out_sock.send_multipart(message)
-                    self.frames_sent += 1
+                # Every message of the step is replaced: the outputs are lost, as they would be
+                # if the engine wrote a frame smgd cannot decode.
+                messages = [self.wire.garbage() for _ in messages] or [self.wire.garbage()]
+            for message in messages:
+                await out_sock.send_multipart(message)
+                self.frames_sent += 1
             next_step += self.step_s
             now = trio.current_time()
             if next_step > now:

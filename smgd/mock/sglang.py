@@ -1,0 +1,104 @@
+"""The mock engine on SGLang's scheduler wire: it connects exactly like a headless scheduler.
+
+Scheduler side of the topology: PULL connects to smgd's request socket, PUSH connects to smgd's
+output socket. Requests are decoded and outputs encoded with smgd's own SGLang codec, which is
+byte-checked against SGLang's encoder, so the mock speaks the real wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+from smgd.mock.engine import GARBAGE, EngineExit
+from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
+from smgd.wire import sglang as codec
+from smgd.wire.common import Finish, FinishReason
+from smgd.zmq_trio import TrioSocket
+
+_FINISH = {
+    MockFinish.LENGTH: FinishReason.LENGTH,
+    MockFinish.STOP: FinishReason.STOP,
+    MockFinish.ABORT: FinishReason.ABORT,
+}
+
+
+class SglangMockWire:
+    def __init__(self, input_addr: str, output_addr: str) -> None:
+        self.input_addr = input_addr
+        self.output_addr = output_addr
+
+    async def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, TrioSocket]:
+        pull = ctx.socket(zmq.PULL)
+        push = ctx.socket(zmq.PUSH)
+        for sock in (pull, push):
+            sock.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        push.setsockopt(zmq.SNDHWM, 0)
+        pull.connect(self.input_addr)
+        push.connect(self.output_addr)
+        return TrioSocket(pull), TrioSocket(push)
+
+    def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
+        msg = codec.decode_request(frames[0])
+        if isinstance(msg, codec.TokenizedGenerateReqInput):
+            self._add(msg, sched)
+        elif isinstance(msg, codec.BatchTokenizedGenerateReqInput):
+            for item in msg.batch:
+                self._add(item, sched)
+        elif isinstance(msg, codec.AbortReq):
+            sched.abort("" if msg.abort_all else (msg.rid or ""))
+        elif isinstance(msg, codec.FlushCacheReqInput):
+            return [[codec.encode_flush_output(True)]]
+        elif isinstance(msg, codec.ShutdownReq):
+            raise EngineExit(0)
+        return []
+
+    @staticmethod
+    def _add(msg: codec.TokenizedGenerateReqInput, sched: MockScheduler) -> None:
+        sp = msg.sampling_params
+        ids = codec.ext_to_ids(msg.input_ids)
+        sched.add(
+            MockRequest(
+                rid=msg.rid or "",
+                prompt_ids=ids,
+                max_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else 128,
+                stop_token_ids=frozenset(sp.stop_token_ids or ()),
+                ignore_eos=sp.ignore_eos,
+                stream=msg.stream,
+            )
+        )
+
+    def encode_step(
+        self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
+    ) -> list[list[bytes]]:
+        messages: list[list[bytes]] = []
+        if outputs:
+            rows = [
+                (
+                    o.rid,
+                    o.new_ids,
+                    _finish(o),
+                    o.prompt_tokens,
+                    o.completion_tokens,
+                    o.cached_tokens,
+                )
+                for o in outputs
+            ]
+            messages.append([codec.encode_batch_output(rows)])
+        for rid in aborted_queued:
+            finish = Finish(reason=FinishReason.ABORT, message="Aborted")
+            messages.append([codec.encode_abort_echo(rid, finish)])
+        return messages
+
+    def garbage(self) -> list[bytes]:
+        return [GARBAGE]
+
+
+def _finish(o: StepOutput) -> Finish | None:
+    if o.finish is None:
+        return None
+    if o.finish is MockFinish.ABORT:
+        return Finish(reason=FinishReason.ABORT, message="Aborted")
+    return Finish(reason=_FINISH[o.finish], matched_token=o.matched)

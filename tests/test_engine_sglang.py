@@ -1,0 +1,167 @@
+"""SGLang engine client against the mock engine over real ipc sockets (one trio loop)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import trio
+import trio.testing
+
+from smgd.engines.base import EngineState
+from smgd.errors import EngineDead, EngineNotReady, InvalidRequest
+from smgd.wire.common import FinishReason, TokenDelta
+
+from .engine_harness import expected_echo, request, sglang_pair
+
+
+async def collect(client, req) -> tuple[list[int], TokenDelta]:  # type: ignore[no-untyped-def]
+    ids: list[int] = []
+    last = None
+    async with client.open_stream(req) as stream:
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+            last = delta
+    assert last is not None
+    return ids, last
+
+
+async def test_stream_tokens_usage_and_length_finish() -> None:
+    async with sglang_pair() as pair:
+        ids, last = await collect(pair.client, request(uuid.uuid4().hex, [10, 11, 12], 7))
+        assert ids == expected_echo([10, 11, 12], 7)
+        assert last.finish is not None and last.finish.reason is FinishReason.LENGTH
+        assert last.completion_tokens == 7
+        assert last.prompt_tokens == 3
+
+
+async def test_stop_token_ids_end_with_stop_and_matched_id() -> None:
+    async with sglang_pair() as pair:
+        req = request(uuid.uuid4().hex, [10, 11, 12, 13], 50, stop_token_ids=(12,))
+        ids, last = await collect(pair.client, req)
+        assert ids == [10, 11, 12]
+        assert last.finish is not None
+        assert (last.finish.reason, last.finish.matched_token) == (FinishReason.STOP, 12)
+
+
+async def test_512_concurrent_streams_lose_and_duplicate_nothing() -> None:
+    results: dict[str, list[int]] = {}
+    finishes: dict[str, FinishReason] = {}
+    async with sglang_pair(step_s=0.001, max_batch=512) as pair:
+
+        async def one(i: int) -> None:
+            prompt = [100 + (i % 50), 200 + (i % 7), 300 + i % 300]
+            ids, last = await collect(pair.client, request(f"{i:032x}", prompt, 20 + i % 13))
+            results[f"{i:032x}"] = ids
+            assert last.finish is not None
+            finishes[f"{i:032x}"] = last.finish.reason
+
+        async with trio.open_nursery() as nursery:
+            for i in range(512):
+                nursery.start_soon(one, i)
+    assert len(results) == 512
+    for i in range(512):
+        prompt = [100 + (i % 50), 200 + (i % 7), 300 + i % 300]
+        assert results[f"{i:032x}"] == expected_echo(prompt, 20 + i % 13)
+        assert finishes[f"{i:032x}"] is FinishReason.LENGTH
+
+
+async def test_leaving_a_stream_early_aborts_it_on_the_engine() -> None:
+    async with sglang_pair(step_s=0.005) as pair:
+        assert pair.mock is not None
+        rid = uuid.uuid4().hex
+        async with pair.client.open_stream(request(rid, [5, 6], 10_00)) as stream:
+            await stream.receive()
+        assert pair.client.in_flight == 0
+        with trio.fail_after(5):
+            while rid in pair.mock.sched.running or pair.mock.sched.waiting:
+                await trio.sleep(0.005)
+        assert pair.mock.sched.idle
+
+
+async def test_validation_rejects_before_sending() -> None:
+    async with sglang_pair() as pair:
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            async with pair.client.open_stream(request("a" * 32, [5, 99999], 4)):
+                pass
+        with pytest.raises(InvalidRequest, match="maximum context length") as info:
+            async with pair.client.open_stream(request("b" * 32, [5] * 10, 4090)):
+                pass
+        assert info.value.param == "max_tokens"
+        with pytest.raises(InvalidRequest, match="empty"):
+            async with pair.client.open_stream(request("c" * 32, [], 4)):
+                pass
+
+
+async def test_not_ready_before_the_scheduler_attaches(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with sglang_pair(with_mock=False, ready_s=5.0) as pair:
+        assert pair.client.state is EngineState.STARTING
+        with pytest.raises(EngineNotReady):
+            async with pair.client.open_stream(request("d" * 32, [5], 4)):
+                pass
+
+
+async def test_garbled_frame_streak_kills_engine_and_fails_streams() -> None:
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with sglang_pair(step_s=0.002) as pair:
+            assert pair.mock is not None
+            async with pair.client.open_stream(request("e" * 32, [5, 6], 100_0)) as stream:
+                await stream.receive()
+                pair.mock.inject("garble")
+                with pytest.raises(EngineDead, match="undecodable"):
+                    while True:
+                        await stream.receive()
+            assert pair.client.state is EngineState.DEAD
+            await trio.sleep_forever()
+
+
+async def test_silence_with_requests_in_flight_kills_engine(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with sglang_pair(step_s=0.01, silence_s=30.0) as pair:
+            assert pair.mock is not None
+            async with pair.client.open_stream(request("f" * 32, [5, 6], 4000)) as stream:
+                await stream.receive()
+                pair.mock.inject("silent")
+                start = trio.current_time()
+                with pytest.raises(EngineDead, match="no output"):
+                    while True:
+                        await stream.receive()
+                assert 30.0 <= trio.current_time() - start <= 30.0 * 1.25 + 1
+            await trio.sleep_forever()
+
+
+@pytest.mark.slow
+async def test_kill_9_of_launched_engine_fails_all_streams_within_2s() -> None:
+    errors: list[BaseException] = []
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with sglang_pair(launch_mock=True, step_s=0.005) as pair:
+            killed_at = 0.0
+            async with trio.open_nursery() as nursery:
+
+                async def one(i: int) -> None:
+                    req = request(f"{i:032x}", [7, 8], 4000)
+                    try:
+                        async with pair.client.open_stream(req) as stream:
+                            async for _ in stream:
+                                pass
+                    except EngineDead as exc:
+                        errors.append(exc)
+
+                for i in range(64):
+                    nursery.start_soon(one, i)
+                await trio.sleep(0.3)
+                assert pair.client.child is not None
+                killed_at = trio.current_time()
+                os.kill(pair.client.child.pid, signal.SIGKILL)
+            assert trio.current_time() - killed_at < 2.0
+            assert len(errors) == 64
+            reasons = {str(e) for e in errors}
+            assert len(reasons) == 1, "every stream gets the same engine error"
+            assert "exited with code -9" in reasons.pop() or "disconnected" in str(errors[0])
+            await trio.sleep_forever()
