@@ -165,3 +165,16 @@ async def test_kill_9_of_launched_engine_fails_all_streams_within_2s() -> None:
             assert len(reasons) == 1, "every stream gets the same engine error"
             assert "exited with code -9" in reasons.pop() or "disconnected" in str(errors[0])
             await trio.sleep_forever()
+
+
+async def test_a_stale_socket_probe_is_not_mistaken_for_the_scheduler_leaving() -> None:
+    from smgd.errors import TransportError
+    from smgd.ipc import clear_stale_socket
+
+    async with sglang_pair() as pair:
+        with pytest.raises(TransportError, match="live process"):
+            clear_stale_socket(pair.ipc_dir / "in.sock")
+        await trio.sleep(0.1)
+        assert pair.client.state is EngineState.READY
+        ids, _ = await collect(pair.client, request(uuid.uuid4().hex, [9, 10], 3))
+        assert ids == [9, 10, 9]

@@ -100,14 +100,20 @@ class SglangEngineClient(EngineClient):
 
     async def _watch_peer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         assert self._push is not None
+        # Peers are tracked by connection fd: a stale-socket probe (another smgd checking the
+        # path) connects and disconnects too, and must not read as the scheduler leaving.
+        peers: set[int] = set()
         async with open_monitor(self._push, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED) as events:
             task_status.started()
             async for event in events:
                 if event.kind == "accepted":
+                    peers.add(event.value)
                     self._attached.set()
-                elif event.kind == "disconnected" and self._attached.is_set():
-                    self.die("the scheduler disconnected from the request socket")
-                    return
+                elif event.kind == "disconnected":
+                    peers.discard(event.value)
+                    if not peers and self._attached.is_set():
+                        self.die("the scheduler disconnected from the request socket")
+                        return
 
     async def _watch_child(self, child: launch.Child) -> None:
         code = await child.wait()
