@@ -226,8 +226,11 @@ def test_health_check_answers(scheduler: Scheduler) -> None:
 def test_flush_cache(scheduler: Scheduler) -> None:
     scheduler.send("flush", sg.encode_flush_cache())
     got = scheduler.recv("flush")
-    assert isinstance(got, sg.FlushCacheReqOutput)
-    assert got.success is True
+    while not isinstance(got, sg.FlushCacheReqOutput):  # skip stragglers of earlier tests
+        seen = got if isinstance(got, sg.HealthCheckOutput) else None
+        assert seen is not None or isinstance(got, list), got
+        got = scheduler.recv("flush")
+    assert got.success is True, got.message
 
 
 def test_shutdown_ends_launcher_with_zero(scheduler: Scheduler) -> None:
