@@ -21,6 +21,7 @@ everything else. Logs go to stderr.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -58,13 +59,15 @@ def _prepare_env(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     argv = _prepare_env(argv)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.executor import Executor
+    # vLLM lives only in the engine's venv: import by name so smgd's type checker need not
+    # see it.
+    AsyncEngineArgs = importlib.import_module("vllm.engine.arg_utils").AsyncEngineArgs
+    UsageContext = importlib.import_module("vllm.usage.usage_lib").UsageContext
+    parser_mod = importlib.import_module("vllm.utils.argparse_utils")
+    EngineCoreProc = importlib.import_module("vllm.v1.engine.core").EngineCoreProc
+    Executor = importlib.import_module("vllm.v1.executor").Executor
 
-    parser = FlexibleArgumentParser(description="headless vLLM engine core for smgd")
+    parser = parser_mod.FlexibleArgumentParser(description="headless vLLM engine core for smgd")
     parser.add_argument("--handshake-address", required=True, help="smgd's handshake ROUTER")
     parser.add_argument(
         "--engine-index",
