@@ -34,6 +34,8 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
+        if wire in ("vllm", "tokenspeed"):
+            argv += ["--handshake", "{handshake}"]  # filled in once the client has bound it
     elif launch is not None:
         env = dict(launch.env)
         if launch.kind == "command":
@@ -46,6 +48,26 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
                 "--smgd-input", f"ipc://{input_path}", "--smgd-output", f"ipc://{output_path}",
                 "--model-path", model_dir, *launch.args,
             ]
+        elif launch.kind == "tokenspeed":
+            from smgd.engines.tokenspeed import tokenspeed_argv
+
+            argv = tokenspeed_argv(
+                python=launch.python or "python3",
+                model=str(gateway.text(engine.models[0]).model_dir),
+                args=list(launch.args),
+            )
+    if wire == "tokenspeed":
+        from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient
+
+        # A launched engine is told where to dial (any free port); an external one dials
+        # TokenSpeed's default unless the config names the address.
+        handshake = engine.addresses.handshake or (
+            "tcp://127.0.0.1:*" if argv is not None else DEFAULT_HANDSHAKE
+        )
+        return TokenspeedEngineClient(
+            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
+            handshake=handshake, launch_argv=argv, launch_env=env,
+        )
     if wire == "sglang":
         from smgd.engines.sglang import SglangEngineClient
 

@@ -40,6 +40,15 @@ def build_wire(args: argparse.Namespace) -> MockWire:
         from smgd.mock.sglang import SglangMockWire
 
         return SglangMockWire(args.input, args.output)
+    if args.wire in ("tokenspeed", "vllm") and not args.handshake:
+        raise SystemExit(f"mock-engine: --wire {args.wire} needs --handshake (the engine dials in)")
+    if args.wire == "tokenspeed":
+        from smgd.mock.tokenspeed import TokenspeedMockWire
+
+        # The engine learns --input/--output from smgd's INIT; the flags are kept for symmetry.
+        return TokenspeedMockWire(
+            args.handshake, context_len=args.context_len, max_batch=args.max_batch
+        )
     raise SystemExit(f"mock-engine: wire {args.wire!r} is not available yet")
 
 
