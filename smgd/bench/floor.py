@@ -1,0 +1,194 @@
+"""The raw floor: the least any front end must spend to receive the same token batches.
+
+A bare pyzmq loop (no trio, no HTTP, no detokenization) binds the same two ipc sockets smgd
+binds for an SGLang-wire engine, keeps C requests in flight on the same mock engine, decodes
+every ``BatchTokenIDOutput`` with smgd's codec and demuxes it by rid. Its CPU per token is the
+decode-only cost, the floor smgd's CPU per token is compared with. Latencies are measured at
+the socket, so the TTFT and inter-token figures are the engine's plus ZMQ's, nothing else.
+
+Run as ``python -m smgd.bench.floor < spec.json``: prints ``BOUND`` once the sockets are bound,
+waits for ``GO`` on stdin (the orchestrator starts the mock in between), runs, prints JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from smgd.bench.stats import percentile
+from smgd.wire import sglang as codec
+from smgd.wire.common import GenerateRequest, SamplingParams
+
+# How long one poll waits before re-checking the deadlines: short enough that the hard time
+# limit is honoured promptly, long enough to cost nothing while the engine steps.
+_POLL_MS = 100
+
+
+class FloorSpec(msgspec.Struct, kw_only=True):
+    input_addr: str
+    output_addr: str
+    prompt_ids: list[int]
+    expected_ids: list[int]
+    max_tokens: int
+    concurrency: int
+    duration_s: float
+    max_requests: int
+    time_limit_s: float
+
+
+@dataclass(slots=True)
+class _Stream:
+    start: float
+    last: float = -1.0
+    got: int = 0
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class FloorRun:
+    """The floor's accumulators; :meth:`summary` reduces them (same keys as the loadgen)."""
+
+    spec: FloorSpec
+    ttft: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    started: int = 0
+    completed: int = 0
+    tokens: int = 0
+    window_tokens: int = 0
+    messages: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    bad_streams: int = 0
+
+    def on_tokens(self, st: _Stream, ids: list[int], now: float, t_stop: float) -> None:
+        if ids:
+            if st.last < 0:
+                self.ttft.append(now - st.start)
+            else:
+                self.gaps.append(now - st.last)
+            st.last = now
+        expected = self.spec.expected_ids[st.got : st.got + len(ids)]
+        if ids != expected:
+            st.ok = False
+        st.got += len(ids)
+        self.tokens += len(ids)
+        if now <= t_stop:
+            self.window_tokens += len(ids)
+
+    def on_finish(self, st: _Stream) -> None:
+        m = self.spec.max_tokens
+        self.lost += max(0, m - st.got)
+        self.duplicated += max(0, st.got - m)
+        self.bad_streams += int(not st.ok or st.got != m)
+        self.completed += 1
+
+    def summary(self, wall: float, cpu_s: float) -> dict[str, Any]:
+        window = min(self.spec.duration_s, wall)
+        ms = 1000.0
+        return {
+            "concurrency": self.spec.concurrency,
+            "requests_started": self.started,
+            "requests_completed": self.completed,
+            "requests_failed": self.started - self.completed,
+            "errors": [],
+            "wall_s": round(wall, 3),
+            "window_s": round(window, 3),
+            "output_tokens": self.tokens,
+            "window_tokens": self.window_tokens,
+            "tokens_per_s": round(self.window_tokens / window, 1) if window > 0 else 0.0,
+            "chunks": self.messages,
+            "tokens_per_chunk": round(self.tokens / len(self.gaps + self.ttft), 3)
+            if self.ttft
+            else 0.0,
+            "ttft_p50_ms": round(percentile(self.ttft, 50) * ms, 2),
+            "ttft_p99_ms": round(percentile(self.ttft, 99) * ms, 2),
+            "itl_p50_ms": round(percentile(self.gaps, 50) * ms, 2),
+            "itl_p99_ms": round(percentile(self.gaps, 99) * ms, 2),
+            "lost_tokens": self.lost,
+            "duplicated_tokens": self.duplicated,
+            "bad_streams": self.bad_streams,
+            "server_cpu_s": round(cpu_s, 3),
+        }
+
+
+def _encode(spec: FloorSpec, rid: str) -> bytes:
+    sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    return codec.encode_generate(
+        GenerateRequest(rid=rid, prompt_ids=spec.prompt_ids, sampling=sampling)
+    )
+
+
+def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> dict[str, Any]:
+    run = FloorRun(spec)
+    streams: dict[str, _Stream] = {}
+    cpu0 = sum(os.times()[:2])
+    t0 = time.monotonic()
+    t_stop, t_kill = t0 + spec.duration_s, t0 + spec.time_limit_s
+
+    def submit(now: float) -> None:
+        rid = f"floor-{run.started}"
+        run.started += 1
+        streams[rid] = _Stream(start=now)
+        push.send(_encode(spec, rid))
+
+    for _ in range(min(spec.concurrency, spec.max_requests)):
+        submit(time.monotonic())
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while streams and time.monotonic() < t_kill:
+        if not poller.poll(_POLL_MS):
+            continue
+        while True:
+            try:
+                frame = pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            now = time.monotonic()
+            run.messages += 1
+            deltas = codec.decode_output(frame.buffer)
+            if not isinstance(deltas, list):
+                continue
+            for delta in deltas:
+                st = streams.get(delta.rid)
+                if st is None:
+                    continue
+                run.on_tokens(st, delta.token_ids, now, t_stop)
+                if delta.finish is not None:
+                    del streams[delta.rid]
+                    run.on_finish(st)
+                    if now < t_stop and run.started < spec.max_requests:
+                        submit(now)
+    wall = time.monotonic() - t0
+    return run.summary(wall, sum(os.times()[:2]) - cpu0)
+
+
+def main() -> int:
+    spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=FloorSpec)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for sock in (push, pull):
+        sock.setsockopt(zmq.LINGER, 0)
+    # Unbounded queues, as smgd sets them: the floor must never drop or block on a burst.
+    push.setsockopt(zmq.SNDHWM, 0)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    push.bind(spec.input_addr)
+    pull.bind(spec.output_addr)
+    print("BOUND", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        return 1
+    summary = run_floor(spec, push, pull)
+    sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
+    push.close()
+    pull.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

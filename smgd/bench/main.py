@@ -1,0 +1,165 @@
+"""``smgd bench``: smgd vs a raw ZMQ floor vs vLLM's front end, on the same mock engine.
+
+For each target and each concurrency C, C streaming completions (P prompt tokens, M output
+tokens, ``include_usage``) are kept in flight for a fixed duration by the load generator
+process; the figures per point (see :mod:`smgd.bench.report`) go to ``OUT/bench.json``, a
+table on stdout and ``OUT/bench.png``. Loopback only; every point is bounded in requests and
+time. ``--quick`` is a ~30 s smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from smgd.bench import report
+from smgd.bench.workload import Workload
+
+log = logging.getLogger("smgd.bench")
+
+TARGETS = ("smgd", "floor", "vllm")
+DEFAULT_CONCURRENCY = "1,16,64,256,1024"
+# --quick: three small points of 3 s with short outputs, about 30 s with both start-ups.
+QUICK_CONCURRENCY = "1,16,64"
+QUICK_DURATION_S = 3.0
+QUICK_MAX_TOKENS = 32
+DEFAULT_DURATION_S = 10.0  # several request lifetimes (M=128 at 20 ms = 2.56 s) per point
+DEFAULT_MAX_TOKENS = 128
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError("expected positive integers, e.g. 1,16,64")
+    return values
+
+
+def _targets(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TARGETS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; choose from {TARGETS}")
+    return names
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench-out", help="output directory (default bench-out/)")
+    parser.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=None,
+        help=f"comma-separated stream counts (default {DEFAULT_CONCURRENCY})",
+    )
+    parser.add_argument(
+        "--targets",
+        type=_targets,
+        default=list(TARGETS),
+        help="comma-separated subset of smgd,floor,vllm",
+    )
+    parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
+    parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="P: prompt length")
+    parser.add_argument("--max-tokens", type=int, default=None, help="M: output tokens (128)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per point (10)")
+    parser.add_argument(
+        "--quick", action="store_true", help="~30 s smoke run: C=1,16,64, 3 s, M=32"
+    )
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def workload_from_args(args: argparse.Namespace) -> tuple[Workload, list[int]]:
+    quick = bool(args.quick)
+    conc: list[int] = args.concurrency or _ints(QUICK_CONCURRENCY if quick else DEFAULT_CONCURRENCY)
+    duration: float = args.duration
+    if duration is None:
+        duration = QUICK_DURATION_S if quick else DEFAULT_DURATION_S
+    max_tokens: int = args.max_tokens
+    if max_tokens is None:
+        max_tokens = QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS
+    workload = Workload(
+        step_ms=args.step_ms,
+        max_batch=args.max_batch,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=max_tokens,
+        duration_s=duration,
+    )
+    return workload, conc
+
+
+async def run_all(
+    workload: Workload, conc: list[int], targets: list[str], out: Path
+) -> dict[str, Any]:
+    from smgd.bench import targets as t
+    from smgd.bench import vllm_frontend
+
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for name in targets:
+        if name == "vllm" and (why := vllm_frontend.unavailable()) is not None:
+            skipped[name] = why
+            continue
+        runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}[name]
+        print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
+        try:
+            points = await runner(workload, conc, log_dir)
+        except (RuntimeError, OSError, trio.TooSlowError) as exc:
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        results[name] = [report.derive(p, workload) for p in points]
+    return {"results": results, "skipped": skipped, "failed": failed}
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    workload, conc = workload_from_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    run = trio.run(run_all, workload, conc, list(args.targets), out)
+    doc = {
+        "workload": dataclasses.asdict(workload),
+        "concurrency": conc,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "started_unix": round(started, 1),
+        "duration_s": round(time.time() - started, 1),
+        "targets": run["results"],
+        "skipped": run["skipped"],
+        "failed": run["failed"],
+        "ratios": report.ratios(run["results"]),
+    }
+    (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))
+    print(report.table(run["results"]))
+    print()
+    print(report.ratio_table(doc["ratios"]))
+    for name, why in {**run["skipped"], **run["failed"]}.items():
+        print(f"{name}: not measured: {why}")
+    if not args.no_plot:
+        png = out / "bench.png"
+        if report.plot(run["results"], workload, png):
+            print(f"plot: {png}")
+        else:
+            print("plot: skipped (matplotlib is not installed: pip install 'smgd[bench]')")
+    print(f"json: {out / 'bench.json'}")
+    bad = any(
+        p["lost_tokens"] or p["duplicated_tokens"] or p["requests_failed"]
+        for points in run["results"].values()
+        for p in points
+    )
+    return 1 if bad or run["failed"] else 0

@@ -1,0 +1,193 @@
+"""Turn raw point results into the benchmark's figures, a text table, ratios and a PNG plot.
+
+:func:`derive` is pure: it adds the derived figures (CPU µs per output token, delivered vs
+offered, overheads over the engine step, RSS per in-flight stream, the mock's CPU share) to
+one point's raw numbers. :func:`ratios` compares smgd against the floor and vLLM at equal
+concurrency. The plot needs matplotlib (the ``bench`` extra) and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from pathlib import Path
+
+    from smgd.bench.workload import Workload
+
+# The mock must never be the bottleneck: above this share of one core its own step loop could
+# fall behind the nominal step time and the point would measure the mock, not the front end.
+MOCK_CPU_LIMIT = 0.5
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def _r(x: float, digits: int = 1) -> float | None:
+    return None if x is None or math.isnan(x) else round(x, digits)
+
+
+def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
+    c = int(point["concurrency"])
+    out = dict(point)
+    offered = workload.offered_tokens_per_s(c)
+    tokens = float(point["output_tokens"])
+    out["offered_tokens_per_s"] = round(offered, 1)
+    out["delivered_fraction"] = _r(_div(float(point["tokens_per_s"]), offered), 3)
+    out["cpu_us_per_token"] = _r(_div(float(point["server_cpu_s"]) * 1e6, tokens))
+    out["server_cores"] = _r(_div(float(point["server_cpu_s"]), float(point["elapsed_s"])), 3)
+    out["mock_cores"] = _r(_div(float(point["mock_cpu_s"]), float(point["elapsed_s"])), 3)
+    if "loadgen_cpu_s" in point:
+        out["loadgen_cores"] = _r(_div(float(point["loadgen_cpu_s"]), float(point["elapsed_s"])), 3)
+    out["mock_bottleneck"] = bool(
+        out["mock_cores"] is not None and out["mock_cores"] > MOCK_CPU_LIMIT
+    )
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+        value = point.get(key)
+        out[key.replace("_ms", "_over_step_ms")] = (
+            None if value is None else round(float(value) - workload.step_ms, 2)
+        )
+    if "peak_rss_kib" in point:
+        out["peak_rss_mib"] = round(point["peak_rss_kib"] / 1024.0, 1)
+        grown = point["peak_rss_kib"] - point.get("idle_rss_kib", point["peak_rss_kib"])
+        out["rss_per_stream_kib"] = round(max(0, grown) / c, 1)
+    return out
+
+
+def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """smgd vs each baseline at equal concurrency: CPU per token, tokens/s, TTFT p50."""
+    smgd = {p["concurrency"]: p for p in targets.get("smgd", [])}
+    out: list[dict[str, Any]] = []
+    for base in ("floor", "vllm"):
+        for p in targets.get(base, []):
+            s = smgd.get(p["concurrency"])
+            if s is None:
+                continue
+            out.append(
+                {
+                    "concurrency": p["concurrency"],
+                    "vs": base,
+                    "cpu_per_token": _r(
+                        _div(s["cpu_us_per_token"] or math.nan, p["cpu_us_per_token"] or math.nan),
+                        2,
+                    ),
+                    "tokens_per_s": _r(_div(s["tokens_per_s"], p["tokens_per_s"]), 3),
+                    "ttft_p50_delta_ms": _r(s["ttft_p50_ms"] - p["ttft_p50_ms"], 2)
+                    if s["ttft_p50_ms"] is not None and p["ttft_p50_ms"] is not None
+                    else None,
+                }
+            )
+    return out
+
+
+_COLUMNS = (
+    ("target", "target", "{}"),
+    ("C", "concurrency", "{}"),
+    ("tok/s", "tokens_per_s", "{:.0f}"),
+    ("offered", "offered_tokens_per_s", "{:.0f}"),
+    ("TTFT p50", "ttft_p50_ms", "{:.1f}"),
+    ("p99", "ttft_p99_ms", "{:.1f}"),
+    ("ITL p50", "itl_p50_ms", "{:.1f}"),
+    ("p99", "itl_p99_ms", "{:.1f}"),
+    ("CPU µs/tok", "cpu_us_per_token", "{:.1f}"),
+    ("cores", "server_cores", "{:.2f}"),
+    ("mock cores", "mock_cores", "{:.2f}"),
+    ("RSS MiB", "peak_rss_mib", "{:.1f}"),
+    ("KiB/stream", "rss_per_stream_kib", "{:.1f}"),
+    ("tok/chunk", "tokens_per_chunk", "{:.2f}"),
+    ("lost", "lost_tokens", "{}"),
+    ("dup", "duplicated_tokens", "{}"),
+    ("failed", "requests_failed", "{}"),
+    ("client cores", "loadgen_cores", "{:.2f}"),
+    ("load 1m", "loadavg_1m", "{:.1f}"),
+)
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def table(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """A fixed-width text table (also valid Markdown) of every target's points."""
+    rows = [[name for name, _, _ in _COLUMNS]]
+    for target, points in targets.items():
+        for p in points:
+            row = {**p, "target": target}
+            rows.append([_cell(fmt, row.get(key)) for _, key, fmt in _COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "| " + " | ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) + " |"
+        for r in rows
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def ratio_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "(no baseline measured)"
+    lines = [
+        "| C | vs | smgd/base CPU per token | smgd/base tok/s | TTFT p50 delta ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['vs']} | {_cell('{:.2f}', r['cpu_per_token'])} | "
+            f"{_cell('{:.3f}', r['tokens_per_s'])} | {_cell('{:.1f}', r['ttft_p50_delta_ms'])} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(
+    targets: Mapping[str, Sequence[Mapping[str, Any]]], workload: Workload, path: Path
+) -> bool:
+    """tokens/s and CPU µs per token against concurrency; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    cs: set[int] = set()
+    for target, points in targets.items():
+        if not points:
+            continue
+        xs = [p["concurrency"] for p in points]
+        cs.update(xs)
+        ax1.plot(xs, [p["tokens_per_s"] for p in points], marker="o", label=target)
+        if target != "floor" or any(p.get("cpu_us_per_token") for p in points):
+            ax2.plot(xs, [p["cpu_us_per_token"] for p in points], marker="o", label=target)
+    xs = sorted(cs)
+    ax1.plot(xs, [workload.offered_tokens_per_s(c) for c in xs], "k--", label="offered")
+    ax1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrent streams",
+        ylabel="output tokens/s",
+        title="delivered tokens/s",
+    )
+    ax2.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrent streams",
+        ylabel="CPU µs per output token",
+        title="front-end CPU per token",
+    )
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"mock engine {workload.step_ms:g} ms/step, batch {workload.max_batch}, "
+        f"P={workload.prompt_tokens}, M={workload.max_tokens}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True

@@ -1,0 +1,232 @@
+"""The benchmark's targets, each run against the same mock engine and the same load.
+
+- ``smgd``: ``smgd serve`` with its built-in mock (SGLang wire), driven over HTTP by the loadgen.
+- ``floor``: the bare pyzmq decode loop of :mod:`smgd.bench.floor` on the same mock.
+- ``vllm``: vLLM's own OpenAI server with a headless mock engine (:mod:`smgd.bench.vllm_frontend`).
+
+Each target function yields one result dict per concurrency (see :mod:`smgd.bench.report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from smgd.assets import TINY_MODEL_DIR
+from smgd.bench import procstat
+from smgd.bench.floor import FloorSpec
+from smgd.bench.runner import (
+    Measured,
+    Proc,
+    cmdline,
+    free_port,
+    loadgen_spec,
+    measure_http_point,
+    start,
+    wait_ready,
+)
+from smgd.bench.workload import Prompt, Workload, build_prompt
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
+log = logging.getLogger("smgd.bench")
+
+SMGD_MODEL = "tiny-mock"
+# smgd + mock start in ~2 s here; 60 s only matters on a badly overloaded machine.
+SMGD_READY_TIMEOUT_S = 60.0
+# A few requests before the first point so lazy imports and first-use caches are not measured.
+WARMUP_CONCURRENCY = 4
+WARMUP_S = 1.0
+MOCK_MARK = "mock-engine"
+
+
+def _split(pids: list[int]) -> tuple[list[int], list[int]]:
+    """(server pids, mock pids) of a process tree: the mock is recognized by its command line."""
+    mock = [p for p in pids if MOCK_MARK in cmdline(p)]
+    mock_tree: set[int] = set()
+    for p in mock:
+        mock_tree.update(procstat.descendants(p))
+    return [p for p in pids if p not in mock_tree], sorted(mock_tree)
+
+
+async def _points(
+    port: int,
+    model: str,
+    prompt: Prompt,
+    workload: Workload,
+    concurrencies: Sequence[int],
+    measured: Measured,
+    extra: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    warm = loadgen_spec(
+        port=port,
+        model=model,
+        prompt=prompt,
+        workload=workload,
+        concurrency=WARMUP_CONCURRENCY,
+        duration_s=WARMUP_S,
+        extra=extra,
+    )
+    await measure_http_point(warm, measured)
+    idle_rss = procstat.rss_kib(measured.server())
+    results = []
+    for c in concurrencies:
+        spec = loadgen_spec(
+            port=port, model=model, prompt=prompt, workload=workload, concurrency=c, extra=extra
+        )
+        log.info("point C=%d", c)
+        result = await measure_http_point(spec, measured)
+        result["idle_rss_kib"] = idle_rss
+        results.append(result)
+    return results
+
+
+async def run_smgd(
+    workload: Workload, concurrencies: Sequence[int], log_dir: Path
+) -> list[dict[str, Any]]:
+    port = free_port()
+    prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
+    # A private run dir: other smgd instances on this machine use the default one.
+    with tempfile.TemporaryDirectory(prefix="smgdb-", dir="/tmp") as run_dir:
+        argv = [
+            sys.executable,
+            "-m",
+            "smgd",
+            "serve",
+            "--server-port",
+            str(port),
+            "--set",
+            f'run_dir="{run_dir}"',
+            "--set",
+            f"engines.0.mock.step_ms={workload.step_ms}",
+            "--set",
+            f"engines.0.mock.max_batch={workload.max_batch}",
+            "--set",
+            'logging.level="warning"',
+        ]
+        proc = await start("smgd", argv, log_dir)
+        try:
+            await wait_ready(proc, port, "/readiness", SMGD_READY_TIMEOUT_S)
+
+            def server() -> list[int]:
+                return _split(proc.tree())[0]
+
+            def mock() -> list[int]:
+                return _split(proc.tree())[1]
+
+            return await _points(
+                port, SMGD_MODEL, prompt, workload, concurrencies, Measured(server, mock)
+            )
+        finally:
+            await proc.stop()
+
+
+async def _floor_point(
+    workload: Workload, prompt: Prompt, concurrency: int, skip_ids: str, log_dir: Path
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="smgdf-", dir="/tmp") as tmp:
+        spec = FloorSpec(
+            input_addr=f"ipc://{tmp}/in.sock",
+            output_addr=f"ipc://{tmp}/out.sock",
+            prompt_ids=prompt.ids,
+            expected_ids=prompt.expected_ids,
+            max_tokens=workload.max_tokens,
+            concurrency=concurrency,
+            duration_s=workload.duration_s,
+            max_requests=workload.max_requests(concurrency),
+            time_limit_s=workload.time_limit_s(concurrency),
+        )
+        floor = await start(
+            f"floor-c{concurrency}",
+            [sys.executable, "-m", "smgd.bench.floor"],
+            log_dir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        mock: Proc | None = None
+        try:
+            assert floor.process.stdin is not None
+            assert floor.process.stdout is not None
+            await floor.process.stdin.send_all(msgspec.json.encode(spec) + b"\n")
+            lines = _LineReader(floor.process.stdout)
+            if await lines.next() != "BOUND":
+                raise RuntimeError(f"floor did not bind:\n{floor.tail()}")
+            mock = await start(
+                f"floor-mock-c{concurrency}",
+                [
+                    sys.executable,
+                    "-m",
+                    "smgd",
+                    "mock-engine",
+                    "--wire",
+                    "sglang",
+                    "--input",
+                    spec.input_addr,
+                    "--output",
+                    spec.output_addr,
+                    "--step-ms",
+                    str(workload.step_ms),
+                    "--max-batch",
+                    str(workload.max_batch),
+                    "--skip-ids",
+                    skip_ids,
+                ],
+                log_dir,
+                stdout=subprocess.PIPE,
+            )
+            assert mock.process.stdout is not None
+            ready = await _LineReader(mock.process.stdout).next()
+            if not ready.startswith("SMGD_READY"):
+                raise RuntimeError(f"floor mock did not start:\n{mock.tail()}")
+            mock_pids = mock.tree()
+            cpu0 = procstat.cpu_seconds(mock_pids)
+            await floor.process.stdin.send_all(b"GO\n")
+            with trio.fail_after(spec.time_limit_s + 30.0):
+                line = await lines.next()
+            result: dict[str, Any] = msgspec.json.decode(line)
+            result["mock_cpu_s"] = round(procstat.cpu_seconds(mock_pids) - cpu0, 3)
+            result["elapsed_s"] = result["wall_s"]
+            result["loadavg_1m"] = round(os.getloadavg()[0], 2)
+            return result
+        finally:
+            if mock is not None:
+                await mock.stop()
+            await floor.stop()
+
+
+class _LineReader:
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    async def next(self) -> str:
+        while b"\n" not in self.buf:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                break
+            self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode().strip()
+
+
+async def run_floor(
+    workload: Workload, concurrencies: Sequence[int], log_dir: Path
+) -> list[dict[str, Any]]:
+    from smgd.text.tokenizer import load_tokenizer
+
+    prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
+    skip = ",".join(map(str, sorted(load_tokenizer(TINY_MODEL_DIR).special_ids)))
+    results = []
+    for c in concurrencies:
+        log.info("floor point C=%d", c)
+        results.append(await _floor_point(workload, prompt, c, skip, log_dir))
+    return results
