@@ -10,7 +10,7 @@ the unmatched tail is converted to tokens at the expected text's average charact
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,18 +46,29 @@ def tokens_in(prefix_lens: Sequence[int], chars: int) -> int:
 def token_errors(received: str, expected: str, prefix_lens: Sequence[int]) -> tuple[int, int, bool]:
     """``(lost, duplicated, corrupt)`` for one stream's text against the expected echo.
 
-    ``corrupt`` is true whenever the text differs at all (even with the same length).
+    The longest common prefix and suffix (in whole expected tokens) are taken as delivered;
+    the expected tokens between them against the received characters between them, at the
+    average characters per token, give the lost or duplicated count (an estimate for
+    mid-stream damage, exact for truncation). ``corrupt`` is true whenever the text differs.
     """
     if received == expected:
         return 0, 0, False
     m = len(prefix_lens)
-    n = 0
     limit = min(len(received), len(expected))
+    n = 0
     while n < limit and received[n] == expected[n]:
         n += 1
     k = tokens_in(prefix_lens, n)
-    matched_chars = prefix_lens[k - 1] if k else 0
-    tail = len(received) - matched_chars
+    head = prefix_lens[k - 1] if k else 0
+    room = min(len(received), len(expected)) - head
+    s = 0
+    while s < room and received[-1 - s] == expected[-1 - s]:
+        s += 1
+    starts = [0, *prefix_lens[:-1]]
+    j = bisect_left(starts, len(expected) - s)  # first expected token wholly inside the suffix
+    tail = len(expected) - starts[j] if j < m else 0
+    expected_mid = max(0, j - k)
+    received_chars = max(0, len(received) - head - tail)
     chars_per_token = len(expected) / m if m else 1.0
-    got = k + math.ceil(tail / chars_per_token) if tail > 0 else k
-    return max(0, m - got), max(0, got - m), True
+    received_mid = math.ceil(received_chars / chars_per_token)
+    return max(0, expected_mid - received_mid), max(0, received_mid - expected_mid), True

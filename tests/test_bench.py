@@ -1,0 +1,402 @@
+"""smgd bench: /proc parsing, stats, the SSE client parser, the loadgen against a fake server,
+the report's derived figures, and (slow) a real ``smgd bench --quick`` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from smgd.assets import TINY_MODEL_DIR
+from smgd.bench import loadgen, procstat, report
+from smgd.bench.floor import FloorRun, FloorSpec
+from smgd.bench.loadgen import Spec, SSEParser
+from smgd.bench.stats import percentile, prefix_lengths, token_errors
+from smgd.bench.workload import Workload, build_prompt
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --- procstat ---------------------------------------------------------------------------
+
+
+def test_parse_stat_handles_spaces_and_parens_in_the_command_name() -> None:
+    line = "4242 (my (odd) proc) S 17 4242 4242 0 -1 4194560 100 0 0 0 250 31 0 0 20 0 1 0"
+    st_ = procstat.parse_stat(line)
+    assert (st_.pid, st_.ppid, st_.utime, st_.stime) == (4242, 17, 250, 31)
+
+
+def test_parse_status_kib_reads_the_key_and_defaults_to_zero() -> None:
+    text = "Name:\tpython\nVmHWM:\t  81736 kB\nVmRSS:\t   71580 kB\n"
+    assert procstat.parse_status_kib(text, "VmRSS") == 71580
+    assert procstat.parse_status_kib(text, "VmHWM") == 81736
+    assert procstat.parse_status_kib(text, "VmSwap") == 0
+
+
+def test_descendants_walks_the_whole_tree_only() -> None:
+    stats = [
+        procstat.Stat(pid, ppid, 0, 0)
+        for pid, ppid in [(1, 0), (10, 1), (11, 10), (12, 11), (20, 1), (13, 10)]
+    ]
+    assert sorted(procstat.descendants(10, stats)) == [10, 11, 12, 13]
+    assert procstat.descendants(12, stats) == [12]
+
+
+def test_cpu_seconds_of_this_process_grows_with_work() -> None:
+    before = procstat.cpu_seconds([os.getpid()])
+    start = sum(os.times()[:2])
+    x = 0
+    while sum(os.times()[:2]) - start < 0.05:
+        x += 1
+    after = procstat.cpu_seconds([os.getpid()])
+    assert after - before >= 0.03
+    assert procstat.rss_kib([os.getpid()]) > 1000
+
+
+# --- stats --------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+PIECES = ["The", " quick", " brown", " fox", " jumps"]
+EXPECTED = "".join(PIECES)
+LENS = prefix_lengths(PIECES)
+
+
+def test_token_errors_exact_stream_is_clean() -> None:
+    assert token_errors(EXPECTED, EXPECTED, LENS) == (0, 0, False)
+
+
+def test_token_errors_counts_a_lost_token() -> None:
+    lost, dup, corrupt = token_errors("The quick fox jumps", EXPECTED, LENS)
+    assert corrupt
+    assert lost >= 1
+    assert dup == 0
+
+
+def test_token_errors_counts_a_duplicated_token() -> None:
+    lost, dup, corrupt = token_errors("The quick quick brown fox jumps", EXPECTED, LENS)
+    assert corrupt
+    assert dup >= 1
+    assert lost == 0
+
+
+def test_token_errors_truncated_stream_loses_the_tail() -> None:
+    assert token_errors("The quick", EXPECTED, LENS) == (3, 0, True)
+
+
+# --- SSE parser ---------------------------------------------------------------------------
+
+
+def _chunked_response(events: list[bytes]) -> bytes:
+    head = b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = b""
+    for ev in events:
+        body += f"{len(ev):x}\r\n".encode() + ev + b"\r\n"
+    return head + body + b"0\r\n\r\n"
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
+def test_sse_parser_is_independent_of_how_bytes_are_split(cuts: list[int]) -> None:
+    events = [b'data: {"n":%d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+    raw = _chunked_response(events)
+    parser = SSEParser()
+    got: list[bytes] = []
+    pos = 0
+    for cut in cuts:
+        got += parser.feed(raw[pos : pos + cut])
+        pos += cut
+    got += parser.feed(raw[pos:])
+    assert got == [b'{"n":%d}' % i for i in range(5)] + [b"[DONE]"]
+    assert parser.done
+    assert parser.status == 200
+
+
+def test_sse_parser_keeps_a_plain_error_body() -> None:
+    body = b'{"error":{"message":"bad"}}'
+    raw = b"HTTP/1.1 400 Bad\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(
+        body
+    )
+    parser = SSEParser()
+    assert parser.feed(raw + body) == []
+    assert parser.done
+    assert parser.status == 400
+    assert bytes(parser.body) == body
+
+
+# --- loadgen against a fake SSE server ---------------------------------------------------
+
+
+def _event(text: str) -> bytes:
+    return b'data: {"choices":[{"index":0,"text":%s}]}\n\n' % json.dumps(text).encode()
+
+
+async def _fake_server(
+    pieces: list[str],
+    usage: int,
+    listeners: list[trio.SocketListener],
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    async def handle(stream: trio.SocketStream) -> None:
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(buf) < length:
+                buf += await stream.receive_some(65536)
+            buf = buf[length:]
+            events = [_event(p) for p in pieces]
+            events.append(b'data: {"choices":[],"usage":{"completion_tokens":%d}}\n\n' % usage)
+            events.append(b"data: [DONE]\n\n")
+            await stream.send_all(
+                b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            for ev in events:
+                await trio.sleep(0.02)  # one "engine step" between events
+                await stream.send_all(f"{len(ev):x}\r\n".encode() + ev + b"\r\n")
+            await stream.send_all(b"0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        got = await nursery.start(trio.serve_tcp, handle, 0)
+        listeners.extend(got)
+        task_status.started(got[0].socket.getsockname()[1])
+
+
+def _spec(port: int, m: int, concurrency: int) -> Spec:
+    expected_pieces = [PIECES[i % len(PIECES)] for i in range(m)]
+    return Spec(
+        port=port,
+        model="x",
+        prompt_ids=[1, 2, 3],
+        max_tokens=m,
+        concurrency=concurrency,
+        duration_s=0.5,
+        max_requests=2 * concurrency,
+        time_limit_s=20.0,
+        expected_text="".join(expected_pieces),
+        prefix_lens=prefix_lengths(expected_pieces),
+    )
+
+
+@pytest.mark.parametrize(("drop", "lost"), [(False, 0), (True, 1)])
+async def test_loadgen_counts_streams_and_lost_tokens(
+    drop: bool, lost: int, autojump_clock: trio.abc.Clock
+) -> None:
+    m = 8
+    pieces = [PIECES[i % len(PIECES)] for i in range(m)]
+    sent = pieces[:3] + pieces[4:] if drop else pieces
+    listeners: list[trio.SocketListener] = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_fake_server, sent, m, listeners)
+        summary = await loadgen.run(_spec(port, m, 2))
+        nursery.cancel_scope.cancel()
+    assert summary["requests_completed"] == summary["requests_started"] >= 2
+    assert summary["requests_failed"] == 0
+    assert summary["output_tokens"] == m * summary["requests_completed"]
+    assert summary["bad_streams"] == (summary["requests_completed"] if drop else 0)
+    assert summary["lost_tokens"] >= lost * summary["requests_completed"]
+    assert summary["ttft_p50_ms"] >= 15.0  # the fake waits one 20 ms "step" first
+    assert 15.0 <= summary["itl_p50_ms"] <= 200.0
+
+
+async def test_loadgen_reports_short_usage_as_lost(autojump_clock: trio.abc.Clock) -> None:
+    m = 8
+    pieces = [PIECES[i % len(PIECES)] for i in range(m)]
+    listeners: list[trio.SocketListener] = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_fake_server, pieces, m - 2, listeners)
+        summary = await loadgen.run(_spec(port, m, 1))
+        nursery.cancel_scope.cancel()
+    assert summary["lost_tokens"] == 2 * summary["requests_completed"]
+
+
+# --- floor accounting ------------------------------------------------------------------
+
+
+def test_floor_run_checks_ids_against_the_echo() -> None:
+    spec = FloorSpec(
+        input_addr="",
+        output_addr="",
+        prompt_ids=[7, 8],
+        expected_ids=[7, 8, 7],
+        max_tokens=3,
+        concurrency=1,
+        duration_s=1.0,
+        max_requests=1,
+        time_limit_s=5,
+    )
+    run = FloorRun(spec)
+    good, bad = loadgen_stream(0.0), loadgen_stream(0.0)
+    for i, ids in enumerate([[7], [8, 7]]):
+        run.on_tokens(good, ids, 0.02 * (i + 1), 1.0)
+    run.on_finish(good)
+    run.on_tokens(bad, [7, 7, 7, 7], 0.02, 1.0)
+    run.on_finish(bad)
+    assert (run.lost, run.duplicated, run.bad_streams) == (0, 1, 1)
+    out = run.summary(wall=0.1, cpu_s=0.01)
+    assert out["ttft_p50_ms"] == pytest.approx(20.0)
+    assert out["output_tokens"] == 7
+
+
+def loadgen_stream(start: float) -> Any:
+    from smgd.bench.floor import _Stream
+
+    return _Stream(start=start)
+
+
+# --- workload and report --------------------------------------------------------------------
+
+
+def test_workload_offered_rate_saturates_at_the_batch() -> None:
+    w = Workload(step_ms=20.0, max_batch=256, max_tokens=128, duration_s=10.0)
+    assert w.offered_tokens_per_s(16) == pytest.approx(800.0)
+    assert w.offered_tokens_per_s(1024) == pytest.approx(12800.0)
+    assert w.request_s(1024) == pytest.approx(4 * 2.56)
+    assert w.max_requests(16) * w.request_s(16) >= 16 * w.duration_s
+    assert w.time_limit_s(1024) > w.duration_s + w.request_s(1024)
+
+
+def test_build_prompt_has_exact_length_and_a_clean_echo() -> None:
+    p = build_prompt(TINY_MODEL_DIR, 64, 100)
+    assert len(p.ids) == 64
+    assert p.expected_ids[64:] == p.ids[:36]
+    assert len(p.prefix_lens) == 100
+    assert p.prefix_lens[-1] == len(p.expected_text)
+    assert p.expected_text.startswith("The quick brown fox")
+
+
+def _point(**kw: Any) -> dict[str, Any]:
+    base = {
+        "concurrency": 16,
+        "tokens_per_s": 760.0,
+        "output_tokens": 10000,
+        "server_cpu_s": 2.5,
+        "mock_cpu_s": 0.5,
+        "elapsed_s": 10.0,
+        "ttft_p50_ms": 30.0,
+        "ttft_p99_ms": 60.0,
+        "itl_p50_ms": 21.0,
+        "itl_p99_ms": 40.0,
+        "peak_rss_kib": 60000,
+        "idle_rss_kib": 56000,
+        "lost_tokens": 0,
+        "duplicated_tokens": 0,
+        "requests_failed": 0,
+        "tokens_per_chunk": 1.0,
+    }
+    return {**base, **kw}
+
+
+def test_derive_computes_the_figures() -> None:
+    w = Workload(step_ms=20.0, max_batch=256)
+    d = report.derive(_point(), w)
+    assert d["cpu_us_per_token"] == pytest.approx(250.0)
+    assert d["offered_tokens_per_s"] == pytest.approx(800.0)
+    assert d["delivered_fraction"] == pytest.approx(0.95)
+    assert d["ttft_p50_over_step_ms"] == pytest.approx(10.0)
+    assert d["itl_p99_over_step_ms"] == pytest.approx(20.0)
+    assert d["rss_per_stream_kib"] == pytest.approx(250.0)
+    assert d["mock_cores"] == pytest.approx(0.05)
+    assert not d["mock_bottleneck"]
+    assert report.derive(_point(mock_cpu_s=8.0), w)["mock_bottleneck"]
+
+
+def test_ratios_and_table_compare_at_equal_concurrency() -> None:
+    w = Workload()
+    targets = {
+        "smgd": [report.derive(_point(), w)],
+        "floor": [
+            report.derive(_point(server_cpu_s=0.25, ttft_p50_ms=20.0), w),
+            report.derive(_point(concurrency=64), w),
+        ],
+    }
+    rows = report.ratios(targets)
+    assert rows == [
+        {
+            "concurrency": 16,
+            "vs": "floor",
+            "cpu_per_token": 10.0,
+            "tokens_per_s": 1.0,
+            "ttft_p50_delta_ms": 10.0,
+        }
+    ]
+    text = report.table(targets)
+    assert text.count("\n") == 1 + 3
+    assert "250.0" in text
+    assert "16 | floor" in report.ratio_table(rows)
+
+
+# --- the real thing ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "smgd",
+            "bench",
+            "--quick",
+            "--targets",
+            "smgd,floor",
+            "--concurrency",
+            "1,16",
+            "--no-plot",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert set(doc["targets"]) == {"smgd", "floor"}
+    assert "vllm" not in doc["targets"]
+    for name, points in doc["targets"].items():
+        assert [p["concurrency"] for p in points] == [1, 16]
+        for p in points:
+            for key in (
+                "tokens_per_s",
+                "offered_tokens_per_s",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "ttft_p50_over_step_ms",
+                "itl_p50_ms",
+                "itl_p99_ms",
+                "itl_p50_over_step_ms",
+                "cpu_us_per_token",
+                "mock_cores",
+            ):
+                assert isinstance(p[key], float), (name, key, p[key])
+            assert p["lost_tokens"] == 0
+            assert p["duplicated_tokens"] == 0
+            assert p["bad_streams"] == 0
+            assert p["requests_failed"] == 0
+            assert p["output_tokens"] == 32 * p["requests_completed"] > 0
+            assert p["cpu_us_per_token"] > 0
+            if name == "smgd":
+                assert p["peak_rss_mib"] > 10
+                assert "rss_per_stream_kib" in p
+    assert {r["vs"] for r in doc["ratios"]} == {"floor"}
+    assert "| smgd |" in done.stdout.replace("  ", " ") or "smgd" in done.stdout
