@@ -56,6 +56,24 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
                 model=str(gateway.text(engine.models[0]).model_dir),
                 args=list(launch.args),
             )
+        elif launch.kind == "vllm":
+            from smgd.engines.vllm import vllm_argv
+
+            argv = vllm_argv(
+                python=launch.python or "python3",
+                launcher=launcher_script("vllm_engine.py"),
+                model=str(gateway.text(engine.models[0]).model_dir),
+                args=list(launch.args),
+            )
+    if wire == "vllm":
+        from smgd.engines.vllm import VllmEngineClient
+
+        return VllmEngineClient(
+            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
+            handshake=engine.addresses.handshake or f"ipc://{ipc_dir / 'hs.sock'}",
+            launch_argv=argv, launch_env=env,
+            eos_token_ids=tuple(gateway.text(engine.models[0]).tokenizer.eos_token_ids),
+        )
     if wire == "tokenspeed":
         from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient
 

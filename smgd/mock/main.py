@@ -49,7 +49,9 @@ def build_wire(args: argparse.Namespace) -> MockWire:
         return TokenspeedMockWire(
             args.handshake, context_len=args.context_len, max_batch=args.max_batch
         )
-    raise SystemExit(f"mock-engine: wire {args.wire!r} is not available yet")
+    from smgd.mock.vllm import VllmMockWire
+
+    return VllmMockWire(args.handshake, context_len=args.context_len, max_batch=args.max_batch)
 
 
 def mock_engine_main(args: argparse.Namespace) -> int:

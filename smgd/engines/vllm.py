@@ -1,0 +1,115 @@
+"""vLLM V1 EngineCore client: smgd plays vLLM's own Python front end (AsyncLLM/InputProcessor).
+
+Topology, handshake, ranks, death and re-attach come from
+:class:`~smgd.engines.handshake.HandshakeEngineClient` (the handshake socket may be ipc or tcp;
+stock ``vllm serve --headless`` only dials tcp, smgd's launcher any transport).
+
+What the engine does not do and this client therefore does:
+
+- validate before sending: a token id >= vocab or a prompt longer than ``max_model_len`` kills
+  the engine, a body that fails its msgspec validation deafens it (the base class's
+  :meth:`~smgd.engines.base.EngineClient.validate` checks vocab and context length);
+- EOS: the engine stops on EOS only when ``_eos_token_id`` is sent, so a request that carries
+  no EOS ids gets the model's (unless ``ignore_eos``);
+- count ``completion_tokens`` (the wire only carries new ids) and take ``prompt_tokens`` from
+  ``prefill_stats`` or the prompt;
+- slice logprobs to each request's own top-k (the engine sends the batch-wide maximum);
+- finish aborted requests locally (vLLM never answers a client abort).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from smgd.engines.handshake import Batch, HandshakeEngineClient
+from smgd.errors import InvalidRequest
+from smgd.wire import vllm as codec
+
+if TYPE_CHECKING:
+    from smgd.config import EngineConfig
+    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+
+
+class _Meta(msgspec.Struct):
+    """What the client must remember per request to complete vLLM's deltas."""
+
+    prompt_tokens: int
+    generated: int = 0
+    logprobs_k: int | None = None
+
+
+class VllmEngineClient(HandshakeEngineClient):
+    wire = "vllm"
+    abort_gets_reply = False
+
+    def __init__(
+        self, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (), **kwargs: Any
+    ) -> None:
+        super().__init__(config, **kwargs)
+        self.eos_token_ids = eos_token_ids
+        self._meta: dict[str, _Meta] = {}
+        self._logprobs_k: dict[str, int | None] = {}
+
+    def _wire_status(self, payload: bytes) -> str:
+        return codec.decode_handshake([payload]).status
+
+    def _wire_init(self, inputs: list[str], outputs: list[str]) -> list[bytes]:
+        return codec.encode_init(inputs, outputs)
+
+    def _wire_registration(self, payload: bytes) -> tuple[EngineInfo, int]:
+        resp = codec.decode_ready_response([payload])
+        # data_parallel_size > 1 here means a lockstep (MoE) group that needs the wave
+        # protocol; dense-DP engines report 1. The rank count comes from the config.
+        return resp.engine_info(), resp.data_parallel_size
+
+    def _wire_add(self, req: GenerateRequest) -> list[bytes]:
+        sp = req.sampling
+        if sp.max_tokens < 1:
+            # The engine asserts max_tokens >= 1; a failed assert kills its input thread.
+            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+        if not sp.eos_token_ids and not sp.ignore_eos and self.eos_token_ids:
+            sp = msgspec.structs.replace(sp, eos_token_ids=self.eos_token_ids)
+            req = msgspec.structs.replace(req, sampling=sp)
+        frames = codec.encode_add(req)
+        self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids), logprobs_k=sp.logprobs)
+        if sp.logprobs is not None:
+            self._logprobs_k[req.rid] = sp.logprobs
+        return frames
+
+    def _wire_abort(self, rid: str) -> list[bytes]:
+        self._forget(rid)
+        return codec.encode_abort([rid])
+
+    def _forget(self, rid: str) -> None:
+        self._meta.pop(rid, None)
+        self._logprobs_k.pop(rid, None)
+
+    def _wire_outputs(self, frames: list[Any]) -> Batch:
+        views = [memoryview(f) for f in frames]
+        out = codec.decode_outputs(views, logprobs_k=self._logprobs_k or None)
+        for delta in out.deltas:
+            meta = self._meta.get(delta.rid)
+            if meta is None:
+                continue  # a late frame for a finished/aborted request: dropped by deliver()
+            meta.generated += len(delta.token_ids)
+            delta.completion_tokens = meta.generated
+            if delta.prompt_tokens is None:
+                delta.prompt_tokens = meta.prompt_tokens
+        return Batch(out.deltas, out.engine_index, out.load)
+
+    def deliver(self, delta: TokenDelta) -> None:
+        super().deliver(delta)
+        if delta.finish is not None:
+            self._forget(delta.rid)
+
+    def die(self, reason: str) -> None:
+        super().die(reason)
+        self._meta.clear()
+        self._logprobs_k.clear()
+
+
+def vllm_argv(*, python: str, launcher: str, model: str, args: list[str]) -> list[str]:
+    """smgd's headless engine-core launcher dialing ``{handshake}`` (filled in at bind)."""
+    return [python, launcher, "--handshake-address", "{handshake}", "--model", model, *args]

@@ -1,0 +1,196 @@
+"""The mock engine on vLLM's EngineCore wire: it dials smgd like one headless engine core.
+
+Engine side of the handshake (identity = engine index, 2 bytes LE): DEALER → smgd's handshake
+ROUTER, HELLO; INIT names the input/output addresses; connect the input DEALER and the output
+PUSH; the ready response (``EngineCoreReadyResponse``) on the input DEALER, then READY.
+
+vLLM behaviour it reproduces: EOS stops a request only when ``_eos_token_id`` was sent;
+``stop_token_ids`` finish with ``stop_reason`` = the id; a client abort gets no output at all;
+``prefill_stats`` on a request's first output; ``scheduler_stats`` on every step (as with
+log_stats on); sampled-token logprobs plus top-k columns; an undecodable request is dropped
+(vLLM's input thread would die; the silence watchdog is smgd's answer to either);
+:meth:`VllmMockWire.request_death` makes the next step send ``ENGINE_CORE_DEAD``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import zmq
+
+from smgd.errors import WireError
+from smgd.mock.engine import GARBAGE
+from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
+from smgd.wire import vllm as codec
+from smgd.zmq_trio import TrioSocket
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+log = logging.getLogger("smgd.mock.vllm")
+
+# vLLM's default block size on CPU; only reported.
+BLOCK_TOKENS = 128
+_FINISH = {
+    MockFinish.STOP: codec.VllmFinishReason.STOP,
+    MockFinish.LENGTH: codec.VllmFinishReason.LENGTH,
+    MockFinish.ABORT: codec.VllmFinishReason.ABORT,
+}
+
+
+class VllmMockWire:
+    def __init__(
+        self,
+        handshake: str,
+        *,
+        engine_index: int = 0,
+        context_len: int = 4096,
+        max_batch: int = 256,
+        log_stats: bool = True,
+    ) -> None:
+        self.handshake = handshake
+        self.identity = engine_index.to_bytes(2, "little")
+        self.engine_index = engine_index
+        self.context_len = context_len
+        self.max_batch = max_batch
+        self.log_stats = log_stats
+        self.handshakes = 0
+        self.received: list[str] = []  # every request id an ADD arrived for
+        self.aborts: list[str] = []
+        self.eos_seen: dict[str, int | None] = {}  # rid -> the _eos_token_id it carried
+        self.dropped = 0
+        self._client_aborted: set[str] = set()
+        self._eos: dict[str, int | None] = {}
+        self._logprobs: dict[str, int] = {}
+        self._prefilled: set[str] = set()
+        self._die = False
+
+    def request_death(self) -> None:
+        self._die = True
+
+    def ready_response(self) -> codec.ReadyResponse:
+        return codec.ReadyResponse(
+            max_model_len=self.context_len,
+            num_gpu_blocks=self.context_len * self.max_batch // BLOCK_TOKENS,
+            block_size=BLOCK_TOKENS,
+            dtype="float32",
+            vllm_version="0.32.0-mock",
+            data_parallel_rank=self.engine_index,
+            max_num_seqs=self.max_batch,
+            kv_cache_size_tokens=self.context_len * self.max_batch,
+        )
+
+    async def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, TrioSocket]:
+        hs = TrioSocket(ctx.socket(zmq.DEALER))
+        try:
+            hs.socket.setsockopt(zmq.LINGER, 0)
+            hs.socket.setsockopt(zmq.IDENTITY, self.identity)
+            hs.socket.connect(self.handshake)
+            await hs.send_multipart(codec.encode_hello(local=True, headless=True))
+            reply = await hs.recv_multipart(copy=True)
+            init = codec.decode_init(reply[-1:])
+            inp = ctx.socket(zmq.DEALER)
+            out = ctx.socket(zmq.PUSH)
+            for sock in (inp, out):
+                sock.setsockopt(zmq.LINGER, 0)
+            inp.setsockopt(zmq.IDENTITY, self.identity)
+            inp.setsockopt(zmq.RCVHWM, 0)
+            out.setsockopt(zmq.SNDHWM, 0)
+            inp.connect(init.addresses.inputs[0])
+            out.connect(init.addresses.outputs[0])
+            in_sock = TrioSocket(inp)
+            await in_sock.send_multipart(codec.encode_ready_response(self.ready_response()))
+            await hs.send_multipart(codec.encode_ready(local=True, headless=True))
+            self.handshakes += 1
+            return in_sock, TrioSocket(out)
+        finally:
+            hs.close()
+
+    def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
+        try:
+            msg = codec.decode_request(frames)
+        except WireError as exc:
+            self.dropped += 1
+            log.warning("mock vllm: dropping undecodable request: %s", exc)
+            return []
+        if isinstance(msg, codec.AbortRequest):
+            for rid in msg.request_ids:
+                self.aborts.append(rid)
+                self._client_aborted.add(rid)
+                sched.abort(rid)
+            return []
+        if not isinstance(msg, codec.AddRequest):
+            return []  # utility calls and waves: not modelled
+        req = msg.request
+        sp = req.sampling_params or codec.SamplingParams()
+        self.received.append(req.request_id)
+        eos = sp._eos_token_id
+        self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
+        if sp.logprobs is not None:
+            self._logprobs[req.request_id] = sp.logprobs
+        stops = set(sp.stop_token_ids or ())
+        if eos is not None:
+            stops.add(eos)  # the engine stops on EOS only because the front end sent it
+        sched.add(
+            MockRequest(
+                rid=req.request_id,
+                prompt_ids=list(req.prompt_token_ids or ()),
+                max_tokens=sp.max_tokens if sp.max_tokens is not None else 16,
+                stop_token_ids=frozenset(stops),
+            )
+        )
+        return []
+
+    def _output(self, o: StepOutput) -> codec.EngineCoreOutput:
+        out = codec.EngineCoreOutput(request_id=o.rid, new_token_ids=o.new_ids)
+        if o.finish is not None:
+            out.finish_reason = int(_FINISH[o.finish])
+            if o.finish is MockFinish.STOP and o.matched != self._eos.get(o.rid):
+                out.stop_reason = o.matched  # a stop token id; EOS reports none
+        if o.rid not in self._prefilled:
+            self._prefilled.add(o.rid)
+            out.prefill_stats = codec.PrefillStats(
+                num_prompt_tokens=o.prompt_tokens,
+                num_computed_tokens=o.prompt_tokens - o.cached_tokens,
+                num_cached_tokens=o.cached_tokens,
+            )
+        k = self._logprobs.get(o.rid)
+        if k is not None and o.new_ids:
+            rows = [[t, *(t + j for j in range(1, k + 1))] for t in o.new_ids]
+            vals = [[-0.5 * (j + 1) for j in range(k + 1)] for _ in o.new_ids]
+            out.new_logprobs = codec.logprobs_lists(rows, vals, [1] * len(rows))
+        return out
+
+    def encode_step(
+        self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
+    ) -> list[list[bytes]]:
+        if self._die:
+            return [codec.encode_engine_dead()]
+        items: list[codec.EngineCoreOutput] = []
+        for o in outputs:
+            if o.finish is MockFinish.ABORT and o.rid in self._client_aborted:
+                self._client_aborted.discard(o.rid)  # vLLM never answers a client abort
+            else:
+                items.append(self._output(o))
+            if o.finish is not None:
+                for table in (self._eos, self._logprobs):
+                    table.pop(o.rid, None)
+                self._prefilled.discard(o.rid)
+        self._client_aborted.difference_update(aborted_queued)
+        if not items and not (self.log_stats and (outputs or aborted_queued)):
+            return []  # with log_stats vLLM sends a stats-only message after finishes/aborts
+        stats = None
+        if self.log_stats:
+            stats = {
+                "num_running_reqs": len(sched.running),
+                "num_waiting_reqs": len(sched.waiting),
+                "kv_cache_usage": len(sched.running) / self.max_batch,
+            }
+        batch = codec.EngineCoreOutputs(
+            engine_index=self.engine_index, outputs=items, scheduler_stats=stats
+        )
+        return [codec.encode_outputs(batch)]
+
+    def garbage(self) -> list[bytes]:
+        return [GARBAGE]

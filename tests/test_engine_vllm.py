@@ -1,0 +1,393 @@
+"""vLLM engine client against in-process mock engine cores over real ipc sockets (one trio loop)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import zmq
+
+from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.engines.base import EngineState
+from smgd.engines.vllm import VllmEngineClient, vllm_argv
+from smgd.errors import EngineDead, InvalidRequest
+from smgd.launch import mock_argv
+from smgd.mock.engine import MockEngine
+from smgd.mock.scheduler import MockScheduler
+from smgd.mock.vllm import VllmMockWire
+from smgd.wire.common import EngineInfo, FinishReason, TokenDelta
+
+from .engine_harness import VOCAB, expected_echo, request, short_ipc_dir
+
+CONTEXT = 2048  # differs from the fallback's 4096, so readiness provably used the ready response
+EOS = 2
+
+
+@dataclass
+class Rank:
+    wire: VllmMockWire
+    mock: MockEngine
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+@dataclass
+class Setup:
+    client: VllmEngineClient
+    ranks: list[Rank]
+    ipc_dir: Path
+
+
+def make_client(
+    ipc_dir: Path,
+    *,
+    ranks: int = 1,
+    launch_argv: list[str] | None = None,
+    timeouts: TimeoutsConfig | None = None,
+) -> VllmEngineClient:
+    config = EngineConfig(
+        name="v0",
+        wire=WireFamily.VLLM,
+        models=["m"],
+        model_dir=".",
+        timeouts=timeouts or TimeoutsConfig(),
+    )
+    return VllmEngineClient(
+        config,
+        fallback_info=EngineInfo(max_model_len=4096, vocab_size=VOCAB),
+        input_path=str(ipc_dir / "in.sock"),
+        output_path=str(ipc_dir / "out.sock"),
+        handshake=f"ipc://{ipc_dir}/hs.sock",
+        launch_argv=launch_argv,
+        ranks=ranks,
+        eos_token_ids=(EOS,),
+    )
+
+
+def start_rank(nursery: trio.Nursery, handshake: str, index: int, *, step_s: float = 0.002) -> Rank:
+    wire = VllmMockWire(handshake, engine_index=index, context_len=CONTEXT)
+    rank = Rank(wire, MockEngine(wire, MockScheduler(max_batch=256), step_s=step_s))
+
+    async def run() -> None:
+        with rank.scope:
+            await rank.mock.run()
+
+    nursery.start_soon(run)
+    return rank
+
+
+@asynccontextmanager
+async def vllm_setup(
+    *,
+    ranks: int = 1,
+    launch_mock: bool = False,
+    ipc_dir: Path | None = None,
+    step_s: float = 0.002,
+    **timeouts: float,
+) -> AsyncIterator[Setup]:
+    ipc_dir = ipc_dir or short_ipc_dir()
+    argv = None
+    if launch_mock:
+        argv = mock_argv(
+            "vllm",
+            f"ipc://{ipc_dir}/in.sock",
+            f"ipc://{ipc_dir}/out.sock",
+            ["--step-ms", str(step_s * 1000), "--context-len", str(CONTEXT),
+             "--handshake", "{handshake}"],
+        )  # fmt: skip
+    client = make_client(
+        ipc_dir, ranks=ranks, launch_argv=argv, timeouts=TimeoutsConfig(**timeouts)
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        mocks = []
+        if not launch_mock:
+            mocks = [
+                start_rank(nursery, client.handshake_endpoint, i, step_s=step_s)
+                for i in range(ranks)
+            ]
+        with trio.fail_after(30):
+            await client.wait_ready()
+        yield Setup(client, mocks, ipc_dir)
+        nursery.cancel_scope.cancel()
+
+
+async def collect(client: VllmEngineClient, req: Any) -> tuple[list[int], TokenDelta]:
+    ids: list[int] = []
+    last = None
+    async with client.open_stream(req) as stream:
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+            last = delta
+    assert last is not None
+    return ids, last
+
+
+async def test_ready_response_sets_info_and_streams_count_tokens() -> None:
+    async with vllm_setup() as s:
+        info = s.client.info
+        assert info is not None
+        assert (info.max_model_len, info.max_num_seqs) == (CONTEXT, 256)
+        assert info.kv_cache_tokens == CONTEXT * 256
+        ids, last = await collect(s.client, request(uuid.uuid4().hex, [10, 11, 12], 7))
+        assert ids == expected_echo([10, 11, 12], 7)
+        assert last.finish is not None
+        assert last.finish.reason is FinishReason.LENGTH
+        assert (last.prompt_tokens, last.completion_tokens) == (3, 7)
+        assert not s.client._meta, "per-request state is released at the finish"
+
+
+async def test_eos_stops_only_because_smgd_sends_it() -> None:
+    async with vllm_setup() as s:
+        wire = s.ranks[0].wire
+        rid = uuid.uuid4().hex
+        ids, last = await collect(s.client, request(rid, [10, EOS, 12], 20))
+        assert ids == [10, EOS]
+        assert last.finish is not None
+        assert (last.finish.reason, last.finish.matched_token) == (FinishReason.STOP, None)
+        assert wire.eos_seen[rid] == EOS, "no EOS ids on the request: the client added its own"
+        rid = uuid.uuid4().hex
+        ids, last = await collect(s.client, request(rid, [10, EOS, 12], 5, ignore_eos=True))
+        assert ids == [10, EOS, 12, 10, EOS]
+        assert last.finish is not None
+        assert last.finish.reason is FinishReason.LENGTH
+        assert wire.eos_seen[rid] is None
+
+
+async def test_stop_token_id_reports_the_matched_token() -> None:
+    async with vllm_setup() as s:
+        req = request(uuid.uuid4().hex, [5, 6, 7, 8], 50, stop_token_ids=(7,))
+        ids, last = await collect(s.client, req)
+        assert ids == [5, 6, 7]
+        assert last.finish is not None
+        assert (last.finish.reason, last.finish.matched_token) == (FinishReason.STOP, 7)
+
+
+async def test_logprobs_are_sliced_to_the_requests_top_k() -> None:
+    async with vllm_setup() as s:
+        ids: list[int] = []
+        logprobs = []
+        async with s.client.open_stream(request(uuid.uuid4().hex, [5, 6], 3, logprobs=2)) as st:
+            async for delta in st:
+                ids.extend(delta.token_ids)
+                logprobs.extend(delta.logprobs or [])
+        assert ids == [5, 6, 5]
+        assert [lp.token_id for lp in logprobs] == ids
+        assert all(lp.top is not None and len(lp.top) == 2 for lp in logprobs)
+
+
+async def test_256_concurrent_streams_lose_and_duplicate_nothing() -> None:
+    results: dict[str, list[int]] = {}
+    async with vllm_setup(step_s=0.001) as s:
+
+        async def one(i: int) -> None:
+            prompt = [100 + i % 50, 200 + i % 7, 300 + i]
+            ids, last = await collect(s.client, request(f"{i:032x}", prompt, 16 + i % 11))
+            assert last.completion_tokens == 16 + i % 11
+            results[f"{i:032x}"] = ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(256):
+                nursery.start_soon(one, i)
+        assert s.client.in_flight == 0
+    assert len(results) == 256
+    for i in range(256):
+        prompt = [100 + i % 50, 200 + i % 7, 300 + i]
+        assert results[f"{i:032x}"] == expected_echo(prompt, 16 + i % 11)
+
+
+async def test_leaving_early_closes_locally_and_the_engine_sees_the_abort() -> None:
+    async with vllm_setup(step_s=0.005) as s:
+        rank = s.ranks[0]
+        rid = uuid.uuid4().hex
+        async with s.client.open_stream(request(rid, [5, 6], 1000)) as stream:
+            assert (await stream.receive()).token_ids
+        assert s.client.in_flight == 0
+        assert not s.client._meta
+        with trio.fail_after(5):
+            while rid in rank.mock.sched.running or rank.mock.sched.waiting:  # noqa: ASYNC110
+                await trio.sleep(0.005)
+        assert rank.wire.aborts == [rid]
+        ids, _ = await collect(s.client, request(uuid.uuid4().hex, [9, 10], 3))
+        assert ids == [9, 10, 9]
+
+
+async def test_what_would_kill_the_engine_is_refused_before_sending() -> None:
+    async with vllm_setup() as s:
+        cases = [
+            (request("a" * 32, [5, VOCAB], 4), "outside the vocabulary"),
+            (request("b" * 32, [5] * 10, CONTEXT), "maximum context length"),
+            (request("c" * 32, [5], 0), "max_tokens"),
+        ]
+        for req, match in cases:
+            with pytest.raises(InvalidRequest, match=match):
+                async with s.client.open_stream(req):
+                    pass
+        ids, _ = await collect(s.client, request("d" * 32, [5, 6], 2))
+        assert ids == [5, 6]
+        assert s.ranks[0].wire.received == ["d" * 32]
+        assert not s.client._meta
+
+
+async def test_dead_sentinel_fails_every_stream_with_one_error() -> None:
+    errors: list[EngineDead] = []
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(step_s=0.005) as s:
+            started = trio.Event()
+
+            async def one(i: int) -> None:
+                try:
+                    async with s.client.open_stream(request(f"{i:032x}", [7, 8], 2000)) as st:
+                        async for _ in st:
+                            started.set()
+                except EngineDead as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(one, i)
+                await started.wait()
+                s.ranks[0].wire.request_death()
+            await trio.sleep_forever()
+    assert len(errors) == 16
+    assert len({id(e) for e in errors}) == 1
+    assert "ENGINE_CORE_DEAD" in str(errors[0])
+
+
+async def test_kill_9_of_a_launched_mock_fails_all_streams_fast() -> None:
+    errors: list[EngineDead] = []
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(launch_mock=True, step_s=0.005) as s:
+            async with trio.open_nursery() as nursery:
+
+                async def one(i: int) -> None:
+                    try:
+                        async with s.client.open_stream(request(f"{i:032x}", [7, 8], 2000)) as st:
+                            async for _ in st:
+                                pass
+                    except EngineDead as exc:
+                        errors.append(exc)
+
+                for i in range(32):
+                    nursery.start_soon(one, i)
+                await trio.sleep(0.2)
+                assert s.client.child is not None
+                killed_at = trio.current_time()
+                os.kill(s.client.child.pid, signal.SIGKILL)
+            assert trio.current_time() - killed_at < 2.0
+            await trio.sleep_forever()
+    assert len(errors) == 32
+    assert len({str(e) for e in errors}) == 1
+
+
+async def test_two_ranks_least_load_selection() -> None:
+    async with vllm_setup(ranks=2, step_s=0.005) as s:
+        table = s.client.table
+        assert table is not None
+        assert [r.index for r in table.ranks] == [0, 1]
+        opened = []
+        for i in range(10):
+            cm = s.client.open_stream(request(f"a{i:031x}", [3, 4], 2000))
+            opened.append((cm, await cm.__aenter__()))
+        assert sorted(len(r.in_flight) for r in table.ranks) == [5, 5], "ties alternate"
+        for cm, stream in opened:  # the client leaves rank 1's requests early
+            owner = table.owner(stream.rid)
+            if owner is not None and owner.index == 1:
+                await cm.__aexit__(None, None, None)
+        with trio.fail_after(5):
+            while not (s.ranks[1].mock.sched.idle and table.ranks[1].load is not None):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            while table.ranks[1].load is None or table.ranks[1].load.running:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        picks = [table.pick(f"b{i}").index for i in range(10)]
+        # Least load fills the empty rank first (round-robin would split 5/5).
+        assert picks[:5] == [1] * 5
+        assert picks.count(1) >= 7
+        for i in range(10):
+            table.release(f"b{i}")
+        for cm, stream in opened:
+            if table.owner(stream.rid) is not None:
+                await cm.__aexit__(None, None, None)
+        received = s.ranks[0].wire.received + s.ranks[1].wire.received
+        assert len(received) == len(set(received)) == 10
+
+
+async def test_send_to_a_departed_rank_fails_fast_with_ehostunreach() -> None:
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(ranks=2, step_s=0.005) as s:
+            # An extra peer keeps the connection count up, so only the send can notice.
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            extra = ctx.socket(zmq.DEALER)
+            extra.setsockopt(zmq.LINGER, 0)
+            extra.connect(s.client.input_endpoint)
+            try:
+                await trio.sleep(0.1)
+                async with s.client.open_stream(request("1" * 32, [5, 6], 2000)) as busy:
+                    await busy.receive()
+                    assert s.client.table is not None
+                    owner = s.client.table.owner("1" * 32)
+                    assert owner is not None
+                    s.ranks[1 - owner.index].scope.cancel()  # the idle rank's process exits
+                    await trio.sleep(0.1)
+                    assert s.client.state is EngineState.READY
+                    with pytest.raises(EngineDead, match="unreachable"):
+                        async with s.client.open_stream(request("2" * 32, [5], 4)) as stream:
+                            await stream.receive()
+            finally:
+                extra.close()
+            await trio.sleep_forever()
+
+
+async def test_a_restarted_client_reattaches_without_a_handshake() -> None:
+    ipc_dir = short_ipc_dir()
+    async with trio.open_nursery() as outer:
+        first = make_client(ipc_dir)
+        scope = trio.CancelScope()
+
+        async def run_first(
+            *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+        ) -> None:
+            with scope:
+                await first.run(task_status=task_status)
+
+        await outer.start(run_first)
+        rank = start_rank(outer, first.handshake_endpoint, 0, step_s=0.005)
+        with trio.fail_after(10):
+            await first.wait_ready()
+        # A request still running when the client goes: its late outputs must not confuse
+        # the next client.
+        async with first.open_stream(request(uuid.uuid4().hex, [3, 4], 500)) as stream:
+            await stream.receive()
+            scope.cancel()
+        await trio.sleep(0.05)
+        second = make_client(ipc_dir)
+        await outer.start(second.run)
+        with trio.fail_after(10):
+            await second.wait_ready()
+        assert rank.wire.handshakes == 1, "the engine kept running and did not handshake again"
+        assert second.info is not None
+        assert second.info.max_model_len == CONTEXT
+        ids, last = await collect(second, request(uuid.uuid4().hex, [6, 7], 4))
+        assert ids == [6, 7, 6, 7]
+        assert last.finish is not None
+        outer.cancel_scope.cancel()
+
+
+def test_launcher_argv_dials_the_bound_handshake() -> None:
+    argv = vllm_argv(
+        python="/v/bin/python", launcher="/l.py", model="/m", args=["--dtype", "float32"]
+    )
+    client = make_client(Path("/tmp/x"), launch_argv=argv)
+    client.handshake_endpoint = "ipc:///tmp/x/hs.sock"
+    filled = [client._fill(a) for a in argv]
+    assert filled == [
+        "/v/bin/python", "/l.py", "--handshake-address", "ipc:///tmp/x/hs.sock",
+        "--model", "/m", "--dtype", "float32",
+    ]  # fmt: skip
