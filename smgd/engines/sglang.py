@@ -147,7 +147,7 @@ class SglangEngineClient(EngineClient):
     def _engine_info(self) -> EngineInfo:
         fallback = self._fallback_info
         reported: dict[str, Any] = (self.child.ready_info or {}) if self.child else {}
-        max_len = self.config.max_model_len or _positive(reported.get("context_len"))
+        max_len = self.config.max_model_len or _positive(reported.get("context_length"))
         if not max_len and fallback is not None:
             max_len = fallback.max_model_len
         if not max_len:
@@ -199,8 +199,9 @@ class SglangEngineClient(EngineClient):
         if isinstance(message, TokenDelta):
             self.deliver(message)
             return
-        rid = getattr(message, "rid", None)
-        if self._health_rid is not None and rid == self._health_rid:
+        # A busy scheduler answers the oldest pending health check with a HealthCheckOutput
+        # whose rid is None (seen live on 0.5.23), so any HealthCheckOutput is the answer.
+        if self._health_rid is not None and isinstance(message, codec.HealthCheckOutput):
             self._health_done.set()
 
 
