@@ -74,6 +74,7 @@ class FakeEngine(EngineClient):
         self._info = EngineInfo(max_model_len=max_model_len, vocab_size=vocab_size)
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
+        self.abort_times: dict[str, float] = {}
         self._abort_event = trio.Event()
         self._nursery: trio.Nursery | None = None
 
@@ -103,6 +104,7 @@ class FakeEngine(EngineClient):
 
     def _encode_abort(self, rid: str) -> list[bytes]:
         self.aborts.append(rid)
+        self.abort_times[rid] = trio.current_time()
         self._abort_event.set()
         self._abort_event = trio.Event()
         return [b"abort", rid.encode()]
@@ -206,6 +208,7 @@ class SseReply:
     raw: bytes
     events: list[str]  # the payload of every `data:` line, in order
     comments: int  # `: ...` comment lines (keep-alives)
+    disconnected_at: float | None = None
 
     def chunks(self) -> list[dict[str, Any]]:
         return [json.loads(e) for e in self.events if e != "[DONE]"]
@@ -248,23 +251,33 @@ async def post_stream(
     *,
     disconnect_after: int | None = None,
 ) -> SseReply:
-    """POST and read the SSE body; with ``disconnect_after``, hang up after that many reads."""
+    """POST and read the SSE body; with ``disconnect_after``, hang up after that many reads.
+
+    quart-trio's test connection waits in ``__aexit__`` for a body end that a cancelled
+    response never sends, so after a hang-up the connection is left through a cancel scope.
+    """
     client = app.test_client()
     raw = bytearray()
-    async with client.request(path, method="POST", headers=headers or {}) as conn:
-        await conn.send(json.dumps(body).encode())
-        await conn.send_complete()
-        reads = 0
-        while True:
-            try:
-                raw += await conn.receive()
-            except trio.EndOfChannel:
-                break
-            reads += 1
-            if disconnect_after is not None and reads >= disconnect_after:
-                await conn.disconnect()
-                break
-        status, hdrs = conn.status_code, dict(conn.headers or {})
-    events, comments = parse_sse(bytes(raw)) if disconnect_after is None else ([], 0)
+    status: int | None = None
+    hdrs: dict[str, str] = {}
+    disconnected_at: float | None = None
+    with trio.CancelScope() as scope:
+        async with client.request(path, method="POST", headers=headers or {}) as conn:
+            await conn.send(json.dumps(body).encode())
+            await conn.send_complete()
+            reads = 0
+            while True:
+                try:
+                    raw += await conn.receive()
+                except trio.EndOfChannel:
+                    break
+                reads += 1
+                if disconnect_after is not None and reads >= disconnect_after:
+                    await conn.disconnect()
+                    disconnected_at = trio.current_time()
+                    scope.deadline = disconnected_at + 1.0
+                    break
+            status, hdrs = conn.status_code, dict(conn.headers or {})
+    events, comments = parse_sse(bytes(raw))
     assert status is not None
-    return SseReply(status, hdrs, bytes(raw), events, comments)
+    return SseReply(status, hdrs, bytes(raw), events, comments, disconnected_at)

@@ -1,0 +1,167 @@
+"""Errors: the OpenAI envelope with the right status and `param`; auth; limits; request ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from smgd.config import ServerConfig
+from tests.fake_engine import MODEL, FakeEngine, get, open_app, post
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def assert_envelope(body: dict[str, Any], *, status: int, param: str | None, kind: str) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == kind
+    assert error["param"] == param
+    assert error["code"] == status or isinstance(error["code"], str)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT, "temperature": 5}, 400, "temperature"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
+        ("/v1/chat/completions", {**CHAT, "n": 99}, 400, "n"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 10**6}, 400, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400,
+         "response_format"),
+        ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400,
+         "stream_options"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+        ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5000]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * 30000}, 400, "prompt"),
+        ("/generate", {"text": ["a", "b"]}, 400, "text"),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 0}}, 400,
+         "sampling_params.max_new_tokens"),
+        ("/generate", {"text": "a", "return_logprob": True}, 400, "return_logprob"),
+        ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, 400,
+         "sampling_params.regex"),
+    ],
+)  # fmt: skip
+async def test_bad_request_names_param(
+    autojump_clock: trio.abc.Clock, path: str, body: dict[str, Any], status: int, param: str
+) -> None:
+    fake = FakeEngine()
+    async with open_app(fake) as (app, _):
+        reply = await post(app, path, body)
+    assert reply.status == status, reply.body
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    assert_envelope(reply.json(), status=status, param=param, kind=kind)
+    assert fake.requests == []  # no bad input reaches an engine
+
+
+async def test_context_length_code(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine(max_model_len=64)) as (app, _):
+        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100})
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b""])
+async def test_invalid_json_is_400(autojump_clock: trio.abc.Clock, body: bytes) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        reply = await post(app, "/v1/chat/completions", body)
+    assert reply.status == 400
+    assert_envelope(reply.json(), status=400, param=None, kind="invalid_request_error")
+
+
+async def test_body_too_large_is_413(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine(), server=ServerConfig(max_body_bytes=1000)) as (app, _):
+        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "x" * 2000})
+    assert reply.status == 413
+    assert "1000 bytes" in reply.json()["error"]["message"]
+
+
+async def test_unknown_route_is_enveloped_404(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        reply = await get(app, "/v1/nope")
+    assert reply.status == 404
+    assert reply.json()["error"]["type"] == "not_found_error"
+
+
+async def test_request_id_echoed_and_engine_rid_unique(autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeEngine()
+    headers = {"X-Request-Id": "client-id-1"}
+    async with open_app(fake) as (app, _):
+        first = await post(app, "/v1/chat/completions", {**CHAT, "max_tokens": 1}, headers)
+        second = await post(app, "/v1/chat/completions", {**CHAT, "max_tokens": 1}, headers)
+    assert first.headers["x-request-id"] == second.headers["x-request-id"] == "client-id-1"
+    assert first.json()["id"] == "chatcmpl-client-id-1"
+    rids = [r.rid for r in fake.requests]
+    assert len(set(rids)) == 2
+    assert all(len(r) == 32 and int(r, 16) >= 0 for r in rids)  # fixed-length hex
+
+
+async def test_request_id_minted_when_absent(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        a = await post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        b = await post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert a.headers["x-request-id"] != b.headers["x-request-id"]
+    assert a.json()["id"] == "cmpl-" + a.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "semi;colon"])
+async def test_bad_request_id_header_is_400(autojump_clock: trio.abc.Clock, bad: str) -> None:
+    fake = FakeEngine()
+    async with open_app(fake) as (app, _):
+        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "x"},
+                           {"X-Request-Id": bad})  # fmt: skip
+    assert reply.status == 400
+    assert reply.json()["error"]["param"] == "X-Request-Id"
+    assert reply.headers["x-request-id"] != bad
+    assert fake.requests == []
+
+
+async def test_api_keys_guard_inference_only(autojump_clock: trio.abc.Clock) -> None:
+    server = ServerConfig(api_keys_env="SMGD_TEST_KEYS")
+    env = {"SMGD_TEST_KEYS": "k1, k2"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    async with open_app(FakeEngine(), server=server, environ=env) as (app, _):
+        missing = await post(app, "/v1/completions", body)
+        wrong = await post(app, "/v1/completions", body, {"Authorization": "Bearer k3"})
+        ok = await post(app, "/v1/completions", body, {"Authorization": "Bearer k2"})
+        models = await get(app, "/v1/models")
+        health = await get(app, "/health")
+    for reply in (missing, wrong, models):
+        assert reply.status == 401
+        assert_envelope(reply.json(), status=401, param=None, kind="authentication_error")
+    assert ok.status == 200
+    assert health.status == 200
+
+
+async def test_api_keys_file(autojump_clock: trio.abc.Clock, tmp_path: Any) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nfilekey\n\n")
+    server = ServerConfig(api_keys_file=str(keys))
+    async with open_app(FakeEngine(), server=server) as (app, _):
+        ok = await get(app, "/v1/models", {"Authorization": "Bearer filekey"})
+        bad = await get(app, "/v1/models", {"Authorization": "Bearer # comment"})
+    assert (ok.status, bad.status) == (200, 401)
+
+
+async def test_draining_rejects_with_503(autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeEngine()
+    async with open_app(fake) as (app, gateway):
+        gateway.draining = True
+        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "x"})
+        ready = await get(app, "/readiness")
+        models = await get(app, "/v1/models")
+    assert reply.status == 503
+    assert reply.headers["retry-after"] == "5"
+    assert ready.status == 503
+    assert ready.json()["status"] == "draining"
+    assert models.status == 200
+    assert fake.requests == []
