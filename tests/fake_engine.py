@@ -220,12 +220,16 @@ async def post(
     client = app.test_client()
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = await client.post(path, data=data, headers=headers or {})
-    return Reply(response.status_code, dict(response.headers), await response.get_data())
+    return Reply(
+        response.status_code, dict(response.headers), await response.get_data(as_text=False)
+    )
 
 
 async def get(app: QuartTrio, path: str, headers: dict[str, str] | None = None) -> Reply:
     response = await app.test_client().get(path, headers=headers or {})
-    return Reply(response.status_code, dict(response.headers), await response.get_data())
+    return Reply(
+        response.status_code, dict(response.headers), await response.get_data(as_text=False)
+    )
 
 
 def parse_sse(raw: bytes) -> tuple[list[str], int]:
@@ -277,7 +281,8 @@ async def post_stream(
                     disconnected_at = trio.current_time()
                     scope.deadline = disconnected_at + 1.0
                     break
-            status, hdrs = conn.status_code, dict(conn.headers or {})
+            status = conn.status_code  # type: ignore[attr-defined]
+            hdrs = dict(conn.headers or {})  # type: ignore[attr-defined]
     events, comments = parse_sse(bytes(raw))
     assert status is not None
     return SseReply(status, hdrs, bytes(raw), events, comments, disconnected_at)

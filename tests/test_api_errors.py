@@ -66,7 +66,9 @@ async def test_bad_request_names_param(
 
 async def test_context_length_code(autojump_clock: trio.abc.Clock) -> None:
     async with open_app(FakeEngine(max_model_len=64)) as (app, _):
-        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100})
+        reply = await post(
+            app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100}
+        )
     assert reply.json()["error"]["code"] == "context_length_exceeded"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import trio
@@ -73,8 +74,8 @@ async def test_tokenize_detokenize_roundtrip(autojump_clock: trio.abc.Clock) -> 
 async def test_generate_non_stream(autojump_clock: trio.abc.Clock) -> None:
     fake = FakeEngine(behaviour=Behaviour(output=IDS, eos_after=4))
     async with open_app(fake) as (app, _):
-        reply = await post(app, "/generate", {"text": "hi", "rid": "my-rid",
-                                              "sampling_params": {"max_new_tokens": 50}})  # fmt: skip
+        body = {"text": "hi", "rid": "my-rid", "sampling_params": {"max_new_tokens": 50}}
+        reply = await post(app, "/generate", body)
     body = reply.json()
     assert reply.headers["x-request-id"] == "my-rid"
     assert body["text"] == TOK.decode(IDS[:4])
@@ -99,7 +100,7 @@ async def test_generate_input_ids_stream_cumulative(autojump_clock: trio.abc.Clo
     assert reply.events[-1] == "[DONE]"
     events = [json.loads(e) for e in reply.events[:-1]]
     texts = [e["text"] for e in events]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative
     assert texts[-1] == " Hello, "
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "world"}
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
@@ -107,5 +108,7 @@ async def test_generate_input_ids_stream_cumulative(autojump_clock: trio.abc.Clo
 
 async def test_generate_length_finish(autojump_clock: trio.abc.Clock) -> None:
     async with open_app(FakeEngine(behaviour=Behaviour(output=IDS))) as (app, _):
-        reply = await post(app, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+        reply = await post(
+            app, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+        )
     assert reply.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}

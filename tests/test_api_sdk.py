@@ -60,9 +60,7 @@ async def served() -> AsyncIterator[Served]:
 
 async def test_chat_and_completions_non_stream(served: Served) -> None:
     chat = await served.call(
-        lambda: served.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4
-        )
+        lambda: served.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     )
     assert chat.choices[0].message.content == TOK.decode(IDS[:4])
     assert chat.choices[0].finish_reason == "length"
