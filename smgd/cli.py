@@ -27,7 +27,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         "--config", "-c", default=None, help=f"config file (default: ./{DEFAULT_CONFIG})"
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override any key, e.g. --set engines.0.mock.step_ms=5",
     )
     group = parser.add_argument_group("config overrides (generated from the schema)")

@@ -18,13 +18,15 @@ import enum
 import os
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from smgd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
 
 ENV_PREFIX = "SMGD_"
 
@@ -329,11 +331,18 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 value = getattr(engine, key)
                 if value is not None and not resolve_path(config, value).is_dir():
                     raise ConfigError(
-                        f"{key} {value!r} is not a directory", path=f"{at}.{key}",
+                        f"{key} {value!r} is not a directory",
+                        path=f"{at}.{key}",
                         hint="point it at the model's directory (tokenizer.json, config.json)",
                     )
-        if engine.launch is not None and engine.launch.kind == "command" and not engine.launch.command:
-            raise ConfigError("launch.kind = \"command\" needs `command`", path=f"{at}.launch.command")
+        if (
+            engine.launch is not None
+            and engine.launch.kind == "command"
+            and not engine.launch.command
+        ):
+            raise ConfigError(
+                'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
+            )
     for model in config.routing.models:
         if model not in served:
             raise ConfigError(

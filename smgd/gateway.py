@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -18,6 +17,8 @@ from smgd.router import Router
 from smgd.wire.common import EngineInfo
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from smgd.text.tokenizer import Tokenizer
 
 
@@ -64,8 +65,14 @@ class Gateway:
         cache: dict[tuple[str, str | None, str | None], ModelText] = {}
         for i, engine in enumerate(engines):
             model_dir = resolve_path(self.config, engine.model_dir)
-            tok_dir = resolve_path(self.config, engine.tokenizer_dir) if engine.tokenizer_dir else None
-            template = str(resolve_path(self.config, engine.chat_template)) if engine.chat_template else None
+            tok_dir = (
+                resolve_path(self.config, engine.tokenizer_dir) if engine.tokenizer_dir else None
+            )
+            template = (
+                str(resolve_path(self.config, engine.chat_template))
+                if engine.chat_template
+                else None
+            )
             key = (str(model_dir), str(tok_dir) if tok_dir else None, template)
             if key not in cache:
                 try:

@@ -8,17 +8,20 @@ engine said at start-up (context length, KV size) and is kept as :attr:`Child.re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 log = logging.getLogger("smgd.launch")
 
@@ -81,10 +84,8 @@ class Child:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 async def spawn(
@@ -108,7 +109,8 @@ async def spawn(
         start_new_session=True,
     )
     child = Child(name, proc)
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     nursery.start_soon(child._pump, proc.stdout, "stdout")
     nursery.start_soon(child._pump, proc.stderr, "stderr")
     return child
@@ -116,8 +118,17 @@ async def spawn(
 
 def mock_argv(wire: str, input_addr: str, output_addr: str, extra: Sequence[str]) -> list[str]:
     return [
-        sys.executable, "-m", "smgd", "mock-engine", "--wire", wire,
-        "--input", input_addr, "--output", output_addr, *extra,
+        sys.executable,
+        "-m",
+        "smgd",
+        "mock-engine",
+        "--wire",
+        wire,
+        "--input",
+        input_addr,
+        "--output",
+        output_addr,
+        *extra,
     ]
 
 

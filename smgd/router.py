@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from smgd.config import RoutingConfig, RoutingPolicy
 from smgd.errors import EngineNotReady, ModelNotFound
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from smgd.engines.base import EngineClient
 
 # prefix_affinity leaves the home engine when it has this many more in-flight requests than the
@@ -56,7 +57,9 @@ class Router:
     def candidates(self, model: str) -> list[EngineClient]:
         engines = [e for e in self._engines.values() if model in e.models]
         if not engines:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise ModelNotFound(
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
         ready = [e for e in engines if e.ready]
         if not ready:
             states = ", ".join(f"{e.name}: {e.state.value}" for e in engines)

@@ -74,7 +74,9 @@ async def sglang_pair(
         mock = None
         if with_mock and launch_argv is None:
             wire = SglangMockWire(f"ipc://{ipc_dir}/in.sock", f"ipc://{ipc_dir}/out.sock")
-            mock = MockEngine(wire, MockScheduler(max_batch=max_batch, eos_ids=eos_ids), step_s=step_s)
+            mock = MockEngine(
+                wire, MockScheduler(max_batch=max_batch, eos_ids=eos_ids), step_s=step_s
+            )
             await nursery.start(mock.run)
         if with_mock:
             with trio.fail_after(30):
@@ -83,7 +85,9 @@ async def sglang_pair(
         nursery.cancel_scope.cancel()
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 8, **sampling: object) -> GenerateRequest:
+def request(
+    rid: str, prompt: list[int], max_tokens: int = 8, **sampling: object
+) -> GenerateRequest:
     return GenerateRequest(
         rid=rid,
         prompt_ids=prompt,

@@ -33,7 +33,9 @@ def test_batch_cap_queues_the_rest() -> None:
 
 def test_stop_token_and_finish_reason() -> None:
     sched = MockScheduler(max_batch=1)
-    sched.add(MockRequest(rid="a", prompt_ids=[7, 8, 9], max_tokens=10, stop_token_ids=frozenset({9})))
+    sched.add(
+        MockRequest(rid="a", prompt_ids=[7, 8, 9], max_tokens=10, stop_token_ids=frozenset({9}))
+    )
     outs = [o for _ in range(5) for o in sched.step()]
     assert [t for o in outs for t in o.new_ids] == [7, 8, 9]
     assert outs[-1].finish is MockFinish.STOP and outs[-1].matched == 9

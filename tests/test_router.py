@@ -53,7 +53,9 @@ def test_round_robin_alternates() -> None:
 def test_least_outstanding_picks_least_busy_ready() -> None:
     r = router(
         RoutingPolicy.LEAST_OUTSTANDING,
-        Fake("a", in_flight=3), Fake("b", in_flight=1), Fake("c", state=EngineState.DEAD),
+        Fake("a", in_flight=3),
+        Fake("b", in_flight=1),
+        Fake("c", state=EngineState.DEAD),
     )
     assert r.pick("m").name == "b"
     assert r.pick("m", exclude=["b"]).name == "a"
@@ -63,7 +65,7 @@ def test_prefix_affinity_sticks_unless_overloaded() -> None:
     engines = [Fake(n) for n in "abcd"]
     r = router(RoutingPolicy.PREFIX_AFFINITY, *engines)
     prefix = list(range(100, 108))
-    homes = {r.pick("m", prefix + [i]).name for i in range(100)}
+    homes = {r.pick("m", [*prefix, i]).name for i in range(100)}
     assert len(homes) == 1
     home = next(e for e in engines if e.name in homes)
     home.in_flight = AFFINITY_OVERLOAD_MARGIN

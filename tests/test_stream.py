@@ -11,7 +11,9 @@ from smgd.errors import EngineDead
 from smgd.wire.common import Finish, FinishReason, TokenDelta
 
 
-def delta(ids: list[int], finish: FinishReason | None = None, done: int | None = None) -> TokenDelta:
+def delta(
+    ids: list[int], finish: FinishReason | None = None, done: int | None = None
+) -> TokenDelta:
     return TokenDelta(
         rid="r",
         token_ids=ids,

@@ -1,14 +1,16 @@
-"""The HTTP server: hypercorn's trio worker serving the quart-trio app, started with nursery.start."""
+"""The HTTP server: hypercorn's trio worker serving the quart-trio app (via nursery.start)."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from smgd.gateway import Gateway
+if TYPE_CHECKING:
+    from smgd.gateway import Gateway
 
 log = logging.getLogger("smgd.http")
 
@@ -20,7 +22,9 @@ def hypercorn_config(gateway: Gateway) -> HypercornConfig:
     cfg.bind = [f"{host}:{server.port}"]
     # hypercorn's default 3 s graceful timeout would cut LLM streams; drain owns the deadline.
     cfg.graceful_timeout = server.drain_timeout_s
-    cfg.accesslog = logging.getLogger("hypercorn.access") if gateway.config.logging.access_log else None
+    cfg.accesslog = (
+        logging.getLogger("hypercorn.access") if gateway.config.logging.access_log else None
+    )
     cfg.errorlog = logging.getLogger("hypercorn.error")
     # Streams idle between tokens for long prefills; keep-alive of idle connections is separate.
     cfg.keep_alive_timeout = 75
@@ -35,7 +39,7 @@ async def serve_http(
 
     app = create_app(gateway)
     await serve(
-        app,  # type: ignore[arg-type]
+        app,
         hypercorn_config(gateway),
         shutdown_trigger=gateway.drain_event.wait,
         task_status=task_status,

@@ -26,11 +26,16 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
     if engine.wire is WireFamily.MOCK or (launch is not None and launch.kind == "mock"):
         text = gateway.text(engine.models[0])
         extra = [
-            "--step-ms", str(engine.mock.step_ms),
-            "--max-batch", str(engine.mock.max_batch),
-            "--context-len", str(fallback.max_model_len),
-            "--eos-token-ids", ",".join(map(str, text.tokenizer.eos_token_ids)),
-            "--skip-ids", ",".join(map(str, sorted(text.tokenizer.special_ids))),
+            "--step-ms",
+            str(engine.mock.step_ms),
+            "--max-batch",
+            str(engine.mock.max_batch),
+            "--context-len",
+            str(fallback.max_model_len),
+            "--eos-token-ids",
+            ",".join(map(str, text.tokenizer.eos_token_ids)),
+            "--skip-ids",
+            ",".join(map(str, sorted(text.tokenizer.special_ids))),
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
@@ -44,9 +49,15 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
             python = launch.python or "python3"
             model_dir = str(gateway.text(engine.models[0]).model_dir)
             argv = [
-                python, launcher_script("sglang_scheduler.py"),
-                "--smgd-input", f"ipc://{input_path}", "--smgd-output", f"ipc://{output_path}",
-                "--model-path", model_dir, *launch.args,
+                python,
+                launcher_script("sglang_scheduler.py"),
+                "--smgd-input",
+                f"ipc://{input_path}",
+                "--smgd-output",
+                f"ipc://{output_path}",
+                "--model-path",
+                model_dir,
+                *launch.args,
             ]
         elif launch.kind == "tokenspeed":
             from smgd.engines.tokenspeed import tokenspeed_argv
@@ -69,9 +80,13 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
         from smgd.engines.vllm import VllmEngineClient
 
         return VllmEngineClient(
-            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
+            engine,
+            fallback_info=fallback,
+            input_path=input_path,
+            output_path=output_path,
             handshake=engine.addresses.handshake or f"ipc://{ipc_dir / 'hs.sock'}",
-            launch_argv=argv, launch_env=env,
+            launch_argv=argv,
+            launch_env=env,
             eos_token_ids=tuple(gateway.text(engine.models[0]).tokenizer.eos_token_ids),
         )
     if wire == "tokenspeed":
@@ -83,15 +98,24 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
             "tcp://127.0.0.1:*" if argv is not None else DEFAULT_HANDSHAKE
         )
         return TokenspeedEngineClient(
-            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
-            handshake=handshake, launch_argv=argv, launch_env=env,
+            engine,
+            fallback_info=fallback,
+            input_path=input_path,
+            output_path=output_path,
+            handshake=handshake,
+            launch_argv=argv,
+            launch_env=env,
         )
     if wire == "sglang":
         from smgd.engines.sglang import SglangEngineClient
 
         return SglangEngineClient(
-            engine, fallback_info=fallback, input_path=input_path, output_path=output_path,
-            launch_argv=argv, launch_env=env,
+            engine,
+            fallback_info=fallback,
+            input_path=input_path,
+            output_path=output_path,
+            launch_argv=argv,
+            launch_env=env,
         )
     raise ConfigError(
         f"wire {wire!r} is not supported yet",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,8 @@ from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportErr
 from smgd.wire.common import EngineInfo, EngineLoad, FinishReason, GenerateRequest, TokenDelta
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from smgd.config import EngineConfig
     from smgd.zmq_trio import TrioSocket
 
@@ -176,7 +177,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def run(self, *, task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[EngineClient] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Bind, (launch,) become ready, then serve until cancelled or dead.
 
         ``task_status.started`` fires once the sockets are bound (readiness comes later, see
@@ -197,7 +200,10 @@ class EngineClient:
                 self._ready.set()
                 log.info(
                     "engine %s ready (wire=%s, max_model_len=%s, vocab=%s)",
-                    self.name, self.wire, info.max_model_len, info.vocab_size,
+                    self.name,
+                    self.wire,
+                    info.max_model_len,
+                    info.vocab_size,
                 )
         finally:
             with trio.CancelScope(shield=True):
@@ -262,7 +268,9 @@ class EngineClient:
         while True:
             await trio.sleep(period)
             if self._streams and trio.current_time() - self._last_frame > silence:
-                self.die(f"no output for {silence:g} s with {len(self._streams)} request(s) in flight")
+                self.die(
+                    f"no output for {silence:g} s with {len(self._streams)} request(s) in flight"
+                )
                 return
             if not self._streams:
                 self._last_frame = trio.current_time()
@@ -282,7 +290,9 @@ class EngineClient:
     def finish_locally(self, rid: str, reason: FinishReason, message: str) -> None:
         from smgd.wire.common import Finish
 
-        self.deliver(TokenDelta(rid=rid, token_ids=[], finish=Finish(reason=reason, message=message)))
+        self.deliver(
+            TokenDelta(rid=rid, token_ids=[], finish=Finish(reason=reason, message=message))
+        )
 
     # ------------------------------------------------------------------ hooks
 

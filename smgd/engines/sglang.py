@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import zmq
 
 from smgd import ipc, launch
-from smgd.config import EngineConfig
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
 from smgd.wire import sglang as codec
 from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
 from smgd.zmq_trio import TrioSocket, open_monitor
+
+if TYPE_CHECKING:
+    from smgd.config import EngineConfig
 
 log = logging.getLogger("smgd.engine.sglang")
 
@@ -92,13 +94,19 @@ class SglangEngineClient(EngineClient):
             except zmq.ZMQError as exc:
                 from smgd.errors import TransportError
 
-                raise TransportError(f"engine {self.name}: cannot bind {endpoint}: {exc.strerror}") from None
+                raise TransportError(
+                    f"engine {self.name}: cannot bind {endpoint}: {exc.strerror}"
+                ) from None
         await nursery.start(self._watch_peer)
         if self.launch_argv is not None:
-            self.child = await launch.spawn(nursery, self.name, self.launch_argv, env=self.launch_env)
+            self.child = await launch.spawn(
+                nursery, self.name, self.launch_argv, env=self.launch_env
+            )
             nursery.start_soon(self._watch_child, self.child)
 
-    async def _watch_peer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _watch_peer(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         assert self._push is not None
         # Peers are tracked by connection fd: a stale-socket probe (another smgd checking the
         # path) connects and disconnects too, and must not read as the scheduler leaving.
@@ -131,17 +139,17 @@ class SglangEngineClient(EngineClient):
         await self.health_check(HEALTH_TIMEOUT_S)
         return self._engine_info()
 
-    async def health_check(self, timeout: float) -> None:
+    async def health_check(self, limit_s: float) -> None:
         """Send a 1-token health-check generate; any answer for it counts as healthy."""
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         self._health_rid = rid
         self._health_done = trio.Event()
         self._outbox_send.send_nowait([codec.encode_health_check(rid)])
-        with trio.move_on_after(timeout) as scope:
+        with trio.move_on_after(limit_s) as scope:
             await self._health_done.wait()
         self._health_rid = None
         if scope.cancelled_caught:
-            self.die(f"no answer to a health check within {timeout:g} s")
+            self.die(f"no answer to a health check within {limit_s:g} s")
             raise EngineDead(self.last_error or "health check failed")
 
     def _engine_info(self) -> EngineInfo:
@@ -184,7 +192,9 @@ class SglangEngineClient(EngineClient):
         return [codec.encode_abort(rid)]
 
     def _handle_frames(self, frames: list[Any]) -> None:
-        result = codec.decode_output(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+        result = codec.decode_output(
+            frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+        )
         if isinstance(result, list):
             health = self._health_rid
             for delta in result:

@@ -10,11 +10,13 @@ per request per engine step.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import trio
 
-from smgd.errors import EngineError
-from smgd.wire.common import TokenDelta
+if TYPE_CHECKING:
+    from smgd.errors import EngineError
+    from smgd.wire.common import TokenDelta
 
 
 class StreamState(enum.Enum):

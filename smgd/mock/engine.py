@@ -7,7 +7,8 @@ exactly like a real scheduler. Runs in-process (tests) or as ``smgd mock-engine`
 
 Faults, on command (:meth:`MockEngine.inject` or the ``--control`` socket):
 ``die`` (exit at once, exit code 1), ``hang`` (stop stepping and reading), ``garble`` (every
-output message becomes an undecodable frame), ``silent`` (keep reading, never send), ``ok`` (clear faults).
+output message becomes an undecodable frame), ``silent`` (keep reading, never send), ``ok``
+(clear faults).
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import trio
 import zmq
 
-from smgd.mock.scheduler import MockScheduler, StepOutput
 from smgd.zmq_trio import TrioSocket
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from smgd.mock.scheduler import MockScheduler, StepOutput
 
 log = logging.getLogger("smgd.mock")
 
@@ -90,7 +94,9 @@ class MockEngine:
         changed.set()
         self._work.set()
 
-    async def run(self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             in_sock, out_sock = await self.wire.open(ctx)
@@ -111,9 +117,9 @@ class MockEngine:
         while True:
             while self.fault == "hang":
                 await self._fault_changed.wait()
-            batch = await in_sock.recv_multipart_batch(256)
+            batch = await in_sock.recv_multipart_batch(256, copy=True)
             for frames in batch:
-                replies = self.wire.on_request([bytes(f) for f in frames], self.sched)
+                replies = self.wire.on_request(frames, self.sched)
                 if self.fault != "silent":
                     for reply in replies:
                         await out_sock.send_multipart(reply)
@@ -153,9 +159,9 @@ class MockEngine:
         sock.socket.bind(addr)
         try:
             while True:
-                frames = await sock.recv_multipart()
+                frames = await sock.recv_multipart(copy=True)
                 try:
-                    command = json.loads(bytes(frames[0]))
+                    command = json.loads(frames[0])
                     fault = command["fault"]
                 except (ValueError, KeyError, TypeError):
                     log.warning("mock: bad control message")

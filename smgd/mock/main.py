@@ -67,7 +67,7 @@ def mock_engine_main(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            info = {"context_len": args.context_len, "max_running_requests": args.max_batch,
+            info = {"context_length": args.context_len, "max_running_requests": args.max_batch,
                     "version": "smgd-mock"}
             print("SMGD_READY " + json.dumps(info), flush=True)
             if args.fault:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 class MockFinish(enum.Enum):
@@ -122,11 +125,7 @@ class MockScheduler:
                     finish, matched = MockFinish.STOP, token
                 elif req.generated >= req.max_tokens:
                     finish = MockFinish.LENGTH
-            if (
-                req.stream
-                or finish is not None
-                or len(req.unsent) >= self.nonstream_interval
-            ):
+            if req.stream or finish is not None or len(req.unsent) >= self.nonstream_interval:
                 cached = self._cached(req.prompt_ids) if req.generated <= 1 else 0
                 outputs.append(
                     StepOutput(

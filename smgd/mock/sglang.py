@@ -7,7 +7,7 @@ byte-checked against SGLang's encoder, so the mock speaks the real wire.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -16,6 +16,9 @@ from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutp
 from smgd.wire import sglang as codec
 from smgd.wire.common import Finish, FinishReason
 from smgd.zmq_trio import TrioSocket
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 _FINISH = {
     MockFinish.LENGTH: FinishReason.LENGTH,

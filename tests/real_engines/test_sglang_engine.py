@@ -1,0 +1,145 @@
+"""smgd's SGLang engine client against a REAL SGLang 0.5.23 scheduler, launched by smgd.
+
+Needs the venv and model from ``.ci/sglang-env.sh``::
+
+    eval "$(bash .ci/sglang-env.sh)"
+    .venv/bin/python -m pytest -m real_engine tests/real_engines/test_sglang_engine.py
+
+One scheduler start (~15-40 s on this CPU) serves the whole scenario, in order: greedy output
+is deterministic across two runs, an abort mid-stream leaves the scheduler healthy, stop token
+ids are honoured, a request after all that still works, and a scheduler that exits (even with
+code 0) fails the in-flight stream with one clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import trio
+
+from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.engines.base import EngineState
+from smgd.engines.sglang import SglangEngineClient
+from smgd.errors import EngineDead
+from smgd.launchers import sglang_scheduler_script
+from smgd.wire import sglang as codec
+from smgd.wire.common import EngineInfo, FinishReason, GenerateRequest, SamplingParams
+
+from ..engine_harness import short_ipc_dir
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
+
+# Importing sglang (~15 s) plus loading the model; generous for a loaded 2-core CI machine.
+READY_TIMEOUT_S = 300.0
+PROMPT = [1, 385, 600, 436, 943, 14, 10, 385]
+SCHEDULER_ARGS = [
+    "--device", "cpu",
+    "--max-total-tokens", "4096",  # default sizing would take ~16 GB of RAM for the KV cache
+    "--max-running-requests", "8",
+    "--dtype", "float32",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-overlap-schedule",
+    "--grammar-backend", "none",
+    "--cuda-graph-backend-decode=disabled",
+    "--cuda-graph-backend-prefill=disabled",
+]  # fmt: skip
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.fail(f'{name} is not set: run `eval "$(bash .ci/sglang-env.sh)"` first')
+    return value
+
+
+def greedy(max_tokens: int, **extra: object) -> GenerateRequest:
+    return GenerateRequest(
+        rid=uuid.uuid4().hex,
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra),  # type: ignore[arg-type]
+    )
+
+
+async def run(client: SglangEngineClient, req: GenerateRequest) -> tuple[list[int], FinishReason]:
+    ids: list[int] = []
+    reason = None
+    async with client.open_stream(req) as stream:
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+            if delta.finish is not None:
+                reason = delta.finish.reason
+    assert reason is not None
+    return ids, reason
+
+
+async def test_real_scheduler_through_the_engine_client() -> None:
+    python, model = _env("SGLANG_PYTHON"), _env("SGLANG_MODEL")
+    ipc = short_ipc_dir()
+    argv = [
+        python, str(sglang_scheduler_script()),
+        "--smgd-input", f"ipc://{ipc}/in.sock", "--smgd-output", f"ipc://{ipc}/out.sock",
+        "--cpu-shims", "--model-path", model, *SCHEDULER_ARGS,
+    ]  # fmt: skip
+    config = EngineConfig(
+        name="sglang-real",
+        wire=WireFamily.SGLANG,
+        models=["tiny"],
+        model_dir=model,
+        timeouts=TimeoutsConfig(ready_s=READY_TIMEOUT_S, silence_s=60.0),
+    )
+    client = SglangEngineClient(
+        config,
+        fallback_info=EngineInfo(max_model_len=512, vocab_size=1024),
+        input_path=str(ipc / "in.sock"),
+        output_path=str(ipc / "out.sock"),
+        launch_argv=argv,
+    )
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            with trio.fail_after(READY_TIMEOUT_S + 30):
+                await client.wait_ready()
+            assert client.info is not None
+            # The launcher reports the scheduler's own context length (the model's 512).
+            assert client.info.max_model_len == 512
+
+            with trio.fail_after(120):
+                first, reason1 = await run(client, greedy(8))
+                second, reason2 = await run(client, greedy(8))
+            assert len(first) == 8
+            assert first == second, "greedy output must be deterministic"
+            assert reason1 is reason2 is FinishReason.LENGTH
+
+            # Abort mid-stream: leave the stream after the first delta.
+            with trio.fail_after(60):
+                async with client.open_stream(greedy(400)) as stream:
+                    await stream.receive()
+            assert client.in_flight == 0
+            with trio.fail_after(60):
+                await client.health_check(30.0)
+            assert client.state is EngineState.READY
+
+            stop_id = first[3]
+            with trio.fail_after(60):
+                ids, reason = await run(client, greedy(50, stop_token_ids=(stop_id,)))
+            assert ids[-1] == stop_id and stop_id not in ids[:-1]
+            assert reason is FinishReason.STOP
+
+            with trio.fail_after(60):
+                again, _ = await run(client, greedy(8))
+            assert again == first
+
+            # The scheduler exiting (ShutdownReq → exit code 0) is still an engine death.
+            with trio.fail_after(60):
+                async with client.open_stream(greedy(400)) as stream:
+                    await stream.receive()
+                    client._outbox_send.send_nowait([codec.encode_shutdown()])
+                    # Whichever signal lands first: the socket peer leaving or the exit code.
+                    with pytest.raises(EngineDead, match=r"exited with code 0|disconnected"):
+                        while True:
+                            await stream.receive()
+            assert client.statistics().state == "dead"
+            await trio.sleep_forever()
