@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import sysconfig
+from typing import Any
 
 VOCAB = 2048  # small enough to train in seconds, big enough for a plausible BPE
 SEED = 1234
@@ -33,7 +34,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _train_tokenizer():  # type: ignore[no-untyped-def]
+def _train_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -54,8 +55,12 @@ def _train_tokenizer():  # type: ignore[no-untyped-def]
 
 
 def build(out: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    from transformers import (  # type: ignore[import-not-found,unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(SEED)

@@ -39,11 +39,11 @@ def main(argv: list[str]) -> None:
             out = a
 
     import msgspec
-    import numpy as np  # type: ignore[import-not-found]
-    import torch  # type: ignore[import-not-found]
-    import vllm  # type: ignore[import-not-found]
-    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # type: ignore[import-not-found]
-    from vllm.v1.engine import (  # type: ignore[import-not-found]
+    import numpy as np  # type: ignore[import-not-found,unused-ignore]
+    import torch  # type: ignore[import-not-found,unused-ignore]
+    import vllm  # type: ignore[import-not-found,unused-ignore]
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.engine import (  # type: ignore[import-not-found,unused-ignore]
         EngineCoreEvent,
         EngineCoreEventType,
         EngineCoreOutput,
@@ -54,11 +54,11 @@ def main(argv: list[str]) -> None:
         FinishReason,
         UtilityOutput,
     )
-    from vllm.v1.engine.core import EngineCoreProc  # type: ignore[import-not-found]
-    from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses  # type: ignore[import-not-found]
-    from vllm.v1.metrics.stats import PrefillStats, SchedulerStats  # type: ignore[import-not-found]
-    from vllm.v1.outputs import LogprobsLists, LogprobsTensors  # type: ignore[import-not-found]
-    from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult  # type: ignore[import-not-found]
+    from vllm.v1.engine.core import EngineCoreProc  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.metrics.stats import PrefillStats, SchedulerStats  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.serial_utils import MsgpackEncoder, UtilityResult  # type: ignore[import-not-found,unused-ignore]
 
     enc = MsgpackEncoder()
     vectors: list[dict[str, Any]] = []
