@@ -1,0 +1,116 @@
+"""Pure tests of the per-request state: finish reasons, stops, usage, request ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from smgd.api.pipeline import Choice, RequestState, check_request_id, new_engine_rid
+from smgd.errors import EngineDead, EngineRejected, InvalidRequest
+from smgd.text.stream import TextStream
+from smgd.text.tokenizer import load_tokenizer
+from smgd.wire.common import Finish, FinishReason, TokenDelta
+from tests.fake_engine import TINY_MODEL
+
+TOK = load_tokenizer(TINY_MODEL)
+IDS = TOK.encode(" Hello, world! How are you today?", add_special_tokens=False)
+
+
+def choice(stops: tuple[str, ...] = (), **kw: object) -> Choice:
+    return Choice(0, "r", TextStream(TOK, stops=stops), prompt_tokens=5, **kw)  # type: ignore[arg-type]
+
+
+def delta(
+    ids: list[int],
+    finish: Finish | None = None,
+    *,
+    completion_tokens: int | None = None,
+    cached_tokens: int | None = None,
+) -> TokenDelta:
+    return TokenDelta(
+        rid="r",
+        token_ids=list(ids),
+        finish=finish,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+    )
+
+
+def test_stop_string_split_across_deltas_is_caught() -> None:
+    c = choice(stops=("world",))
+    out = [c.apply(delta([i])) for i in IDS[:6]]
+    assert "".join(out) == " Hello, "
+    assert c.finish_reason == "stop"
+    assert c.matched == "world"
+    assert c.stopped_here  # the engine is still running: the caller aborts it
+    assert c.apply(delta([IDS[6]])) == ""  # later output is ignored
+
+
+def test_eos_text_is_not_emitted_and_counts() -> None:
+    c = choice()
+    text = c.apply(delta([*IDS[:3], 2], Finish(reason=FinishReason.STOP, matched_token=2)))
+    assert text == TOK.decode(IDS[:3])
+    assert (c.finish_reason, c.matched, c.completion_tokens) == ("stop", 2, 4)
+    assert not c.stopped_here
+
+
+def test_non_special_stop_token_text_is_dropped() -> None:
+    c = choice()
+    text = c.apply(delta(IDS[:4], Finish(reason=FinishReason.STOP, matched_token=IDS[3])))
+    assert text == TOK.decode(IDS[:3])
+
+
+def test_length_flushes_held_text() -> None:
+    c = choice(stops=("zzzz",))
+    text = c.apply(delta(IDS[:3], Finish(reason=FinishReason.LENGTH)))
+    assert text == TOK.decode(IDS[:3])
+    assert c.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("finish", "error"),
+    [
+        (Finish(reason=FinishReason.ABORT, message="too long", status_code=400), EngineRejected),
+        (Finish(reason=FinishReason.ABORT), EngineRejected),
+        (Finish(reason=FinishReason.ERROR, message="oom"), EngineDead),
+        (Finish(reason=FinishReason.ABORT, status_code=503), EngineDead),
+    ],
+)
+def test_engine_side_abort_is_an_error(finish: Finish, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        choice().apply(delta([], finish))
+
+
+def test_usage_counts_shared_prompt_once_and_cached() -> None:
+    state = RequestState(request_id="x", kind="chat", model="m", created=0, t_start=0.0)
+    a = choice()
+    b = Choice(1, "r2", TextStream(TOK), prompt_tokens=5, counts_prompt=False)
+    state.choices += [a, b]
+    a.apply(delta(IDS[:2], cached_tokens=4))
+    b.apply(delta(IDS[:3]))
+    assert state.usage() == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    state.first_output(0.25)
+    fields = state.log_fields(1.0)
+    assert fields["ttft_ms"] == 250.0
+    assert fields["e2e_ms"] == 1000.0
+    assert fields["engine_rids"] == ["r", "r2"]
+
+
+def test_engine_reported_count_wins_when_larger() -> None:
+    c = choice()
+    c.apply(delta(IDS[:2], completion_tokens=3))
+    assert c.completion_tokens == 3
+
+
+def test_request_ids() -> None:
+    assert check_request_id("abc-1.2:x", "X-Request-Id") == "abc-1.2:x"
+    for bad in ("", "a b", "x" * 129, "é"):
+        with pytest.raises(InvalidRequest):
+            check_request_id(bad, "X-Request-Id")
+    rids = {new_engine_rid() for _ in range(100)}
+    assert len(rids) == 100
+    assert {len(r) for r in rids} == {32}
