@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from smgd.admission import Admission
 from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
 from smgd.wire.common import EngineInfo, EngineLoad, FinishReason, GenerateRequest, TokenDelta
@@ -66,6 +67,8 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str | None
     load: EngineLoad | None
     max_model_len: int | None
+    queue_depth: int
+    rejected_total: int
 
 
 class EngineClient:
@@ -94,6 +97,11 @@ class EngineClient:
         self._decode_errors = 0
         self._requests_total = 0
         self._tokens_total = 0
+        self.admission = Admission(
+            max_inflight=config.max_inflight,
+            max_queue=config.max_queue,
+            queue_timeout_s=config.queue_timeout_s,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -117,6 +125,8 @@ class EngineClient:
             last_error=self.last_error,
             load=self.load,
             max_model_len=self.info.max_model_len if self.info else None,
+            queue_depth=self.admission.queue_depth,
+            rejected_total=self.admission.rejected_total,
         )
 
     async def wait_ready(self) -> None:
@@ -160,6 +170,14 @@ class EngineClient:
         if self.state is not EngineState.READY:
             raise EngineNotReady(f"engine {self.name} is {self.state.value}")
         self.validate(req)
+        async with self.admission.slot(req.rid):
+            if self.state is not EngineState.READY:  # it may have died while we queued
+                raise EngineNotReady(f"engine {self.name} is {self.state.value}")
+            async with self._submitted(req) as stream:
+                yield stream
+
+    @asynccontextmanager
+    async def _submitted(self, req: GenerateRequest) -> AsyncIterator[RequestStream]:
         stream = RequestStream(req.rid, self.name)
         frames = self._encode_request(req)
         self._streams[req.rid] = stream
