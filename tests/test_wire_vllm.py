@@ -567,3 +567,10 @@ def test_live_steps_carry_load_when_the_engine_logs_stats() -> None:
     assert token_steps
     assert all(b.load is not None for b in token_steps)
     assert any(b.load is not None and b.load.running == 1 for b in token_steps)
+
+
+def test_decode_outputs_accepts_zero_copy_memoryviews() -> None:
+    frames = named("out_logprobs_aux")
+    views = [memoryview(f) for f in frames]
+    assert vllm.decode_outputs(views) == vllm.decode_outputs(frames)
+    assert vllm.decode_outputs([memoryview(vllm.ENGINE_CORE_DEAD)]).engine_dead
