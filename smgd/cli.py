@@ -64,8 +64,10 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from smgd.daemon import serve_main
 
-    config = load_from_args(args)
-    return serve_main(config)
+    path = _config_path(args)
+    overrides = _overrides(args)
+    config = load_config(path, overrides=overrides)
+    return serve_main(config, config_path=path, overrides=overrides)
 
 
 def _cmd_wire(args: argparse.Namespace) -> int:

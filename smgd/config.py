@@ -53,6 +53,9 @@ class ServerConfig(_Section):
     port: int = 8080
     # LLM streams run for minutes; hypercorn's own 3 s graceful timeout would cut them.
     drain_timeout_s: float = 30.0
+    # After SIGTERM, keep accepting connections (answering 503) this long before closing the
+    # listener, so load balancers and probes see readiness fail instead of a refused connect.
+    drain_settle_s: float = 1.0
     # An SSE comment this often while a request waits (queue, long prefill) keeps proxies
     # from closing an idle-looking connection; 15 s is under common 30-60 s proxy idle limits.
     keepalive_interval_s: float = 15.0

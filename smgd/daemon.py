@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -26,6 +27,7 @@ from smgd.engines import build_engine_client
 from smgd.errors import EngineDead, SmgdError, TransportError
 from smgd.gateway import Gateway
 from smgd.logs import setup_logging
+from smgd.reload import EngineSet, ReloadResult
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,12 +94,35 @@ async def readiness_barrier(gateway: Gateway) -> None:
     notify("READY=1")
 
 
+async def reload_now(gateway: Gateway, engines: EngineSet) -> ReloadResult:
+    """Re-read smgd.toml and apply it (SIGHUP, POST /admin/reload, `smgd reload`)."""
+    from smgd.sdnotify import notify
+
+    notify("RELOADING=1")
+    try:
+        result = await engines.reload(gateway.config_path)
+    finally:
+        notify("READY=1")
+    gateway.reloads_total += 1
+    if not result.ok:
+        gateway.reload_failures_total += 1
+    return result
+
+
 async def _signal_task(
-    gateway: Gateway, cancel_all: Callable[[], None], *, task_status: trio.TaskStatus[None]
+    gateway: Gateway,
+    engines: EngineSet,
+    cancel_all: Callable[[], None],
+    *,
+    task_status: trio.TaskStatus[None],
 ) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.info("SIGHUP: reloading %s", gateway.config_path)
+                engines.nursery.start_soon(reload_now, gateway, engines)
+                continue
             if gateway.draining:
                 log.warning("second signal (%s): stopping now", signal.Signals(signum).name)
                 cancel_all()
@@ -123,24 +148,44 @@ async def _drain_then_cancel(gateway: Gateway, cancel_all: Callable[[], None]) -
     cancel_all()
 
 
+async def _watchdog_task(interval: float) -> None:
+    from smgd.sdnotify import notify
+
+    while True:
+        notify("WATCHDOG=1")
+        await trio.sleep(interval)
+
+
 async def run_daemon(
     config: Config,
     *,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
     install_signals: bool = True,
     task_status: trio.TaskStatus[tuple[Gateway, list[str]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    from smgd.api.admin import serve_admin
     from smgd.api.server import serve_http
+    from smgd.sdnotify import watchdog_interval
 
     gateway = Gateway.from_config(config)
+    gateway.config_path = config_path
+    gateway.overrides = list(overrides or [])
     gateway.started_at = trio.current_time()
     async with trio.open_nursery() as nursery:
+        engines = EngineSet(gateway, nursery)
+        gateway.reload = partial(reload_now, gateway, engines)
         if install_signals:
-            await nursery.start(_signal_task, gateway, nursery.cancel_scope.cancel)
+            await nursery.start(_signal_task, gateway, engines, nursery.cancel_scope.cancel)
         for engine_config in config.engines:
-            await nursery.start(supervise_engine, gateway, engine_config)
+            await engines.start(engine_config)
         binds: list[str] = await nursery.start(serve_http, gateway)
+        gateway.admin_binds = await nursery.start(serve_admin, gateway)
         nursery.start_soon(readiness_barrier, gateway)
         nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
+        interval = watchdog_interval()
+        if interval:
+            nursery.start_soon(_watchdog_task, interval)
         task_status.started((gateway, binds))
 
 
@@ -157,12 +202,16 @@ def _first_smgd_error(exc: BaseException) -> SmgdError | None:
     return None
 
 
-def serve_main(config: Config) -> int:
+def serve_main(
+    config: Config, *, config_path: str | None = None, overrides: list[str] | None = None
+) -> int:
     setup_logging(config.logging)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            gateway, binds = await nursery.start(run_daemon, config)
+            gateway, binds = await nursery.start(
+                partial(run_daemon, config, config_path=config_path, overrides=overrides)
+            )
             for bind in binds:
                 url = bind.replace("http://", "http://", 1)
                 print(f"smgd listening on {url}", file=sys.stderr)

@@ -17,6 +17,7 @@ from smgd.router import Router
 from smgd.wire.common import EngineInfo
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
     from pathlib import Path
 
     from smgd.text.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ class ModelText:
     tokenizer: Tokenizer
     model_dir: Path
     config_json: dict[str, Any]
+    key: tuple[str, str | None, str | None] = ("", None, None)  # what it was loaded from
 
     @property
     def vocab_size(self) -> int:
@@ -52,18 +54,39 @@ class Gateway:
     draining: bool = False
     drain_event: trio.Event = field(default_factory=trio.Event)
     started_at: float = 0.0
+    # How the daemon was started, so a reload re-reads the same file with the same overrides.
+    config_path: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    reloads_total: int = 0
+    reload_failures_total: int = 0
+    # Set by the daemon: re-read and apply smgd.toml (returns a ReloadResult).
+    reload: Callable[[], Awaitable[Any]] | None = None
+    admin_binds: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Config) -> Gateway:
         gateway = cls(config=config, router=Router(config.routing))
-        gateway.load_texts(config.engines)
+        gateway.texts = gateway.stage_texts(config)
         return gateway
 
-    def load_texts(self, engines: list[EngineConfig]) -> None:
+    def apply_config(self, config: Config, texts: dict[str, ModelText]) -> None:
+        """Switch to a validated new config (reload): text pipelines, routing, log level."""
+        import logging
+
+        self.config = config
+        self.texts = texts
+        self.router.routing = config.routing
+        logging.getLogger().setLevel(config.logging.level.upper())
+
+    def stage_texts(self, config: Config) -> dict[str, ModelText]:
+        """Load every engine's tokenizer for ``config`` (reusing loaded ones); raise ConfigError."""
         from smgd.text.tokenizer import load_tokenizer
 
+        texts: dict[str, ModelText] = {}
         cache: dict[tuple[str, str | None, str | None], ModelText] = {}
-        for i, engine in enumerate(engines):
+        for text in self.texts.values():
+            cache.setdefault(text.key, text)
+        for i, engine in enumerate(config.engines):
             model_dir = resolve_path(self.config, engine.model_dir)
             tok_dir = (
                 resolve_path(self.config, engine.tokenizer_dir) if engine.tokenizer_dir else None
@@ -80,9 +103,11 @@ class Gateway:
                 except ConfigError as exc:
                     exc.path = f"$.engines[{i}].model_dir"
                     raise
-                cache[key] = ModelText(tokenizer, model_dir, _read_json(model_dir / "config.json"))
+                config_json = _read_json(model_dir / "config.json")
+                cache[key] = ModelText(tokenizer, model_dir, config_json, key)
             for model in engine.models:
-                self.texts[model] = cache[key]
+                texts[model] = cache[key]
+        return texts
 
     def text(self, model: str) -> ModelText:
         try:

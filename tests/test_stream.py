@@ -78,3 +78,22 @@ async def test_push_after_finish_is_ignored() -> None:
     stream.push(delta([1], FinishReason.STOP))
     stream.push(delta([9]))
     assert (await stream.receive()).token_ids == [1]
+
+
+async def test_a_cancelled_receive_never_loses_output() -> None:
+    stream = RequestStream("r", "e")
+    received: list[int] = []
+    for i in range(200):
+        with trio.CancelScope() as scope:
+            scope.cancel()  # cancelled before and during every receive
+            stream.push(delta([i]))
+            try:
+                got = await stream.receive()
+            except trio.Cancelled:
+                pass
+            else:
+                received.extend(got.token_ids)
+    stream.push(delta([], FinishReason.STOP))
+    async for got in stream:
+        received.extend(got.token_ids)
+    assert received == list(range(200))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -32,6 +33,12 @@ def hypercorn_config(gateway: Gateway) -> HypercornConfig:
     return cfg
 
 
+async def _stop_accepting(gateway: Gateway) -> None:
+    """hypercorn's shutdown trigger: drain started, then the settle window passed."""
+    await gateway.drain_event.wait()
+    await trio.sleep(gateway.config.server.drain_settle_s)
+
+
 async def serve_http(
     gateway: Gateway, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -41,6 +48,6 @@ async def serve_http(
     await serve(
         app,
         hypercorn_config(gateway),
-        shutdown_trigger=gateway.drain_event.wait,
+        shutdown_trigger=partial(_stop_accepting, gateway),
         task_status=task_status,
     )

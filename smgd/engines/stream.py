@@ -86,10 +86,13 @@ class RequestStream:
         Raises ``trio.EndOfChannel`` after the final delta was returned, or the engine's
         :class:`~smgd.errors.EngineError` if the engine failed.
         """
+        # Cancellation safety: a cancel may land before anything is taken, never after. Once
+        # the pending delta is taken, the checkpoint is shielded so it cannot be lost.
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             delta = self.receive_nowait()
             if delta is not None:
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return delta
             if self._waiter is not None:
                 raise trio.BusyResourceError("another task is already receiving on this stream")

@@ -1,0 +1,109 @@
+"""The admin listener: reload, drain, engine state. Never on the public listener.
+
+By default it listens on a unix socket, ``<run_dir>/admin.sock``, inside the 0700 run
+directory, so only smgd's user can reach it. ``[admin] port > 0`` moves it to TCP on
+``admin.host`` (loopback by default); ``admin.token_env`` then names an env var holding a bearer
+token that every admin request must carry.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from smgd.config import run_dir
+
+if TYPE_CHECKING:
+    from smgd.gateway import Gateway
+
+
+def admin_socket_path(gateway: Gateway) -> str:
+    return str(run_dir(gateway.config) / "admin.sock")
+
+
+def admin_bind(gateway: Gateway) -> str:
+    admin = gateway.config.admin
+    if admin.port > 0:
+        return f"{admin.host}:{admin.port}"
+    return f"unix:{admin_socket_path(gateway)}"
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int, kind: str) -> Response:
+    return _json(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
+    )
+
+
+def create_admin_app(gateway: Gateway) -> QuartTrio:
+    app = QuartTrio("smgd-admin")
+    app.config["RESPONSE_TIMEOUT"] = None
+    token_env = gateway.config.admin.token_env
+    token = os.environ.get(token_env, "") if token_env else ""
+
+    @app.before_request
+    async def _auth() -> Response | None:
+        if token:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _error("invalid or missing admin token", 401, "authentication_error")
+        return None
+
+    @app.post("/admin/reload")
+    async def reload() -> Response:
+        if gateway.reload is None:
+            return _error("reload is not available", 503, "service_unavailable")
+        result = await gateway.reload()
+        return _json(result, 200 if result.ok else 400)
+
+    @app.post("/admin/drain")
+    async def drain() -> Response:
+        gateway.draining = True
+        gateway.drain_event.set()
+        return _json({"draining": True})
+
+    @app.get("/admin/engines")
+    async def engines() -> Response:
+        stats = [engine.statistics() for engine in gateway.router.engines()]
+        return _json(
+            {
+                "draining": gateway.draining,
+                "uptime_s": trio.current_time() - gateway.started_at,
+                "reloads_total": gateway.reloads_total,
+                "reload_failures_total": gateway.reload_failures_total,
+                "engines": stats,
+            }
+        )
+
+    return app
+
+
+async def serve_admin(
+    gateway: Gateway, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    from smgd.ipc import prepare_ipc_endpoint
+
+    bind = admin_bind(gateway)
+    if bind.startswith("unix:"):
+        prepare_ipc_endpoint(bind[len("unix:") :])  # 0700 dir, stale socket cleared, live refused
+    cfg = HypercornConfig()
+    cfg.bind = [bind]
+    cfg.graceful_timeout = 1.0  # admin requests are short
+    cfg.accesslog = None
+    await serve(
+        create_admin_app(gateway),
+        cfg,
+        shutdown_trigger=trio.sleep_forever,
+        task_status=task_status,
+    )

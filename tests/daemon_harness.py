@@ -1,0 +1,84 @@
+"""Run the whole daemon (HTTP + engines launched as mock processes) inside a test."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import trio
+
+from smgd.assets import TINY_MODEL_DIR
+from smgd.config import load_config
+from smgd.daemon import run_daemon
+from smgd.gateway import Gateway
+
+from .engine_harness import short_ipc_dir
+
+
+def engine_toml(name: str, model: str, *, step_ms: float = 5.0, extra: str = "") -> str:
+    return (
+        f'[[engines]]\nname = "{name}"\nwire = "mock"\nmodels = ["{model}"]\n'
+        f'model_dir = "{TINY_MODEL_DIR}"\n{extra}'
+        f"[engines.mock]\nstep_ms = {step_ms}\n"
+    )
+
+
+def config_text(*engines: str, drain_s: float = 10.0) -> str:
+    run = short_ipc_dir()
+    return (
+        f'run_dir = "{run}"\n[server]\nport = 0\ndrain_timeout_s = {drain_s}\n'
+        '[logging]\nlevel = "warning"\n' + "".join(engines)
+    )
+
+
+@asynccontextmanager
+async def running_daemon(
+    path: Path, *, install_signals: bool = False
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    config = load_config(path, environ={})
+    async with trio.open_nursery() as nursery:
+        gateway, binds = await nursery.start(
+            lambda task_status: run_daemon(
+                config,
+                config_path=str(path),
+                install_signals=install_signals,
+                task_status=task_status,
+            )
+        )
+        with trio.fail_after(30):
+            for engine in gateway.router.engines():
+                await engine.wait_ready()
+        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as client:
+            yield gateway, client
+        nursery.cancel_scope.cancel()
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> tuple[str, dict[str, object] | None, str | None]:
+    """(text, usage, finish_reason) of one streamed completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, usage, finish = "", None, None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise AssertionError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                text += choice.get("text", "")
+                finish = choice.get("finish_reason") or finish
+    return text, usage, finish

@@ -1,0 +1,159 @@
+"""The whole daemon: mock engines as child processes, HTTP, reload while streaming, drain."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from .daemon_harness import config_text, engine_toml, running_daemon, stream_completion
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+async def stream_many(
+    client: httpx.AsyncClient, model: str, n: int, max_tokens: int, results: list[int]
+) -> None:
+    async def one() -> None:
+        _, usage, finish = await stream_completion(client, model, PROMPT, max_tokens)
+        assert finish == "length"
+        assert usage is not None
+        results.append(int(usage["completion_tokens"]))  # type: ignore[call-overload]
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "invalid"])
+async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change: str) -> None:
+    path = tmp_path / "smgd.toml"
+    keep = engine_toml("keep", "m-keep", step_ms=10)
+    other = engine_toml("other", "m-other")
+    path.write_text(config_text(keep, other))
+    async with running_daemon(path) as (gateway, client):
+        results: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream_many, client, "m-keep", 64, 60, results)
+            await trio.sleep(0.2)
+            run_dir = gateway.config.run_dir
+            if change == "add":
+                new = config_text(keep, other, engine_toml("added", "m-added"))
+            elif change == "remove":
+                new = config_text(keep)
+            else:
+                new = config_text(keep, other.replace('wire = "mock"', 'wire = "tgi"'))
+            # Keep the same run_dir so the untouched engines' sockets stay where they are.
+            new = f'run_dir = "{run_dir}"\n' + new.split("\n", 1)[1]
+            path.write_text(new)
+            assert gateway.reload is not None
+            result = await gateway.reload()
+        assert results == [60] * 64
+        names = {e.name for e in gateway.router.engines()}
+        if change == "add":
+            assert result.ok and result.added == ["added"]
+            assert names == {"keep", "other", "added"}
+            with trio.fail_after(30):
+                await gateway.router.get("added").wait_ready()  # type: ignore[union-attr]
+            text, _, _ = await stream_completion(client, "m-added", PROMPT, 5)
+            assert text
+        elif change == "remove":
+            assert result.ok and result.removed == ["other"]
+            assert names == {"keep"}
+            response = await client.post(
+                "/v1/completions", json={"model": "m-other", "prompt": "x", "max_tokens": 2}
+            )
+            assert response.status_code == 404
+        else:
+            assert not result.ok
+            assert "$.engines[1].wire" in (result.error or "")
+            assert names == {"keep", "other"}
+
+
+async def test_sighup_reloads(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")))
+    async with running_daemon(path, install_signals=True) as (gateway, client):
+        before = gateway.reloads_total
+        os.kill(os.getpid(), signal.SIGHUP)
+        with trio.fail_after(10):
+            while gateway.reloads_total == before:  # noqa: ASYNC110 - counter, no event
+                await trio.sleep(0.02)
+        assert gateway.reload_failures_total == 0
+        text, _, _ = await stream_completion(client, "m-a", PROMPT, 3)
+        assert text
+
+
+def _serve(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def _wait_url(proc: subprocess.Popen[str]) -> str:
+    assert proc.stderr is not None
+    with trio.fail_after(30):
+        while True:
+            line = await trio.to_thread.run_sync(proc.stderr.readline)
+            if not line:
+                raise AssertionError("smgd exited before listening")
+            if line.startswith("smgd listening on "):
+                return line.split()[-1]
+
+
+async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a", step_ms=20), drain_s=20))
+    proc = _serve(path)
+    try:
+        url = await _wait_url(proc)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            with trio.fail_after(30):
+                while (await client.get("/readiness")).status_code != 200:
+                    await trio.sleep(0.1)
+            results: list[int] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream_many, client, "m-a", 8, 50, results)
+                await trio.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)
+                await trio.sleep(0.2)
+                ready = await client.get("/readiness")
+                assert ready.status_code == 503
+                refused = await client.post(
+                    "/v1/completions", json={"model": "m-a", "prompt": "x", "max_tokens": 2}
+                )
+                assert refused.status_code == 503
+            assert results == [50] * 8  # 50 steps x 20 ms = 1 s, inside the 20 s drain
+        code = await trio.to_thread.run_sync(proc.wait, 30)
+        assert code == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+async def test_startup_failure_port_in_use_exits_nonzero_with_message(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = tmp_path / "smgd.toml"
+        path.write_text(config_text(engine_toml("a", "m-a")).replace("port = 0", f"port = {port}"))
+        proc = _serve(path)
+        _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
+    assert proc.returncode != 0
+    assert "smgd:" in err
+    assert "Traceback" not in err
