@@ -120,7 +120,7 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> N
         url = await _wait_url(proc)
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             with trio.fail_after(30):
-                while (await client.get("/readiness")).status_code != 200:
+                while (await client.get("/readiness")).status_code != 200:  # noqa: ASYNC110
                     await trio.sleep(0.1)
             results: list[int] = []
             async with trio.open_nursery() as nursery:

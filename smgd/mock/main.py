@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import trio
 
 from smgd.mock.engine import MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def _ids(text: str) -> list[int]:
@@ -29,7 +32,9 @@ def add_mock_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-ids", type=_ids, default=[], help="ids never echoed (specials)")
     parser.add_argument("--control", default=None, help="PULL endpoint for fault commands")
     parser.add_argument(
-        "--fault", choices=["hang", "garble", "silent", "die"], default=None,
+        "--fault",
+        choices=["hang", "garble", "silent", "die"],
+        default=None,
         help="inject this fault after --fault-after-steps steps",
     )
     parser.add_argument("--fault-after-steps", type=int, default=0)
@@ -60,18 +65,25 @@ def mock_engine_main(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, eos_ids=args.eos_token_ids, skip_ids=args.skip_ids
     )
     engine = MockEngine(
-        build_wire(args), sched, step_s=args.step_ms / 1000, control=args.control,
+        build_wire(args),
+        sched,
+        step_s=args.step_ms / 1000,
+        control=args.control,
         exit_process_on_die=True,
     )
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            info = {"context_length": args.context_len, "max_running_requests": args.max_batch,
-                    "version": "smgd-mock"}
+            info = {
+                "context_length": args.context_len,
+                "max_running_requests": args.max_batch,
+                "version": "smgd-mock",
+            }
             print("SMGD_READY " + json.dumps(info), flush=True)
             if args.fault:
-                while sched.steps < args.fault_after_steps:
+                # The scheduler is sans-IO (no events): poll it once per step.
+                while sched.steps < args.fault_after_steps:  # noqa: ASYNC110
                     await trio.sleep(args.step_ms / 1000)
                 engine.inject(args.fault)
 

@@ -27,13 +27,13 @@ from pathlib import Path
 os.environ["SGLANG_USE_PICKLE_IPC"] = "0"  # msgpack mode: must be set before sglang imports
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-from sglang.srt.managers import io_struct as io  # noqa: E402
-from sglang.srt.managers.schedule_batch import (  # noqa: E402
+from sglang.srt.managers import io_struct as io
+from sglang.srt.managers.schedule_batch import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_MATCHED_TOKEN,
 )
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 assert io._USE_PICKLE_IPC is False, "SGLANG_USE_PICKLE_IPC=0 did not take effect"
 
@@ -62,7 +62,9 @@ def add(name: str, obj: object, direction: str, **extra: object) -> None:
     )
 
 
-def tokenized(rid: str, ids: list[int], sampling: dict, **kw: object) -> io.TokenizedGenerateReqInput:
+def tokenized(
+    rid: str, ids: list[int], sampling: dict, **kw: object
+) -> io.TokenizedGenerateReqInput:
     """What TokenizerManager._create_tokenized_object builds for GenerateReqInput(**kw)."""
     obj = io.GenerateReqInput(rid=rid, input_ids=ids, sampling_params=sampling, **kw)
     obj.normalize_batch_and_arguments()
@@ -132,13 +134,24 @@ def requests() -> None:
         tokenized(
             RID,
             prompt,
-            {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
-             "stop_token_ids": [436, 7, 436, 1000, 7]},
+            {
+                "max_new_tokens": 16,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 40,
+                "stop_token_ids": [436, 7, 436, 1000, 7],
+            },
             stream=True,
         ),
         "router_to_scheduler",
         smgd_request=smgd_request(
-            RID, prompt, True, max_tokens=16, temperature=0.7, top_p=0.9, top_k=40,
+            RID,
+            prompt,
+            True,
+            max_tokens=16,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
             stop_token_ids=[436, 7, 436, 1000, 7],
         ),
     )
@@ -147,24 +160,47 @@ def requests() -> None:
         tokenized(
             RID,
             prompt,
-            {"max_new_tokens": 4, "temperature": 1.3, "min_p": 0.05,
-             "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.1,
-             "sampling_seed": 1234, "ignore_eos": True},
+            {
+                "max_new_tokens": 4,
+                "temperature": 1.3,
+                "min_p": 0.05,
+                "frequency_penalty": 0.5,
+                "presence_penalty": -0.25,
+                "repetition_penalty": 1.1,
+                "sampling_seed": 1234,
+                "ignore_eos": True,
+            },
             stream=False,
             return_logprob=True,
             top_logprobs_num=3,
         ),
         "router_to_scheduler",
         smgd_request=smgd_request(
-            RID, prompt, False, max_tokens=4, temperature=1.3, min_p=0.05,
-            frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1, seed=1234,
-            ignore_eos=True, logprobs=3,
+            RID,
+            prompt,
+            False,
+            max_tokens=4,
+            temperature=1.3,
+            min_p=0.05,
+            frequency_penalty=0.5,
+            presence_penalty=-0.25,
+            repetition_penalty=1.1,
+            seed=1234,
+            ignore_eos=True,
+            logprobs=3,
         ),
     )
     add(
         "tgri_logprobs_token_ids_logprob",
-        tokenized(RID, prompt, {"max_new_tokens": 2}, stream=True, return_logprob=True,
-                  top_logprobs_num=0, token_ids_logprob=[5, 6]),
+        tokenized(
+            RID,
+            prompt,
+            {"max_new_tokens": 2},
+            stream=True,
+            return_logprob=True,
+            top_logprobs_num=0,
+            token_ids_logprob=[5, 6],
+        ),
         "router_to_scheduler",
     )
     add("tgri_all_defaults", tokenized(RID, [5], {}), "router_to_scheduler")
@@ -192,8 +228,13 @@ def requests() -> None:
         tokenized(
             RID,
             prompt,
-            {"max_new_tokens": 5, "logit_bias": {"12": -100.0, "34": 2.5},
-             "custom_params": {"k": [1, "x"]}, "stream_interval": 2, "temperature": 0.8},
+            {
+                "max_new_tokens": 5,
+                "logit_bias": {"12": -100.0, "34": 2.5},
+                "custom_params": {"k": [1, "x"]},
+                "stream_interval": 2,
+                "temperature": 0.8,
+            },
             priority=3,
             extra_key="tenant-a",
             routing_key="route-1",
@@ -204,21 +245,25 @@ def requests() -> None:
         "tgri_logit_bias_smgd",
         tokenized(RID, prompt, {"max_new_tokens": 5, "logit_bias": {"12": -100.0, "34": 2.5}}),
         "router_to_scheduler",
-        smgd_request=smgd_request(RID, prompt, False, max_tokens=5,
-                                  logit_bias={"12": -100.0, "34": 2.5}),
+        smgd_request=smgd_request(
+            RID, prompt, False, max_tokens=5, logit_bias={"12": -100.0, "34": 2.5}
+        ),
     )
     add(
         "batch_tgri_two",
         io.BatchTokenizedGenerateReqInput(
-            batch=[tokenized(RID, [1, 2], {"max_new_tokens": 1}),
-                   tokenized(RID2, [3], {"max_new_tokens": 2, "temperature": 0.0})]
+            batch=[
+                tokenized(RID, [1, 2], {"max_new_tokens": 1}),
+                tokenized(RID2, [3], {"max_new_tokens": 2, "temperature": 0.0}),
+            ]
         ),
         "router_to_scheduler",
     )
     add("abort_one", io.AbortReq(rid=RID), "router_to_scheduler", abort_rid=RID)
     add("abort_all", io.AbortReq(rid="", abort_all=True), "router_to_scheduler")
-    add("abort_with_message", io.AbortReq(rid=RID, abort_message="timed out"),
-        "router_to_scheduler")
+    add(
+        "abort_with_message", io.AbortReq(rid=RID, abort_message="timed out"), "router_to_scheduler"
+    )
     add("flush_cache", io.FlushCacheReqInput(), "router_to_scheduler", smgd="flush")
     add("get_internal_state", io.GetInternalStateReq(), "router_to_scheduler")
     add("shutdown", io.ShutdownReq(), "router_to_scheduler", smgd="shutdown")
@@ -269,10 +314,14 @@ def btid(rows: list[dict], logprobs: bool = False) -> io.BatchTokenIDOutput:
         placeholder_tokens_idx=None,
         placeholder_tokens_val=None,
         retraction_counts=[0] * n,
-        weight_versions=[[("default", 0, r["completion"])] if r.get("finish") else None
-                         for r in rows] if any(finished) else None,
-        cached_tokens_details=[{"device": r.get("cached", 0), "host": 0} if r.get("cached")
-                               else None for r in rows],
+        weight_versions=[
+            [("default", 0, r["completion"])] if r.get("finish") else None for r in rows
+        ]
+        if any(finished)
+        else None,
+        cached_tokens_details=[
+            {"device": r.get("cached", 0), "host": 0} if r.get("cached") else None for r in rows
+        ],
         dp_ranks=[None] * n,
         time_stats=time_stats(n),
         image_tokens=[0] * n,
@@ -293,63 +342,127 @@ def expect(rows: list[dict]) -> list[dict]:
     for r in rows:
         f = r.get("finish")
         fj = f.to_json() if f else None
-        out.append({
-            "rid": r["rid"], "token_ids": r["ids"], "finish": fj, "prompt_tokens": r["prompt"],
-            "completion_tokens": r["completion"], "cached_tokens": r.get("cached", 0),
-            "logprobs": [[i, v] for i, v in zip(r["lp_idx"], r["lp_val"])] if r.get("lp_val")
-            else None,
-            "top": [[list(p) for p in zip(ti, tv)] for ti, tv in zip(r["top_idx"], r["top_val"])]
-            if r.get("top_val") else None,
-        })
+        out.append(
+            {
+                "rid": r["rid"],
+                "token_ids": r["ids"],
+                "finish": fj,
+                "prompt_tokens": r["prompt"],
+                "completion_tokens": r["completion"],
+                "cached_tokens": r.get("cached", 0),
+                "logprobs": (
+                    [[i, v] for i, v in zip(r["lp_idx"], r["lp_val"], strict=True)]
+                    if r.get("lp_val")
+                    else None
+                ),
+                "top": [
+                    [list(p) for p in zip(ti, tv, strict=True)]
+                    for ti, tv in zip(r["top_idx"], r["top_val"], strict=True)
+                ]
+                if r.get("top_val")
+                else None,
+            }
+        )
     return out
 
 
 def outputs() -> None:
     cases = {
         "btid_1req_first_chunk_stream": [
-            {"rid": RID, "ids": [468], "prompt": 8, "completion": 1, "read_offset": 5}],
+            {"rid": RID, "ids": [468], "prompt": 8, "completion": 1, "read_offset": 5}
+        ],
         "btid_1req_finished_length": [
-            {"rid": RID, "ids": [385], "prompt": 8, "completion": 8, "finish": FINISH_LENGTH(8)}],
+            {"rid": RID, "ids": [385], "prompt": 8, "completion": 8, "finish": FINISH_LENGTH(8)}
+        ],
         "btid_2req_stop_token_and_running": [
-            {"rid": RID, "ids": [468, 385, 600, 436], "prompt": 8, "completion": 4, "cached": 7,
-             "finish": FINISH_MATCHED_TOKEN(436)},
-            {"rid": RID2, "ids": [70001], "prompt": 3, "completion": 2}],
+            {
+                "rid": RID,
+                "ids": [468, 385, 600, 436],
+                "prompt": 8,
+                "completion": 4,
+                "cached": 7,
+                "finish": FINISH_MATCHED_TOKEN(436),
+            },
+            {"rid": RID2, "ids": [70001], "prompt": 3, "completion": 2},
+        ],
         "btid_3req_abort_length_running": [
-            {"rid": RID, "ids": [], "prompt": 8, "completion": 3,
-             "finish": FINISH_ABORT("Aborted")},
-            {"rid": RID2, "ids": [9, 10], "prompt": 3, "completion": 16, "cached": 2,
-             "finish": FINISH_LENGTH(16)},
-            {"rid": RID3, "ids": [11], "prompt": 4, "completion": 1}],
+            {
+                "rid": RID,
+                "ids": [],
+                "prompt": 8,
+                "completion": 3,
+                "finish": FINISH_ABORT("Aborted"),
+            },
+            {
+                "rid": RID2,
+                "ids": [9, 10],
+                "prompt": 3,
+                "completion": 16,
+                "cached": 2,
+                "finish": FINISH_LENGTH(16),
+            },
+            {"rid": RID3, "ids": [11], "prompt": 4, "completion": 1},
+        ],
         "btid_abort_503": [
-            {"rid": RID, "ids": [], "prompt": 8, "completion": 0,
-             "finish": FINISH_ABORT("Request timed out", status_code=503)}],
+            {
+                "rid": RID,
+                "ids": [],
+                "prompt": 8,
+                "completion": 0,
+                "finish": FINISH_ABORT("Request timed out", status_code=503),
+            }
+        ],
     }
     for name, rows in cases.items():
         add(name, btid(rows), "scheduler_to_router", expect=expect(rows))
     lp_rows = [
-        {"rid": RID, "ids": [468, 385], "prompt": 8, "completion": 2,
-         "lp_val": [-0.25, -1.5], "lp_idx": [468, 385],
-         "top_val": [[-0.25, -2.0], [-1.5, -1.75]], "top_idx": [[468, 3], [385, 600]]},
+        {
+            "rid": RID,
+            "ids": [468, 385],
+            "prompt": 8,
+            "completion": 2,
+            "lp_val": [-0.25, -1.5],
+            "lp_idx": [468, 385],
+            "top_val": [[-0.25, -2.0], [-1.5, -1.75]],
+            "top_idx": [[468, 3], [385, 600]],
+        },
         {"rid": RID2, "ids": [7], "prompt": 3, "completion": 1},
     ]
-    add("btid_mixed_logprobs", btid(lp_rows, logprobs=True), "scheduler_to_router",
-        expect=expect(lp_rows))
-    add("abort_from_scheduler_queued",
-        io.AbortReq(rid=RID, weight_versions=[("default", 0, 0)]), "scheduler_to_router")
-    add("abort_from_scheduler_with_reason",
-        io.AbortReq(rid=RID, finished_reason=FINISH_ABORT("Input too long", 400).to_json(),
-                    weight_versions=[("default", 0, 0)]),
-        "scheduler_to_router")
-    add("health_check_output", io.HealthCheckOutput(rid="HEALTH_CHECK_" + RID),
-        "scheduler_to_router")
+    add(
+        "btid_mixed_logprobs",
+        btid(lp_rows, logprobs=True),
+        "scheduler_to_router",
+        expect=expect(lp_rows),
+    )
+    add(
+        "abort_from_scheduler_queued",
+        io.AbortReq(rid=RID, weight_versions=[("default", 0, 0)]),
+        "scheduler_to_router",
+    )
+    add(
+        "abort_from_scheduler_with_reason",
+        io.AbortReq(
+            rid=RID,
+            finished_reason=FINISH_ABORT("Input too long", 400).to_json(),
+            weight_versions=[("default", 0, 0)],
+        ),
+        "scheduler_to_router",
+    )
+    add(
+        "health_check_output",
+        io.HealthCheckOutput(rid="HEALTH_CHECK_" + RID),
+        "scheduler_to_router",
+    )
     add("flush_cache_output", io.FlushCacheReqOutput(success=True), "scheduler_to_router")
-    add("get_internal_state_output",
-        io.GetInternalStateReqOutput(internal_state={"max_total_num_tokens": 4096,
-                                                     "nested": {"a": [1, 2.5, None]}}),
-        "scheduler_to_router")
+    add(
+        "get_internal_state_output",
+        io.GetInternalStateReqOutput(
+            internal_state={"max_total_num_tokens": 4096, "nested": {"a": [1, 2.5, None]}}
+        ),
+        "scheduler_to_router",
+    )
     add("pickle_wrapper_toplevel", io.PickleWrapper(pickle.dumps(42)), "scheduler_to_router")
-    add("configure_logging_echo", io.ConfigureLoggingReq(log_requests=True),
-        "scheduler_to_router")
+    add("configure_logging_echo", io.ConfigureLoggingReq(log_requests=True), "scheduler_to_router")
 
 
 def main(argv: list[str]) -> int:
@@ -360,8 +473,12 @@ def main(argv: list[str]) -> int:
         for item in live:
             frame = bytes.fromhex(item["hex"])
             decoded = io.msgpack_decode(frame)
-            item = {**item, "source": "captured_live", "type": type(decoded).__name__,
-                    "roundtrip": io.msgpack_encode(decoded) == frame}
+            item = {
+                **item,
+                "source": "captured_live",
+                "type": type(decoded).__name__,
+                "roundtrip": io.msgpack_encode(decoded) == frame,
+            }
             entries.append(item)
     bad = [e["name"] for e in entries if not e["roundtrip"]]
     OUT.write_text(json.dumps({"sglang": "0.5.23", "vectors": entries}, indent=1) + "\n")
