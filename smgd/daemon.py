@@ -67,6 +67,8 @@ async def supervise_engine(
         except* EngineDead as group:
             reason = group.exceptions[0]
             log.warning("engine %s: %s; restarting in %.1f s", engine_config.name, reason, backoff)
+            restarts = gateway.engine_restarts
+            restarts[engine_config.name] = restarts.get(engine_config.name, 0) + 1
         if first:
             # Died before it was even bound: a startup failure, not something to retry silently.
             raise TransportError(

@@ -59,6 +59,7 @@ class Gateway:
     overrides: list[str] = field(default_factory=list)
     reloads_total: int = 0
     reload_failures_total: int = 0
+    engine_restarts: dict[str, int] = field(default_factory=dict)  # by engine name
     # Set by the daemon: re-read and apply smgd.toml (returns a ReloadResult).
     reload: Callable[[], Awaitable[Any]] | None = None
     admin_binds: list[str] = field(default_factory=list)
