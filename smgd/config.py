@@ -124,6 +124,11 @@ class TimeoutsConfig(_Section):
     # No frame at all for this long while requests are in flight = the engine is wedged.
     # A long prefill of a huge prompt on a slow GPU stays well under 60 s.
     silence_s: float = 60.0
+    # While idle, probe the engine this often (SGLang: a 1-token health-check generate, as
+    # /health_generate does); 0 disables. Idle engines are otherwise never heard from.
+    health_interval_s: float = 30.0
+    # A probe unanswered for this long = the engine is wedged. A busy scheduler answers at once.
+    health_timeout_s: float = 20.0
 
 
 class EngineConfig(_Section):

@@ -179,3 +179,29 @@ async def test_a_stale_socket_probe_is_not_mistaken_for_the_scheduler_leaving() 
         assert pair.client.state is EngineState.READY
         ids, _ = await collect(pair.client, request(uuid.uuid4().hex, [9, 10], 3))
         assert ids == [9, 10, 9]
+
+
+async def test_idle_probe_keeps_a_healthy_engine_ready(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with sglang_pair(step_s=0.01, health_interval_s=10.0, health_timeout_s=5.0) as pair:
+        assert pair.mock is not None
+        steps_before = pair.mock.sched.steps
+        await trio.sleep(35)  # three probes
+        assert pair.client.state is EngineState.READY
+        assert pair.mock.sched.steps - steps_before >= 3  # each probe ran one engine step
+
+
+async def test_idle_probe_detects_a_hung_engine(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with sglang_pair(step_s=0.01, health_interval_s=10.0, health_timeout_s=5.0) as pair:
+            assert pair.mock is not None
+            pair.mock.inject("hang")
+            start = trio.current_time()
+            with trio.fail_after(60):
+                await pair.client._dead.wait()
+            assert 15.0 <= trio.current_time() - start <= 15.5
+            assert "health check" in (pair.client.last_error or "")
+            await trio.sleep_forever()

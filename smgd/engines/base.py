@@ -223,6 +223,8 @@ class EngineClient:
                     info.max_model_len,
                     info.vocab_size,
                 )
+                if self.config.timeouts.health_interval_s > 0:
+                    nursery.start_soon(self._health_prober)
         finally:
             with trio.CancelScope(shield=True):
                 await self._close()
@@ -292,6 +294,22 @@ class EngineClient:
                 return
             if not self._streams:
                 self._last_frame = trio.current_time()
+
+    async def _health_prober(self) -> None:
+        """While idle, probe the engine periodically (where the wire has a probe).
+
+        With requests in flight the silence watchdog already proves liveness, so the probe
+        only runs when nothing is in flight: that is when a wedged engine would go unnoticed.
+        """
+        timeouts = self.config.timeouts
+        while True:
+            await trio.sleep(timeouts.health_interval_s)
+            if not self._streams and self.state is EngineState.READY:
+                await self.probe_health(timeouts.health_timeout_s)
+
+    async def probe_health(self, limit_s: float) -> None:
+        """Check the engine answers; call :meth:`die` if not. Default: no probe on this wire."""
+        await trio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------------ demux helpers
 

@@ -12,6 +12,7 @@ flight (all handled by :class:`~smgd.engines.base.EngineClient`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,11 @@ class SglangEngineClient(EngineClient):
         if scope.cancelled_caught:
             self.die(f"no answer to a health check within {limit_s:g} s")
             raise EngineDead(self.last_error or "health check failed")
+
+    async def probe_health(self, limit_s: float) -> None:
+        # health_check already declared the death; run() ends through die().
+        with contextlib.suppress(EngineDead):
+            await self.health_check(limit_s)
 
     def _engine_info(self) -> EngineInfo:
         fallback = self._fallback_info
