@@ -94,8 +94,7 @@ def mock_argv(rpc_port: int, workload: Workload, skip_ids: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "smgd",
-        "mock-engine",
+        "smgd.bench.vllm_mock",  # smgd's vLLM-wire mock, announcing itself as remote
         "--wire",
         "vllm",
         # The vLLM mock learns its input/output addresses from the handshake.
