@@ -1,7 +1,13 @@
-"""systemd notifications (READY=1, STOPPING=1, RELOADING=1, WATCHDOG=1) in plain stdlib.
+"""systemd integration in plain stdlib: notifications and socket activation.
 
-Non-blocking: a full or missing socket drops the message, so calling this from the trio loop
-can never stall it. Without ``NOTIFY_SOCKET`` it does nothing.
+Notifications (READY=1, STOPPING=1, RELOADING=1, WATCHDOG=1) are non-blocking: a full or missing
+socket drops the message, so calling :func:`notify` from the trio loop can never stall it.
+Without ``NOTIFY_SOCKET`` it does nothing.
+
+Socket activation (``sd_listen_fds``): systemd passes listening sockets as fds 3, 4, ... and
+says so with ``LISTEN_PID`` (the pid they are meant for) and ``LISTEN_FDS`` (how many).
+:func:`listen_fds` is the pure check; :func:`take_listen_fds` also removes the variables, so
+the engines smgd launches never believe the sockets are theirs.
 """
 
 from __future__ import annotations
@@ -9,6 +15,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# sd_listen_fds(3): the first passed fd is always 3 (after stdin, stdout, stderr).
+SD_LISTEN_FDS_START = 3
+_LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 
 
 def notify(state: str) -> bool:
@@ -37,3 +51,22 @@ def watchdog_interval() -> float | None:
     if not usec or (pid and int(pid) != os.getpid()):
         return None
     return int(usec) / 2_000_000
+
+
+def listen_fds(environ: Mapping[str, str], pid: int) -> list[int]:
+    """The fds systemd passed to process ``pid``: ``[3, 4, ...]``, or ``[]`` if none are ours."""
+    try:
+        if int(environ.get("LISTEN_PID", "")) != pid:
+            return []  # meant for another process (inherited through a fork/exec)
+        count = int(environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return []
+    return list(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + max(count, 0)))
+
+
+def take_listen_fds() -> list[int]:
+    """:func:`listen_fds` for this process, then unset the variables (as sd_listen_fds(1) does)."""
+    fds = listen_fds(os.environ, os.getpid())
+    for name in _LISTEN_VARS:
+        os.environ.pop(name, None)
+    return fds

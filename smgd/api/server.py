@@ -1,4 +1,9 @@
-"""The HTTP server: hypercorn's trio worker serving the quart-trio app (via nursery.start)."""
+"""The HTTP server: hypercorn's trio worker serving the quart-trio app (via nursery.start).
+
+The public listener binds ``server.host:server.port``, unless systemd socket activation passed
+listening sockets (``LISTEN_PID`` is this process, ``LISTEN_FDS >= 1``): then hypercorn serves
+those fds (``fd://3`` ...) and the host and port in the config are not used.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +15,29 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from smgd.sdnotify import take_listen_fds
+
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from smgd.config import ServerConfig
     from smgd.gateway import Gateway
 
 log = logging.getLogger("smgd.http")
 
 
-def hypercorn_config(gateway: Gateway) -> HypercornConfig:
+def public_binds(server: ServerConfig, fds: Sequence[int] = ()) -> list[str]:
+    """hypercorn binds for the public listener: the activated fds if any, else host:port."""
+    if fds:
+        return [f"fd://{fd}" for fd in fds]
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return [f"{host}:{server.port}"]
+
+
+def hypercorn_config(gateway: Gateway, listen_fds: Sequence[int] = ()) -> HypercornConfig:
     server = gateway.config.server
     cfg = HypercornConfig()
-    host = f"[{server.host}]" if ":" in server.host else server.host
-    cfg.bind = [f"{host}:{server.port}"]
+    cfg.bind = public_binds(server, listen_fds)
     # hypercorn's default 3 s graceful timeout would cut LLM streams; drain owns the deadline.
     cfg.graceful_timeout = server.drain_timeout_s
     cfg.accesslog = (
@@ -45,9 +62,12 @@ async def serve_http(
     from smgd.api.app import create_app
 
     app = create_app(gateway)
+    fds = take_listen_fds()
+    if fds:
+        log.info("socket activation: serving fd(s) %s", ", ".join(map(str, fds)))
     await serve(
         app,
-        hypercorn_config(gateway),
+        hypercorn_config(gateway, fds),
         shutdown_trigger=partial(_stop_accepting, gateway),
         task_status=task_status,
     )
