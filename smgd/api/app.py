@@ -12,6 +12,9 @@ Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai
 - Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
   (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
 - Every error is the OpenAI envelope (:mod:`smgd.api.errors`).
+- Metrics (:mod:`smgd.metrics`): one private registry per app, in ``app.extensions``; every
+  response is counted by route template and status, every error answered before a stream
+  started by cause, and each generation request once when it ends (``RECORDER_KEY``).
 """
 
 from __future__ import annotations
@@ -23,20 +26,23 @@ import time
 from typing import TYPE_CHECKING
 
 import trio
-from quart import Response, g, request
+from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from smgd.api import native, openai, ops
 from smgd.api.errors import error_body, error_headers, http_error
+from smgd.api.execute import RECORDER_KEY
 from smgd.api.pipeline import check_request_id, new_request_id
 from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
-from smgd.errors import ConfigError, Draining, SmgdError, Unauthorized
+from smgd.errors import ConfigError, Draining, InvalidRequest, SmgdError, Unauthorized
+from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from smgd.api.pipeline import RequestState
     from smgd.config import Config
     from smgd.gateway import Gateway
 
@@ -105,6 +111,15 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(native.blueprint)
     app.register_blueprint(ops.blueprint)
+    metrics = RequestMetrics()
+    app.extensions[REGISTRY_KEY] = build_registry(gateway, metrics)
+
+    def record(state: RequestState, now: float) -> None:
+        metrics.record(state, now, draining=gateway.draining)
+        if has_request_context():
+            g.smgd_recorded = True  # the error handler must not count this request again
+
+    app.extensions[RECORDER_KEY] = record
 
     @app.before_request
     async def _before() -> None:
@@ -126,12 +141,18 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         rid = g.get("request_id")
         if rid is not None:
             response.headers["X-Request-Id"] = rid
+        rule = request.url_rule
+        metrics.http(
+            rule.rule if rule is not None else "unmatched", request.method, response.status_code
+        )
         return response
 
     @app.errorhandler(SmgdError)
     async def _smgd_error(err: SmgdError) -> Response:
         if err.status >= 500:
             log.warning("%s: %s %s", g.get("request_id"), err.status, err.message)
+        if not g.get("smgd_recorded"):
+            metrics.refused(err, draining=gateway.draining)
         return _error_response(err)
 
     @app.errorhandler(HTTPException)
@@ -140,6 +161,8 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         message = exc.description or exc.name
         if status == 413:
             message = f"the request body is larger than {server.max_body_bytes} bytes"
+        if status in (400, 413):
+            metrics.refused(InvalidRequest(message), draining=gateway.draining)
         headers = {"Content-Type": "application/json"}
         if rid := g.get("request_id"):
             headers["X-Request-Id"] = rid
@@ -148,6 +171,8 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
     @app.errorhandler(Exception)
     async def _internal(exc: Exception) -> Response:
         log.exception("%s: unhandled error", g.get("request_id"), exc_info=exc)
-        return _error_response(SmgdError(f"internal error: {type(exc).__name__}"))
+        err = SmgdError(f"internal error: {type(exc).__name__}")
+        metrics.refused(err, draining=gateway.draining)
+        return _error_response(err)
 
     return app

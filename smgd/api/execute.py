@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import trio
+from quart import current_app, has_app_context
 
 from smgd.api.sse import KEEPALIVE
 from smgd.errors import EngineDead, SmgdError
@@ -32,9 +33,12 @@ if TYPE_CHECKING:
     from smgd.engines.base import EngineClient
     from smgd.wire.common import GenerateRequest
 
-__all__ = ["Job", "Renderer", "collect", "log_request", "stream"]
+__all__ = ["RECORDER_KEY", "Job", "Renderer", "attach_sink", "collect", "log_request", "stream"]
 
 log = logging.getLogger("smgd.api")
+
+# app.extensions key of the per-request metrics recorder, (state, end time) -> None.
+RECORDER_KEY = "smgd.record"
 
 
 @dataclass(slots=True)
@@ -52,8 +56,20 @@ class Renderer(Protocol):
     def error(self, err: SmgdError) -> bytes: ...
 
 
+def attach_sink(state: RequestState) -> None:
+    """Pick up the app's metrics recorder (call inside the request context, before streaming)."""
+    if state.sink is None and has_app_context():
+        state.sink = current_app.extensions.get(RECORDER_KEY)
+
+
 def log_request(state: RequestState) -> None:
-    fields = state.log_fields(trio.current_time())
+    now = trio.current_time()
+    if state.sink is not None:
+        try:
+            state.sink(state, now)
+        except Exception:  # metrics must never break a response
+            log.exception("%s: recording metrics failed", state.request_id)
+    fields = state.log_fields(now)
     log.info(
         "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s",
         fields["request_id"], fields["endpoint"], fields["prompt_tokens"],
@@ -75,8 +91,7 @@ async def _collect_one(job: Job, state: RequestState) -> None:
     async with job.engine.open_stream(job.request) as rs:
         async for delta in rs:
             text = choice.apply(delta)
-            if choice.completion_tokens:
-                state.first_output(trio.current_time())
+            state.output_event(choice, trio.current_time())
             if text:
                 choice.parts.append(text)
             if choice.done:
@@ -86,6 +101,7 @@ async def _collect_one(job: Job, state: RequestState) -> None:
 
 async def collect(jobs: list[Job], state: RequestState) -> None:
     """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled)."""
+    attach_sink(state)
     errors: list[SmgdError] = []
 
     async def run(job: Job, scope: trio.CancelScope) -> None:
@@ -105,7 +121,7 @@ async def collect(jobs: list[Job], state: RequestState) -> None:
             if errors:
                 raise errors[0]
     except SmgdError as err:
-        state.error = err.message
+        state.fail(err)
         raise
     finally:
         log_request(state)
@@ -122,6 +138,7 @@ def stream(
     keepalive_s: float,
     nursery: trio.Nursery | None,
 ) -> AsyncIterator[bytes]:
+    attach_sink(state)  # here, in the request context: the body runs after it is gone
     if len(jobs) == 1:
         return _stream_one(jobs[0], state, render, keepalive_s)
     assert nursery is not None, "n > 1 streams need the app nursery for their pumps"
@@ -146,8 +163,7 @@ async def _stream_one(
                     else:
                         delta = await rs.receive()
                 text = choice.apply(delta)
-                if choice.completion_tokens:
-                    state.first_output(trio.current_time())
+                state.output_event(choice, trio.current_time())
                 out = render.delta(choice, text)
                 if out:
                     yield out
@@ -155,14 +171,16 @@ async def _stream_one(
                     break
         yield render.end()
     except trio.EndOfChannel:
+        early = EngineDead(f"engine {job.engine.name} ended the request early")
+        state.fail(early)
         state.error = "stream ended without a finish"
-        yield render.error(EngineDead(f"engine {job.engine.name} ended the request early"))
+        yield render.error(early)
     except SmgdError as err:
-        state.error = err.message
+        state.fail(err)
         yield render.error(err)
     except Exception as exc:
         internal = _internal(exc, state)
-        state.error = internal.message
+        state.fail(internal)
         yield render.error(internal)
     finally:
         log_request(state)
@@ -221,19 +239,18 @@ async def _stream_many(
                     raise payload
                 choice = by_index[index]
                 text = choice.apply(payload)
-                if choice.completion_tokens:
-                    state.first_output(trio.current_time())
+                state.output_event(choice, trio.current_time())
                 out.append(render.delta(choice, text))
                 if choice.stopped_here:
                     scopes[index].cancel()  # abort this one on the engine now
             yield b"".join(out)
         yield render.end()
     except SmgdError as err:
-        state.error = err.message
+        state.fail(err)
         yield render.error(err)
     except Exception as exc:
         internal = _internal(exc, state)
-        state.error = internal.message
+        state.fail(internal)
         yield render.error(internal)
     finally:
         for scope in scopes.values():

@@ -9,24 +9,30 @@
 - ``POST /v1/tokenize`` (also ``/tokenize``): ``{"model", "prompt" | "messages",
   "add_special_tokens"}`` → ``{"tokens", "count", "max_model_len"}``.
 - ``POST /v1/detokenize`` (also ``/detokenize``): ``{"model", "tokens"}`` → ``{"prompt"}``.
+- ``GET /metrics``: Prometheus text from the app's private registry (:mod:`smgd.metrics`).
+- ``GET /get_load``: SGLang-style load, one entry per engine (``docs/reference/metrics.md``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from quart import Blueprint, Response
+from prometheus_client import generate_latest
+from quart import Blueprint, Response, current_app
 
 from smgd.api.prepare import api, encode, read_json, resolve_model
 from smgd.api.sse import encode_json
 from smgd.errors import InvalidRequest
+from smgd.metrics import REGISTRY_KEY
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
 
-__all__ = ["blueprint", "model_cards", "readiness_report"]
+__all__ = ["blueprint", "load_report", "model_cards", "readiness_report"]
 
 blueprint = Blueprint("ops", __name__)
+
+TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -140,3 +146,46 @@ async def detokenize() -> Response:
             f"`tokens` must be an array of token ids in [0, {vocab})", param="tokens"
         )
     return _json({"prompt": text.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Response:
+    body = generate_latest(current_app.extensions[REGISTRY_KEY])
+    # The classic text format's content type: every Prometheus/agent version parses it (the
+    # client's default advertises version=1.0.0, which older scrapers do not know).
+    return Response(body, content_type=TEXT_0_0_4)
+
+
+def load_report(gateway: Gateway) -> list[dict[str, Any]]:
+    """SGLang ``/get_load`` shape, one entry per engine (``dp_rank`` = position).
+
+    ``num_reqs`` counts everything smgd holds for the engine (in flight + admission queue);
+    ``num_waiting_reqs`` is the engine-reported waiting queue plus smgd's admission queue.
+    ``num_running_reqs`` and ``token_usage`` come from the engine's own load report when its
+    wire carries one (else in-flight and null).
+    """
+    out: list[dict[str, Any]] = []
+    for rank, engine in enumerate(gateway.router.engines()):
+        stats = engine.statistics()
+        load = stats.load
+        out.append(
+            {
+                "dp_rank": rank,
+                "engine": stats.name,
+                "models": list(engine.models),
+                "wire": stats.wire,
+                "state": stats.state,
+                "num_reqs": stats.in_flight + stats.queue_depth,
+                "num_running_reqs": load.running if load is not None else stats.in_flight,
+                "num_waiting_reqs": (load.waiting if load is not None else 0) + stats.queue_depth,
+                "num_inflight_reqs": stats.in_flight,
+                "num_queued_reqs": stats.queue_depth,
+                "token_usage": load.kv_usage if load is not None else None,
+            }
+        )
+    return out
+
+
+@blueprint.get("/get_load")
+async def get_load() -> Response:
+    return _json(load_report(api().gateway))

@@ -1,0 +1,359 @@
+"""Prometheus metrics: per-request figures recorded once per request, engine gauges at scrape.
+
+Two sources feed one private :class:`~prometheus_client.CollectorRegistry` per app (tests run
+several daemons in one process, so nothing touches the global registry):
+
+- :class:`RequestMetrics` is plain counters and pre-bucketed histograms, updated by
+  :meth:`RequestMetrics.record` once when a request ends (from the request's
+  :class:`~smgd.api.pipeline.RequestState`), and by :meth:`RequestMetrics.refused` /
+  :meth:`RequestMetrics.http` once per HTTP response. No per-token work, no locks: every
+  update and every scrape runs on the trio thread.
+- :class:`GatewayCollector` reads ``gateway.router.engines()`` statistics and the gateway's
+  reload/restart counters *at scrape time*, so engine gauges cost nothing on the hot path.
+
+Names follow Prometheus conventions: ``smgd_`` prefix, no ``:``, base units (seconds),
+``_total`` on counters. The reference is ``docs/reference/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from smgd import __version__
+from smgd.errors import (
+    ClientError,
+    Draining,
+    EngineError,
+    EngineNotReady,
+    Overloaded,
+    SmgdError,
+    Unauthorized,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator, Sequence
+
+    from smgd.api.pipeline import RequestState
+    from smgd.gateway import Gateway
+
+__all__ = [
+    "E2E_BUCKETS",
+    "ITL_BUCKETS",
+    "REGISTRY_KEY",
+    "TTFT_BUCKETS",
+    "Buckets",
+    "GatewayCollector",
+    "RequestMetrics",
+    "abort_reason",
+    "build_registry",
+]
+
+# TTFT and end-to-end latency: 1 ms (a cached prompt on a local engine) up to 2 h (a long
+# generation queued behind others); roughly 1-2.5-5 steps so percentiles stay within ~2.5x.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1800.0, 3600.0, 7200.0,
+)  # fmt: skip
+E2E_BUCKETS = TTFT_BUCKETS
+# Inter-token latency per output *event* (vllm #52853): decode steps are 5-100 ms, but an
+# event can wait behind another request's long prefill, so the tail goes to 10 minutes.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
+)  # fmt: skip
+
+# app.extensions key of the app's private CollectorRegistry (served at GET /metrics).
+REGISTRY_KEY = "smgd.metrics"
+
+# Request outcomes (the `status` label of smgd_requests_total).
+OK, ERROR, CANCELLED = "ok", "error", "cancelled"
+
+
+@dataclass
+class Buckets:
+    """A cumulative-on-export histogram: per-bucket counts plus sum, no locks."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)  # last slot: +Inf
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        for value in values:
+            self.observe(value)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
+
+
+def abort_reason(err: BaseException, *, draining: bool) -> str:
+    """The `reason` label for a request refused or ended early by ``err``."""
+    if isinstance(err, Draining) or (draining and isinstance(err, EngineNotReady)):
+        return "drain"
+    if isinstance(err, Overloaded):
+        return "overloaded"
+    if isinstance(err, Unauthorized):
+        return "unauthorized"
+    if isinstance(err, ClientError):
+        return "validation"
+    if isinstance(err, EngineNotReady):
+        return "engine_unavailable"
+    if isinstance(err, EngineError):
+        return "engine_error"
+    return "internal_error"
+
+
+class RequestMetrics:
+    """Per-request counters and histograms (updated at request end, exported at scrape)."""
+
+    def __init__(self) -> None:
+        self.http_requests: dict[tuple[str, str, str], int] = {}  # (route, method, status)
+        self.requests: dict[tuple[str, str, str], int] = {}  # (model, engine, status)
+        self.tokens: dict[tuple[str, str, str], int] = {}  # (model, engine, kind)
+        self.aborts: dict[str, int] = {}  # by reason
+        self.ttft: dict[str, Buckets] = {}  # by model
+        self.itl: dict[str, Buckets] = {}
+        self.e2e: dict[str, Buckets] = {}
+
+    # ---- recording (called once per request / response)
+    def http(self, route: str, method: str, status: int) -> None:
+        key = (route, method, str(status))
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+
+    def abort(self, reason: str, n: int = 1) -> None:
+        self.aborts[reason] = self.aborts.get(reason, 0) + n
+
+    def refused(self, err: SmgdError, *, draining: bool) -> None:
+        """A request answered with an error status before any engine output."""
+        self.abort(abort_reason(err, draining=draining))
+
+    def record(self, state: RequestState, now: float, *, draining: bool = False) -> None:
+        """Fold one finished (or abandoned) request in; ``now`` is its end time."""
+        model = state.model
+        for choice in state.choices:
+            if choice.done and state.error is None:
+                status = OK
+            elif state.error is not None:
+                status = ERROR
+            else:
+                status = CANCELLED
+            key = (model, choice.engine, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if choice.counts_prompt:
+                self._add_tokens(model, choice.engine, "prompt", choice.prompt_tokens)
+                if choice.cached_tokens:
+                    self._add_tokens(model, choice.engine, "cached", choice.cached_tokens)
+            self._add_tokens(model, choice.engine, "completion", choice.completion_tokens)
+            if choice.stopped_here:
+                self.abort("stop_string")
+            elif status == CANCELLED:
+                self.abort("drain" if draining else "client_disconnect")
+        if state.failure is not None:
+            self.abort(abort_reason(state.failure, draining=draining))
+        if state.t_first is not None:
+            _hist(self.ttft, model, TTFT_BUCKETS).observe(state.t_first - state.t_start)
+        if state.gaps:
+            _hist(self.itl, model, ITL_BUCKETS).observe_many(state.gaps)
+        _hist(self.e2e, model, E2E_BUCKETS).observe(now - state.t_start)
+
+    def _add_tokens(self, model: str, engine: str, kind: str, n: int) -> None:
+        key = (model, engine, kind)
+        self.tokens[key] = self.tokens.get(key, 0) + n
+
+    # ---- export
+    def collect(self) -> Iterator[Metric]:
+        http = CounterMetricFamily(
+            "smgd_http_requests",
+            "HTTP responses by route template, method and status code.",
+            labels=["route", "method", "status"],
+        )
+        for labels, value in self.http_requests.items():
+            http.add_metric(list(labels), value)
+        yield http
+        requests = CounterMetricFamily(
+            "smgd_requests",
+            "Engine requests (one per choice) by model, engine and outcome (ok, error, cancelled).",
+            labels=["model", "engine", "status"],
+        )
+        for labels, value in self.requests.items():
+            requests.add_metric(list(labels), value)
+        yield requests
+        tokens = CounterMetricFamily(
+            "smgd_tokens",
+            "Tokens by kind: prompt (once per prompt), completion (generated), cached "
+            "(prompt tokens the engine served from its prefix cache).",
+            labels=["model", "engine", "kind"],
+        )
+        for labels, value in self.tokens.items():
+            tokens.add_metric(list(labels), value)
+        yield tokens
+        aborts = CounterMetricFamily(
+            "smgd_aborts",
+            "Requests refused or ended before their natural finish, by cause.",
+            labels=["reason"],
+        )
+        for reason, value in self.aborts.items():
+            aborts.add_metric([reason], value)
+        yield aborts
+        yield _histogram(
+            "smgd_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token.",
+            self.ttft,
+        )
+        yield _histogram(
+            "smgd_inter_token_latency_seconds",
+            "Gap between consecutive output events of a choice (per event, not per token).",
+            self.itl,
+        )
+        yield _histogram(
+            "smgd_request_duration_seconds",
+            "End-to-end request latency, arrival to last byte (or abandonment).",
+            self.e2e,
+        )
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked collector: label sets appear as requests arrive
+
+
+def _hist(table: dict[str, Buckets], model: str, bounds: Sequence[float]) -> Buckets:
+    hist = table.get(model)
+    if hist is None:
+        hist = table[model] = Buckets(bounds)
+    return hist
+
+
+def _histogram(name: str, doc: str, table: dict[str, Buckets]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["model"])
+    for model, hist in table.items():
+        family.add_metric([model], hist.cumulative(), hist.total)
+    return family
+
+
+class GatewayCollector:
+    """Engine and daemon gauges, read from the gateway when Prometheus scrapes."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        gateway = self.gateway
+        labels = ["engine", "wire"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=labels)
+
+        up = gauge("smgd_engine_up", "1 while the engine's process/connection is alive.")
+        ready = gauge("smgd_engine_ready", "1 when the engine has handshaken and takes requests.")
+        inflight = gauge(
+            "smgd_engine_requests_inflight", "Requests submitted to the engine and not finished."
+        )
+        queue = gauge(
+            "smgd_engine_queue_depth", "Requests waiting in smgd's admission queue for the engine."
+        )
+        running = gauge(
+            "smgd_engine_running_requests", "Running requests as last reported by the engine."
+        )
+        waiting = gauge(
+            "smgd_engine_waiting_requests", "Waiting requests as last reported by the engine."
+        )
+        kv = gauge(
+            "smgd_engine_kv_cache_usage_ratio", "KV cache usage (0-1) as reported by the engine."
+        )
+        max_len = gauge("smgd_engine_max_model_len", "Context length from the engine handshake.")
+        submitted = counter(
+            "smgd_engine_requests", "Requests submitted to this engine client (resets on restart)."
+        )
+        generated = counter(
+            "smgd_engine_generated_tokens",
+            "Output tokens received from this engine client (resets on restart).",
+        )
+        rejected = counter(
+            "smgd_engine_admission_rejected", "Requests refused by admission (queue full/timeout)."
+        )
+        decode_errors = counter("smgd_engine_decode_errors", "Engine frames smgd could not decode.")
+        for engine in gateway.router.engines():
+            stats = engine.statistics()
+            values = [stats.name, stats.wire]
+            up.add_metric(values, 1.0 if stats.state in ("starting", "ready") else 0.0)
+            ready.add_metric(values, 1.0 if stats.state == "ready" else 0.0)
+            inflight.add_metric(values, stats.in_flight)
+            queue.add_metric(values, stats.queue_depth)
+            if stats.load is not None:
+                running.add_metric(values, stats.load.running)
+                waiting.add_metric(values, stats.load.waiting)
+                if stats.load.kv_usage is not None:
+                    kv.add_metric(values, stats.load.kv_usage)
+            if stats.max_model_len is not None:
+                max_len.add_metric(values, stats.max_model_len)
+            submitted.add_metric(values, stats.requests_total)
+            generated.add_metric(values, stats.tokens_total)
+            rejected.add_metric(values, stats.rejected_total)
+            decode_errors.add_metric(values, stats.decode_errors)
+        yield from (up, ready, inflight, queue, running, waiting, kv, max_len)
+        yield from (submitted, generated, rejected, decode_errors)
+
+        restarts = CounterMetricFamily(
+            "smgd_engine_restarts", "Engine relaunches after a death.", labels=["engine"]
+        )
+        for name, count in sorted(gateway.engine_restarts.items()):
+            restarts.add_metric([name], count)
+        yield restarts
+        yield CounterMetricFamily(
+            "smgd_reloads",
+            "Config reloads attempted (SIGHUP or admin).",
+            value=gateway.reloads_total,
+        )
+        yield CounterMetricFamily(
+            "smgd_reload_failures",
+            "Config reloads rejected (the old config stayed).",
+            value=gateway.reload_failures_total,
+        )
+        yield GaugeMetricFamily(
+            "smgd_draining", "1 while smgd is draining for shutdown.", value=int(gateway.draining)
+        )
+        info = GaugeMetricFamily(
+            "smgd_build_info", "smgd version (value is 1).", labels=["version"]
+        )
+        info.add_metric([__version__], 1)
+        yield info
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+def build_registry(gateway: Gateway, requests: RequestMetrics) -> CollectorRegistry:
+    """A private registry: request metrics, gateway/engine gauges, process CPU/memory."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(requests)
+    registry.register(GatewayCollector(gateway))
+    ProcessCollector(registry=registry)
+    return registry
