@@ -1,4 +1,4 @@
-"""Command line: ``smgd serve | check-config | wire | mock-engine | bench``.
+"""Command line: ``smgd serve | check-config | status | reload | wire | mock-engine | bench``.
 
 Flags for the fixed config sections are generated from the schema in :mod:`smgd.config`
 (one schema, no second hand-written copy), and ``--set key.path=value`` reaches any key.
@@ -70,6 +70,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(config, config_path=path, overrides=overrides)
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from smgd.status import status_main
+
+    if args.watch is not None and args.watch <= 0:
+        raise SystemExit("smgd status: --watch needs a positive number of seconds")
+    return status_main(load_from_args(args), watch=args.watch, url=args.url)
+
+
+def _cmd_reload(args: argparse.Namespace) -> int:
+    from smgd.status import reload_main
+
+    return reload_main(load_from_args(args))
+
+
 def _cmd_wire(args: argparse.Namespace) -> int:
     from smgd.wire.jsonform import run_wire_command
 
@@ -101,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", nargs="?", default=None)
     _add_config_args(check)
     check.set_defaults(func=_cmd_check_config)
+
+    status = sub.add_parser("status", help="show a running daemon's engines, load and errors")
+    _add_config_args(status)
+    status.add_argument(
+        "--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS"
+    )
+    status.add_argument(
+        "--url", default=None, help="the daemon's public URL for /metrics (default: from config)"
+    )
+    status.set_defaults(func=_cmd_status)
+
+    reload = sub.add_parser("reload", help="make a running daemon re-read its config")
+    _add_config_args(reload)
+    reload.set_defaults(func=_cmd_reload)
 
     wire = sub.add_parser("wire", help="decode/encode one engine wire message (hex <-> JSON)")
     wire.add_argument("action", choices=["decode", "encode"])
