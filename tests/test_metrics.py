@@ -1,0 +1,292 @@
+"""/metrics and /get_load: request figures after real requests, engine gauges, naming lint."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from smgd.admission import Admission
+from smgd.engines.base import EngineState
+from smgd.errors import (
+    Draining,
+    EngineDead,
+    EngineNotReady,
+    InvalidRequest,
+    Overloaded,
+    SmgdError,
+    Unauthorized,
+)
+from smgd.metrics import (
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    Buckets,
+    RequestMetrics,
+    abort_reason,
+    build_registry,
+)
+from smgd.text.tokenizer import load_tokenizer
+from smgd.wire.common import EngineLoad
+from tests.fake_engine import (
+    MODEL,
+    TINY_MODEL,
+    Behaviour,
+    FakeEngine,
+    get,
+    open_app,
+    open_gateway,
+    post,
+    post_stream,
+)
+
+TOK = load_tokenizer(TINY_MODEL)
+IDS = TOK.encode(" Hello, world! How are you today?", add_special_tokens=False)
+STEP_S = 0.01  # the fake engine's decode step
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(app: object) -> tuple[Samples, dict[str, str]]:
+    """(value by (sample name, labels), type by family name) from GET /metrics."""
+    reply = await get(app, "/metrics")  # type: ignore[arg-type]
+    assert reply.status == 200
+    assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples: Samples = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(reply.body.decode()):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples, types
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def test_counts_match_what_was_sent(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        prompt_tokens = 0
+        for max_tokens in (3, 5):
+            reply = await post(
+                app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens}
+            )
+            assert reply.status == 200
+            prompt_tokens += reply.json()["usage"]["prompt_tokens"]
+        streamed = await post_stream(
+            app,
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 7,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        prompt_tokens += streamed.chunks()[-1]["usage"]["prompt_tokens"]
+        missing = await post(app, "/v1/completions", {"model": "nope", "prompt": "x"})
+        assert missing.status == 404
+        samples, types = await scrape(app)
+
+    ok = {"model": MODEL, "engine": "fake", "status": "ok"}
+    assert value(samples, "smgd_requests_total", **ok) == 3
+    tokens = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_tokens_total", kind="completion", **tokens) == 3 + 5 + 7
+    assert value(samples, "smgd_tokens_total", kind="prompt", **tokens) == prompt_tokens
+    assert value(samples, "smgd_aborts_total", reason="validation") == 1
+    http = {"method": "POST", "route": "/v1/completions"}
+    assert value(samples, "smgd_http_requests_total", status="200", **http) == 2
+    assert value(samples, "smgd_http_requests_total", status="404", **http) == 1
+    chat = {"method": "POST", "route": "/v1/chat/completions", "status": "200"}
+    assert value(samples, "smgd_http_requests_total", **chat) == 1
+    # One TTFT and one e2e per request; one inter-token gap per event after the first (the
+    # fake engine emits one token per step, every step a separate event).
+    assert value(samples, "smgd_time_to_first_token_seconds_count", model=MODEL) == 3
+    assert value(samples, "smgd_request_duration_seconds_count", model=MODEL) == 3
+    gaps = (3 - 1) + (5 - 1) + (7 - 1)
+    assert value(samples, "smgd_inter_token_latency_seconds_count", model=MODEL) == gaps
+    itl_sum = value(samples, "smgd_inter_token_latency_seconds_sum", model=MODEL)
+    assert itl_sum == pytest.approx(gaps * STEP_S)
+    # Every gap is one 10 ms step (give or take float rounding of the clock): all of them at
+    # or below le=0.015, none at or below le=0.0075.
+    itl = "smgd_inter_token_latency_seconds_bucket"
+    assert value(samples, itl, model=MODEL, le="0.015") == gaps
+    assert value(samples, itl, model=MODEL, le="0.0075") == 0
+    assert types["smgd_requests"] == "counter"
+    assert types["smgd_time_to_first_token_seconds"] == "histogram"
+    assert value(samples, "smgd_engine_generated_tokens_total", engine="fake", wire="fake") == 15
+
+
+async def test_abort_causes(autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeEngine(behaviour=Behaviour(output=IDS, step_s=0.5))
+    async with open_app(fake) as (app, gateway):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "stream": True}
+        gone = await post_stream(app, "/v1/completions", body, disconnect_after=2)
+        assert gone.disconnected_at is not None
+        await trio.sleep(1)  # let the abandoned generator's finally run
+        stop = await post(
+            app,
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 50, "stop": "world"},
+        )
+        assert stop.json()["choices"][0]["finish_reason"] == "stop"
+        fake.behaviour = Behaviour(step_s=0.01, die_after=2)
+        died = await post_stream(app, "/v1/completions", body)
+        assert "error" in died.chunks()[-1]
+        gateway.draining = True
+        drained = await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert drained.status == 503
+        samples, _ = await scrape(app)
+
+    assert value(samples, "smgd_aborts_total", reason="client_disconnect") == 1
+    assert value(samples, "smgd_aborts_total", reason="stop_string") == 1
+    assert value(samples, "smgd_aborts_total", reason="engine_error") == 1
+    assert value(samples, "smgd_aborts_total", reason="drain") == 1
+    labels = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_requests_total", status="cancelled", **labels) == 1
+    assert value(samples, "smgd_requests_total", status="ok", **labels) == 1
+    assert value(samples, "smgd_requests_total", status="error", **labels) == 1
+    assert value(samples, "smgd_draining") == 1
+
+
+async def test_metric_names_follow_prometheus_conventions(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine()) as (app, gateway):
+        gateway.engine_restarts["fake"] = 1
+        await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        reply = await get(app, "/metrics")
+    families = list(text_string_to_metric_families(reply.body.decode()))
+    names = {f.name for f in families}
+    assert {"smgd_requests", "smgd_engine_up", "smgd_engine_restarts", "smgd_reloads"} <= names
+    for family in families:
+        assert ":" not in family.name
+        assert family.name.startswith(("smgd_", "process_")), family.name
+        if family.type == "counter":
+            for sample in family.samples:
+                assert sample.name.endswith(("_total", "_created")), sample.name
+        if family.type == "histogram" or any(
+            w in family.name for w in ("latency", "duration", "time_to")
+        ):
+            assert family.name.endswith("_seconds"), family.name
+        assert not family.name.endswith(("_ms", "_milliseconds", "_percent")), family.name
+        for sample in family.samples:
+            assert not {"request_id", "rid", "user"} & sample.labels.keys()
+
+
+async def test_collector_reads_engines_at_scrape_time() -> None:
+    ready = FakeEngine("a")
+    dead = FakeEngine("b")
+    async with open_gateway(ready, dead) as gateway:
+        dead.state = EngineState.DEAD
+        ready.load = EngineLoad(running=3, waiting=2, kv_usage=0.5)
+        gateway.engine_restarts["b"] = 4
+        gateway.reloads_total, gateway.reload_failures_total = 3, 1
+        registry = build_registry(gateway, RequestMetrics())
+
+        def v(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, labels)
+
+        a, b = {"engine": "a", "wire": "fake"}, {"engine": "b", "wire": "fake"}
+        assert v("smgd_engine_up", **a) == 1 and v("smgd_engine_ready", **a) == 1
+        assert v("smgd_engine_up", **b) == 0 and v("smgd_engine_ready", **b) == 0
+        assert v("smgd_engine_running_requests", **a) == 3
+        assert v("smgd_engine_waiting_requests", **a) == 2
+        assert v("smgd_engine_kv_cache_usage_ratio", **a) == 0.5
+        assert v("smgd_engine_running_requests", **b) is None  # b never reported a load
+        assert v("smgd_engine_restarts_total", engine="b") == 4
+        assert v("smgd_reloads_total") == 3 and v("smgd_reload_failures_total") == 1
+        assert v("smgd_engine_requests_inflight", **a) == 0
+        # Nothing is cached: a later change shows up at the next scrape.
+        ready.state = EngineState.DEAD
+        gateway.draining = True
+        assert v("smgd_engine_ready", **a) == 0
+        assert v("smgd_draining") == 1
+
+
+async def test_inflight_and_get_load_follow_a_running_stream(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    fake = FakeEngine(behaviour=Behaviour(step_s=0.1))
+    async with open_app(fake) as (app, _):
+        idle = (await get(app, "/get_load")).json()
+        async with trio.open_nursery() as nursery:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}
+            nursery.start_soon(post_stream, app, "/v1/completions", body)
+            await trio.sleep(0.55)
+            fake.load = EngineLoad(running=1, waiting=4, kv_usage=0.25)
+            busy = (await get(app, "/get_load")).json()
+            samples, _ = await scrape(app)
+        after = (await get(app, "/get_load")).json()
+    assert idle == [
+        {
+            "dp_rank": 0, "engine": "fake", "models": [MODEL], "wire": "fake", "state": "ready",
+            "num_reqs": 0, "num_running_reqs": 0, "num_waiting_reqs": 0,
+            "num_inflight_reqs": 0, "num_queued_reqs": 0, "token_usage": None,
+        }
+    ]  # fmt: skip
+    [entry] = busy
+    assert entry["num_reqs"] == 1 and entry["num_inflight_reqs"] == 1
+    assert entry["num_running_reqs"] == 1 and entry["num_waiting_reqs"] == 4
+    assert entry["token_usage"] == 0.25
+    assert value(samples, "smgd_engine_requests_inflight", engine="fake", wire="fake") == 1
+    assert after[0]["num_reqs"] == 0
+
+
+async def test_admission_queue_shows_in_load(autojump_clock: trio.abc.Clock) -> None:
+    fake = FakeEngine(behaviour=Behaviour(step_s=0.1))
+    fake.admission = Admission(max_inflight=1, max_queue=8, queue_timeout_s=60)
+    async with open_app(fake) as (app, _), trio.open_nursery() as nursery:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 10, "stream": True}
+        for _ in range(3):
+            nursery.start_soon(post_stream, app, "/v1/completions", body)
+        await trio.sleep(0.25)
+        [entry] = (await get(app, "/get_load")).json()
+        samples, _ = await scrape(app)
+    assert entry["num_inflight_reqs"] == 1 and entry["num_queued_reqs"] == 2
+    assert entry["num_reqs"] == 3 and entry["num_waiting_reqs"] == 2
+    assert value(samples, "smgd_engine_queue_depth", engine="fake", wire="fake") == 2
+
+
+def test_buckets_match_prometheus_client_histogram() -> None:
+    rng = random.Random(7)
+    values = [rng.choice(ITL_BUCKETS) for _ in range(50)]  # exact boundaries: le is inclusive
+    values += [rng.lognormvariate(-3, 2) for _ in range(500)]
+    ours = Buckets(ITL_BUCKETS)
+    ours.observe_many(values)
+    registry = CollectorRegistry()
+    reference = Histogram("x_seconds", "x", buckets=ITL_BUCKETS, registry=registry)
+    for x in values:
+        reference.observe(x)
+    for le, cumulative in ours.cumulative():
+        expected = registry.get_sample_value("x_seconds_bucket", {"le": le})
+        assert cumulative == expected, le
+    assert ours.count == len(values)
+    assert ours.total == pytest.approx(registry.get_sample_value("x_seconds_sum"))
+
+
+def test_buckets_span_one_millisecond_to_hours() -> None:
+    for bounds in (TTFT_BUCKETS, ITL_BUCKETS):
+        assert bounds[0] == 0.001
+        assert list(bounds) == sorted(set(bounds))
+    assert TTFT_BUCKETS[-1] >= 3600
+    assert ITL_BUCKETS[-1] >= 60
+
+
+@pytest.mark.parametrize(
+    ("err", "draining", "reason"),
+    [
+        (InvalidRequest("x"), False, "validation"),
+        (Unauthorized("x"), False, "unauthorized"),
+        (Overloaded("x"), False, "overloaded"),
+        (Draining("x"), False, "drain"),
+        (EngineNotReady("x"), False, "engine_unavailable"),
+        (EngineNotReady("x"), True, "drain"),
+        (EngineDead("x"), False, "engine_error"),
+        (SmgdError("x"), False, "internal_error"),
+    ],
+)
+def test_abort_reason(err: SmgdError, draining: bool, reason: str) -> None:
+    assert abort_reason(err, draining=draining) == reason
