@@ -102,6 +102,7 @@ _COLUMNS = (
     ("dup", "duplicated_tokens", "{}"),
     ("failed", "requests_failed", "{}"),
     ("client cores", "loadgen_cores", "{:.2f}"),
+    ("conn max ms", "connect_max_ms", "{:.0f}"),
     ("load 1m", "loadavg_1m", "{:.1f}"),
 )
 
