@@ -44,6 +44,8 @@ MAX_N = 16
 MAX_STOPS = 32
 # vLLM's default max_logprobs: top-k logprobs cost a sort per token per request on the engine.
 MAX_LOGPROBS = 20
+# OpenAI's limit for the legacy completions `logprobs` (chat's `top_logprobs` goes to 20).
+MAX_COMPLETION_LOGPROBS = 5
 # SGLang's own SamplingParams default, so native clients get what SGLang itself would give.
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -266,7 +268,7 @@ def _common(
 
 def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
     if not chat:  # completions: `logprobs` is the number of top alternatives
-        return r.integer("logprobs", None, 0, MAX_LOGPROBS)
+        return r.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     wanted = r.flag("logprobs", False)
     top = r.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not wanted:

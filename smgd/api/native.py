@@ -7,6 +7,12 @@ Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new
 ``text`` and ``output_ids`` so far (SGLang's default), ending with ``data: [DONE]``.
 ``finish_reason`` is ``{"type": "stop", "matched": <token id or stop string>}`` or
 ``{"type": "length", "length": <max_new_tokens>}``.
+
+Logprobs (``return_logprob``, ``top_logprobs_num``, ``return_text_in_logprobs``) are SGLang's:
+``meta_info.output_token_logprobs`` is one ``[logprob, token_id, text or null]`` per id of
+``output_ids``, and ``output_top_logprobs`` (when ``top_logprobs_num > 0``) one list of those
+per id; streamed events carry them cumulatively, like the text. No prompt logprobs:
+``logprob_start_len`` other than -1 and ``token_ids_logprob`` are rejected.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from quart import Blueprint, Response, g
 
 from smgd.api.errors import stream_error
 from smgd.api.execute import collect, stream
-from smgd.api.pipeline import RequestState, check_request_id
+from smgd.api.openai import TokenText
+from smgd.api.pipeline import MIN_LOGPROB, RequestState, check_request_id
 from smgd.api.prepare import (
     api,
     app_nursery,
@@ -35,7 +42,7 @@ from smgd.sampling import from_native
 
 if TYPE_CHECKING:
     from smgd.api.execute import Job
-    from smgd.api.pipeline import Choice
+    from smgd.api.pipeline import Choice, LogprobTrack
     from smgd.sampling import TextOptions
     from smgd.wire.common import SamplingParams
 
@@ -58,8 +65,33 @@ def _finish(choice: Choice, max_tokens: int) -> dict[str, Any] | None:
     return {"type": "stop", "matched": choice.matched}
 
 
-def _meta(state: RequestState, choice: Choice, max_tokens: int) -> dict[str, Any]:
-    return {
+class NativeLogprobs:
+    """SGLang's logprob fields of ``meta_info`` for one request."""
+
+    def __init__(self, tokens: TokenText, *, top: bool, with_text: bool) -> None:
+        self.tokens = tokens
+        self.top = top
+        self.with_text = with_text
+
+    def _item(self, logprob: float, token_id: int) -> list[Any]:
+        text = self.tokens.get(token_id)[0] if self.with_text else None
+        return [max(logprob, MIN_LOGPROB), token_id, text]
+
+    def fields(self, track: LogprobTrack) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "output_token_logprobs": [self._item(e.logprob, e.token_id) for e in track.entries]
+        }
+        if self.top:
+            out["output_top_logprobs"] = [
+                [self._item(t.logprob, t.token_id) for t in e.top or ()] for e in track.entries
+            ]
+        return out
+
+
+def _meta(
+    state: RequestState, choice: Choice, max_tokens: int, logprobs: NativeLogprobs | None
+) -> dict[str, Any]:
+    meta = {
         "id": state.request_id,
         "finish_reason": _finish(choice, max_tokens),
         "prompt_tokens": choice.prompt_tokens,
@@ -67,13 +99,24 @@ def _meta(state: RequestState, choice: Choice, max_tokens: int) -> dict[str, Any
         "cached_tokens": choice.cached_tokens or 0,
         "e2e_latency": round(trio.current_time() - state.t_start, 6),
     }
+    if logprobs is not None and choice.logprobs is not None:
+        meta.update(logprobs.fields(choice.logprobs))
+    return meta
 
 
 class NativeRenderer:
-    def __init__(self, state: RequestState, max_tokens: int, *, indexed: bool) -> None:
+    def __init__(
+        self,
+        state: RequestState,
+        max_tokens: int,
+        *,
+        indexed: bool,
+        logprobs: NativeLogprobs | None = None,
+    ) -> None:
         self.state = state
         self.max_tokens = max_tokens
         self.indexed = indexed
+        self.logprobs = logprobs
 
     def delta(self, choice: Choice, text: str) -> bytes:
         if text:
@@ -83,7 +126,7 @@ class NativeRenderer:
         out: dict[str, Any] = {
             "text": "".join(choice.parts),
             "output_ids": choice.output_ids,
-            "meta_info": _meta(self.state, choice, self.max_tokens),
+            "meta_info": _meta(self.state, choice, self.max_tokens, self.logprobs),
         }
         if self.indexed:
             out["index"] = choice.index
@@ -132,10 +175,7 @@ async def generate() -> Response:
                 param="input_ids",
             )
         ids = input_ids
-    logprobs: int | None = None
-    if body.get("return_logprob"):
-        top = body.get("top_logprobs_num") or 0
-        logprobs = top if isinstance(top, int) else -1
+    logprobs, with_text = _logprob_options(body)
     sampling_params = body.get("sampling_params")
     vocab, eos = text.vocab_size, text.tokenizer.eos_token_ids
 
@@ -158,25 +198,53 @@ async def generate() -> Response:
     )
     jobs, options = plan_jobs(
         ctx.gateway, model, text, [ids], sampling_for, state,
-        keep_ids=True, logprobs_param="return_logprob",
+        keep_ids=True, top_logprobs_param="top_logprobs_num", align_logprobs=False,
     )  # fmt: skip
     max_tokens = jobs[0].request.sampling.max_tokens
+    lp = None
+    if logprobs is not None:
+        lp = NativeLogprobs(TokenText(text.tokenizer), top=logprobs > 0, with_text=with_text)
     if streaming:
-        render = NativeRenderer(state, max_tokens, indexed=options.n > 1)
+        render = NativeRenderer(state, max_tokens, indexed=options.n > 1, logprobs=lp)
         body_iter = stream(jobs, state, render, keepalive_s=ctx.keepalive_s, nursery=app_nursery())
         response = Response(body_iter, headers=SSE_HEADERS)
         response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
         return response
     await collect(jobs, state)
-    outs = [_final(state, job, max_tokens) for job in jobs]
+    outs = [_final(state, job, max_tokens, lp) for job in jobs]
     payload: Any = outs[0] if len(outs) == 1 else outs
     return Response(encode_json(payload), content_type="application/json")
 
 
-def _final(state: RequestState, job: Job, max_tokens: int) -> dict[str, Any]:
+def _final(
+    state: RequestState, job: Job, max_tokens: int, logprobs: NativeLogprobs | None
+) -> dict[str, Any]:
     choice = job.choice
     return {
         "text": "".join(choice.parts),
         "output_ids": choice.output_ids,
-        "meta_info": _meta(state, choice, max_tokens),
+        "meta_info": _meta(state, choice, max_tokens, logprobs),
     }
+
+
+def _logprob_options(body: dict[str, Any]) -> tuple[int | None, bool]:
+    """(top-k count or None when no logprobs, return_text_in_logprobs) of a /generate body."""
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise InvalidRequest(f"`{key}` must be a boolean", param=key)
+    start = body.get("logprob_start_len")
+    if start is not None and start != -1:
+        raise InvalidRequest(
+            "`logprob_start_len` is not supported by smgd (no prompt logprobs)",
+            param="logprob_start_len",
+        )
+    if body.get("token_ids_logprob") is not None:
+        raise InvalidRequest(
+            "`token_ids_logprob` is not supported by smgd", param="token_ids_logprob"
+        )
+    top = body.get("top_logprobs_num")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise InvalidRequest("`top_logprobs_num` must be an integer", param="top_logprobs_num")
+    if not body.get("return_logprob"):
+        return None, False
+    return top or 0, bool(body.get("return_text_in_logprobs"))

@@ -4,10 +4,17 @@ Streams are SSE (:mod:`smgd.api.sse`): the first chat chunk of each choice carri
 ``delta.role``, the last one ``finish_reason`` (``stop`` / ``length``), ``include_usage``
 adds a ``choices: []`` usage chunk before ``[DONE]``. ``n > 1`` and batched completion
 prompts become one engine request per choice, with ``index = prompt_index * n + j``.
+
+Logprobs (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs: k``) come in OpenAI's
+two shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions
+``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. A streamed chunk
+carries the entries of the tokens whose text it carries (see
+:class:`~smgd.api.pipeline.LogprobTrack`). Token strings come from :class:`TokenText`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +23,7 @@ from quart import Blueprint, Response
 
 from smgd.api.errors import stream_error
 from smgd.api.execute import collect, stream
-from smgd.api.pipeline import RequestState
+from smgd.api.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.prepare import (
     api,
     app_nursery,
@@ -36,14 +43,113 @@ if TYPE_CHECKING:
     from smgd.api.prepare import SamplingFor
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
-    from smgd.wire.common import SamplingParams
+    from smgd.text.tokenizer import Tokenizer
+    from smgd.wire.common import SamplingParams, TokenLogprob
 
-__all__ = ["OpenAIRenderer", "blueprint"]
+__all__ = ["OpenAIRenderer", "TokenText", "blueprint", "chat_logprobs", "completion_logprobs"]
 
 blueprint = Blueprint("openai", __name__)
 
 # Chat keys that would change the prompt in ways smgd does not implement; rejected by name.
 _CHAT_UNSUPPORTED = ("chat_template", "documents")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte in vocab pieces."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class TokenText:
+    """Token id → (text, UTF-8 bytes) for logprob entries; one per request, cached per id.
+
+    The bytes are the token's own (a byte-level piece or a ``<0xNN>`` fallback piece maps back
+    to its bytes), so a character split over several tokens shows its real bytes in each, and
+    its text is the bytes decoded with ``"\ufffd"`` for an incomplete character. Special and
+    added tokens are their content.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._hf = tokenizer.hf
+        decoder = self._hf.decoder
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+        self._added: dict[int, Any] | None = None
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._hf.id_to_token(token_id)
+        if piece is None:
+            return "", []
+        if self._added is None:
+            self._added = self._hf.get_added_tokens_decoder()
+        raw: bytes
+        if token_id in self._added:
+            raw = piece.encode()
+        elif self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+        elif m := _BYTE_FALLBACK.fullmatch(piece):
+            raw = bytes((int(m.group(1), 16),))
+        elif "\u2581" in piece:  # SentencePiece's word-boundary mark
+            raw = piece.replace("\u2581", " ").encode()
+        else:
+            raw = str(self._hf.decode([token_id], skip_special_tokens=False)).encode()
+        return raw.decode(errors="replace"), list(raw)
+
+
+def _lp(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """Chat's ``choices[i].logprobs``: one ``content`` item per token."""
+    content = []
+    for e in entries:
+        token, raw = tt.get(e.token_id)
+        top = []
+        for t in e.top or ():
+            alt, alt_raw = tt.get(t.token_id)
+            top.append({"token": alt, "logprob": _lp(t.logprob), "bytes": alt_raw})
+        content.append(
+            {"token": token, "logprob": _lp(e.logprob), "bytes": raw, "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    tt: TokenText, entries: list[TokenLogprob], offsets: list[int]
+) -> dict[str, Any]:
+    """Legacy completions' ``choices[i].logprobs``; ``top_logprobs`` also holds the sampled
+    token (OpenAI: "up to logprobs+1 elements")."""
+    tokens, values, tops = [], [], []
+    for e in entries:
+        token = tt.get(e.token_id)[0]
+        top = {tt.get(t.token_id)[0]: _lp(t.logprob) for t in e.top or ()}
+        top.setdefault(token, _lp(e.logprob))
+        tokens.append(token)
+        values.append(_lp(e.logprob))
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 class OpenAIRenderer:
@@ -56,11 +162,13 @@ class OpenAIRenderer:
         *,
         include_usage: bool,
         echo: dict[int, str] | None = None,
+        tokens: TokenText | None = None,
     ) -> None:
         self.fmt = fmt
         self.state = state
         self.include_usage = include_usage
         self.echo = echo
+        self.tokens = tokens  # set when the request asked for logprobs
 
     def delta(self, choice: Choice, text: str) -> bytes:
         first = not choice.sent_role
@@ -69,12 +177,24 @@ class OpenAIRenderer:
         if not text and not choice.done and not (first and self.fmt.chat):
             return b""
         choice.sent_role = True
+        logprobs = b"null"
+        if self.tokens is not None and choice.logprobs is not None:
+            entries, offsets = choice.logprobs.unsent()
+            if entries:
+                logprobs = encode_json(self._logprobs(entries, offsets))
         return self.fmt.chunk(
             choice.index,
             text,
             role=first and self.fmt.chat,
             finish_reason=choice.finish_reason,
+            logprobs=logprobs,
         )
+
+    def _logprobs(self, entries: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+        assert self.tokens is not None
+        if self.fmt.chat:
+            return chat_logprobs(self.tokens, entries)
+        return completion_logprobs(self.tokens, entries, offsets)
 
     def end(self) -> bytes:
         if self.include_usage:
@@ -129,8 +249,11 @@ async def _respond(
     streaming: bool,
     include_usage: bool,
     echo: dict[int, str] | None,
+    tokenizer: Tokenizer,
 ) -> Response:
     prefix = "chatcmpl-" if chat else "cmpl-"
+    wants_logprobs = jobs[0].request.sampling.logprobs is not None
+    tokens = TokenText(tokenizer) if wants_logprobs else None
     response_id = prefix + state.request_id
     if streaming:
         fmt = ChunkFormat(
@@ -140,7 +263,7 @@ async def _respond(
             chat=chat,
             include_usage=include_usage,
         )
-        render = OpenAIRenderer(fmt, state, include_usage=include_usage, echo=echo)
+        render = OpenAIRenderer(fmt, state, include_usage=include_usage, echo=echo, tokens=tokens)
         body = stream(
             jobs,
             state,
@@ -164,6 +287,13 @@ async def _respond(
         else:
             entry["text"] = text
         entry["logprobs"] = None
+        if tokens is not None and choice.logprobs is not None:
+            track = choice.logprobs
+            entry["logprobs"] = (
+                chat_logprobs(tokens, track.entries)
+                if chat
+                else completion_logprobs(tokens, track.entries, track.offsets)
+            )
         entry["finish_reason"] = choice.finish_reason
         entry["stop_reason"] = choice.matched  # vLLM extension: the stop string / token
         choices.append(entry)
@@ -242,13 +372,14 @@ async def chat_completions() -> Response:
     state = _new_state("chat", model)
     jobs, options = plan_jobs(
         ctx.gateway, model, text, [ids], _sampler(body, text, chat=True), state,
-        logprobs_param="logprobs",
+        top_logprobs_param="top_logprobs",
     )  # fmt: skip
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
     return await _respond(
-        jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None
-    )
+        jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None,
+        tokenizer=text.tokenizer,
+    )  # fmt: skip
 
 
 def _is_id(value: object) -> bool:
@@ -289,9 +420,13 @@ async def completions() -> Response:
             prompts.append(list(item))
     state = _new_state("completion", model)
     jobs, options = plan_jobs(
-        ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state
-    )
+        ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
+        top_logprobs_param="logprobs",
+    )  # fmt: skip
     echo: dict[int, str] | None = None
+    if options.echo and jobs[0].request.sampling.logprobs is not None:
+        # OpenAI then returns the prompt's logprobs too, which smgd does not compute.
+        raise InvalidRequest("`echo` with `logprobs` is not supported by smgd", param="echo")
     if options.echo:
         echo = {}
         for job in jobs:
@@ -300,5 +435,6 @@ async def completions() -> Response:
                 item if isinstance(item, str) else text.tokenizer.decode(item, False)
             )
     return await _respond(
-        jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo
-    )
+        jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
+        tokenizer=text.tokenizer,
+    )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from smgd.api.errors import engine_finish_error
 from smgd.errors import InvalidRequest
-from smgd.wire.common import FinishReason, TokenDelta
+from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -28,7 +28,14 @@ if TYPE_CHECKING:
     from smgd.errors import SmgdError
     from smgd.text.stream import TextStream
 
-__all__ = ["Choice", "RequestState", "check_request_id", "new_engine_rid", "new_request_id"]
+__all__ = [
+    "Choice",
+    "LogprobTrack",
+    "RequestState",
+    "check_request_id",
+    "new_engine_rid",
+    "new_request_id",
+]
 
 # A client id is echoed in headers and every log line: 128 visible characters is enough for
 # any UUID/ULID/trace-id scheme and keeps a hostile header from bloating logs (xLLM caps 256).
@@ -64,6 +71,7 @@ class Choice:
         "engine",
         "finish_reason",
         "index",
+        "logprobs",
         "matched",
         "output_ids",
         "parts",
@@ -86,6 +94,7 @@ class Choice:
         counts_prompt: bool = True,
         engine: str = "",
         keep_ids: bool = False,
+        logprobs: LogprobTrack | None = None,
     ) -> None:
         self.index = index
         self.rid = rid
@@ -101,6 +110,7 @@ class Choice:
         self.sent_role = False
         self.parts: list[str] = []  # text so far, kept for non-streamed and native responses
         self.output_ids: list[int] | None = [] if keep_ids else None
+        self.logprobs = logprobs  # set when the request asked for logprobs
         self.t_last: float | None = None  # time of this choice's last output event
         self.tokens_seen = 0  # completion_tokens at that event
 
@@ -136,7 +146,11 @@ class Choice:
             and bool(ids)
             and ids[-1] == finish.matched_token
         )
-        text, hit = self.text.push(ids, stop_token=stop_token)
+        track = self.logprobs
+        if track is None:
+            text, hit = self.text.push(ids, stop_token=stop_token)
+        else:
+            text, hit = track.push(self.text, ids, delta.logprobs, stop_token=stop_token)
         if hit is not None:
             self.finish_reason, self.matched = "stop", hit
             self.stopped_here = finish is None
@@ -151,6 +165,8 @@ class Choice:
                     if finish.matched_token is not None
                     else (finish.matched_text)
                 )
+        if track is not None:
+            track.release(len(text), done=self.done, cut=self.text.stop_hit is not None)
         return text
 
 
@@ -243,3 +259,81 @@ class RequestState:
             "finish_reason": ",".join(c.finish_reason or "none" for c in self.choices),
             "error": self.error,
         }
+
+
+# Logprobs below this are sent as this (vLLM's clamp): -inf, which a fully masked token gets,
+# has no JSON spelling.
+MIN_LOGPROB = -9999.0
+
+
+class LogprobTrack:
+    """One choice's logprob entries, released in step with the text the client was sent.
+
+    ``aligned`` (the OpenAI endpoints): each output id goes through the detokenizer on its
+    own, so every entry knows at which character its token's text starts. An entry is
+    released once the client text reaches past that start; when a stop string ends the output,
+    entries of tokens wholly past the cut are dropped, and the matched EOS / stop token's
+    entry goes with its text (never sent). Not aligned (native ``/generate``): every entry is
+    kept, one per id of ``output_ids``, as SGLang reports them.
+    """
+
+    __slots__ = ("_chars", "_emitted", "_pending", "aligned", "entries", "offsets", "sent")
+
+    def __init__(self, *, aligned: bool = True) -> None:
+        self.aligned = aligned
+        self.entries: list[TokenLogprob] = []  # released, in output order
+        self.offsets: list[int] = []  # aligned: where each released token's text starts
+        self.sent = 0  # entries a streaming renderer has already written
+        self._pending: list[tuple[int, TokenLogprob]] = []  # (text start, entry)
+        self._chars = 0  # detokenized characters so far (client text is a prefix of them)
+        self._emitted = 0  # client characters so far
+
+    def push(
+        self,
+        text: TextStream,
+        ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        *,
+        stop_token: bool,
+    ) -> tuple[str, str | None]:
+        """``TextStream.push`` for a request with logprobs; keeps each entry's text start."""
+        if not self.aligned:
+            if logprobs:
+                self.entries.extend(logprobs)
+            return text.push(ids, stop_token=stop_token)
+        if text.stops.done:
+            return "", None
+        if stop_token and ids and not text.stops.include_stop:
+            ids = ids[:-1]  # the EOS / stop token: no text, no entry
+        entries = logprobs or ()
+        out: list[str] = []
+        for k, token_id in enumerate(ids):
+            if k < len(entries):
+                self._pending.append((self._chars, entries[k]))
+            piece = text.detok.push((token_id,))
+            self._chars += len(piece)
+            sent, hit = text.stops.feed(piece)
+            out.append(sent)
+            if hit is not None:
+                return "".join(out), hit
+        return "".join(out), None
+
+    def release(self, new_chars: int, *, done: bool, cut: bool) -> None:
+        """The client was sent ``new_chars`` more characters; ``done``: output is complete."""
+        if not self.aligned:
+            return
+        self._emitted += new_chars
+        take = 0
+        for start, _ in self._pending:
+            if start >= self._emitted and not (done and not cut):
+                break
+            take += 1
+        for start, entry in self._pending[:take]:
+            self.offsets.append(start)
+            self.entries.append(entry)
+        self._pending = [] if done else self._pending[take:]
+
+    def unsent(self) -> tuple[list[TokenLogprob], list[int]]:
+        """Released entries (and text offsets) not yet written by a streaming renderer."""
+        start, self.sent = self.sent, len(self.entries)
+        return self.entries[start:], self.offsets[start:]

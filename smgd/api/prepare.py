@@ -18,13 +18,14 @@ import trio
 from quart import current_app, g, request
 
 from smgd.api.execute import Job
-from smgd.api.pipeline import Choice, new_engine_rid
+from smgd.api.pipeline import Choice, LogprobTrack, new_engine_rid
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
 if TYPE_CHECKING:
     from smgd.api.pipeline import RequestState
+    from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
@@ -51,6 +52,10 @@ BIG_PROMPT_CHARS = 16_384
 # One HTTP request fans out into (prompts x n) engine requests while admission sees one;
 # 64 bounds what a single batched /v1/completions call can put on the engines.
 MAX_CHOICES = 64
+# Engine wires that cannot return top-k logprobs, by the most they can: TokenSpeed's output
+# frames carry only the sampled token's logprob (its encoder refuses k > 0 at send time, which
+# for a stream would be after the 200 went out).
+TOP_LOGPROBS_LIMIT = {"tokenspeed": 0}
 
 _decoder = msgspec.json.Decoder()
 
@@ -127,9 +132,14 @@ def plan_jobs(
     state: RequestState,
     *,
     keep_ids: bool = False,
-    logprobs_param: str = "logprobs",
+    top_logprobs_param: str = "top_logprobs",
+    align_logprobs: bool = True,
 ) -> tuple[list[Job], TextOptions]:
-    """Pick an engine per choice, normalize sampling, validate; (prompts x n) jobs."""
+    """Pick an engine per choice, normalize sampling, validate; (prompts x n) jobs.
+
+    ``top_logprobs_param`` names the request key of the top-k count in a 400 when an engine
+    cannot return top-k logprobs; ``align_logprobs`` is :class:`LogprobTrack`'s ``aligned``.
+    """
     if not prompts:
         raise InvalidRequest("the prompt is empty", param="prompt")
     jobs: list[Job] = []
@@ -139,8 +149,6 @@ def plan_jobs(
         if first.info is None:
             raise EngineNotReady(f"engine {first.name} is not ready")
         params, options = sampling_for(len(ids), first.info.max_model_len)
-        if params.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported by smgd yet", param=logprobs_param)
         n = options.n
         if n * len(prompts) > MAX_CHOICES:
             raise InvalidRequest(
@@ -150,6 +158,7 @@ def plan_jobs(
             engine = first if j == 0 else gateway.router.pick(model, ids)
             req = GenerateRequest(rid=new_engine_rid(), prompt_ids=ids, sampling=params)
             engine.validate(req)
+            _check_top_logprobs(engine, params.logprobs, top_logprobs_param)
             stream = TextStream(
                 text.tokenizer,
                 stops=options.stop,
@@ -165,6 +174,9 @@ def plan_jobs(
                 counts_prompt=j == 0,
                 engine=engine.name,
                 keep_ids=keep_ids,
+                logprobs=(
+                    None if params.logprobs is None else LogprobTrack(aligned=align_logprobs)
+                ),
             )
             jobs.append(Job(engine, req, choice))
             state.choices.append(choice)
@@ -172,3 +184,13 @@ def plan_jobs(
     if options.ignored:
         log.debug("%s: ignored request keys %s", state.request_id, ", ".join(options.ignored))
     return jobs, options
+
+
+def _check_top_logprobs(engine: EngineClient, k: int | None, param: str) -> None:
+    limit = TOP_LOGPROBS_LIMIT.get(engine.wire)
+    if k is not None and limit is not None and k > limit:
+        raise InvalidRequest(
+            f"top_logprobs: engine {engine.name} ({engine.wire}) returns only the sampled "
+            f"token's logprob; ask for {limit} top logprobs at most",
+            param=param,
+        )

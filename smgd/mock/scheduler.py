@@ -7,6 +7,8 @@ queued ones (``aborted_queued``, which SGLang answers with an ``AbortReq`` echo)
 
 Output tokens echo the prompt cyclically (skipping ``skip_ids``, e.g. special tokens), so a
 test can compute every stream's exact expected output and the demo streams readable text.
+A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens, equally
+predictable.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from smgd.wire.common import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -34,10 +38,12 @@ class MockRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     stream: bool = True
+    logprobs: int | None = None  # None: none; k: sampled token plus top-k
     # Filled by the scheduler:
     source: list[int] = field(default_factory=list)
     generated: int = 0
     unsent: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     aborted: bool = False
 
 
@@ -50,6 +56,19 @@ class StepOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked
+
+
+def mock_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
+    """The fake logprob of output token ``position`` (0-based) and its top-``k`` alternatives.
+
+    The sampled token is the most likely one (first of the top-k); alternative j is
+    ``token_id ^ j``, which stays inside the token's aligned block of 32 ids (in the vocab of
+    any model whose vocab size is a multiple of 32). Multiples of 1/4 survive JSON exactly.
+    """
+    value = -0.25 * (1 + position % 4)
+    top = [TopLogprob(token_id ^ j, value - j) for j in range(k)] if k else None
+    return TokenLogprob(token_id=token_id, logprob=value, top=top)
 
 
 class MockScheduler:
@@ -118,6 +137,9 @@ class MockScheduler:
                 finish = MockFinish.ABORT
             else:
                 token = req.source[req.generated % len(req.source)]
+                if req.logprobs is not None:
+                    entry = mock_logprob(token, req.generated, req.logprobs)
+                    req.unsent_logprobs.append(entry)
                 req.generated += 1
                 req.unsent.append(token)
                 self.tokens += 1
@@ -136,9 +158,11 @@ class MockScheduler:
                         prompt_tokens=len(req.prompt_ids),
                         completion_tokens=req.generated,
                         cached_tokens=cached,
+                        logprobs=req.unsent_logprobs if req.logprobs is not None else None,
                     )
                 )
                 req.unsent = []
+                req.unsent_logprobs = []
             if finish is not None:
                 finished.append(req.rid)
         for rid in finished:

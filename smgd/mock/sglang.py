@@ -70,6 +70,7 @@ class SglangMockWire:
                 stop_token_ids=frozenset(sp.stop_token_ids or ()),
                 ignore_eos=sp.ignore_eos,
                 stream=msg.stream,
+                logprobs=msg.top_logprobs_num if msg.return_logprob else None,
             )
         )
 
@@ -86,6 +87,7 @@ class SglangMockWire:
                     o.prompt_tokens,
                     o.completion_tokens,
                     o.cached_tokens,
+                    o.logprobs,
                 )
                 for o in outputs
             ]
