@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -290,3 +294,36 @@ def test_buckets_span_one_millisecond_to_hours() -> None:
 )
 def test_abort_reason(err: SmgdError, draining: bool, reason: str) -> None:
     assert abort_reason(err, draining=draining) == reason
+
+
+def read_docs() -> tuple[str, dict[str, Any]]:
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "reference" / "metrics.md").read_text()
+    return doc, json.loads((root / "docs" / "grafana-dashboard.json").read_text())
+
+
+async def test_every_metric_is_documented_and_the_dashboard_uses_real_names(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    fake = FakeEngine()
+    fake.load = EngineLoad(running=1, waiting=0, kv_usage=0.1)  # so the load gauges appear
+    async with open_app(fake) as (app, gateway):
+        gateway.engine_restarts["fake"] = 1
+        await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        reply = await get(app, "/metrics")
+    families = {
+        f.name: f.type
+        for f in text_string_to_metric_families(reply.body.decode())
+        if f.name.startswith("smgd_")
+    }
+    exposed = {name + "_total" if kind == "counter" else name for name, kind in families.items()}
+    doc, dashboard = read_docs()
+    documented = set(re.findall(r"`(smgd_[a-z_]+)`", doc))
+    assert exposed - documented == set()  # every exposed metric has a row
+    assert documented - exposed == set()  # and no row describes a metric that does not exist
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    used = {
+        re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"smgd_\w+", e)
+    }
+    assert used - exposed == set()
