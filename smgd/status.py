@@ -147,9 +147,13 @@ async def fetch_sample(target: Target, clients: Clients) -> Sample:
     try:
         response = await clients.admin.get("/admin/engines")
     except (httpx.HTTPError, OSError) as exc:
-        raise DaemonUnreachable(f"cannot reach {target.describe()}: {exc}") from None
+        raise DaemonUnreachable(
+            f"cannot reach {target.describe()}: {exc} (is smgd running with this config?)"
+        ) from None
     if response.status_code != 200:
-        raise DaemonUnreachable(f"{target.describe()} answered {response.status_code}")
+        raise DaemonUnreachable(
+            f"{target.describe()} answered {response.status_code}: {response.text[:200]}"
+        )
     sample = Sample(trio.current_time(), response.json())
     if clients.public is not None:
         try:
@@ -264,7 +268,7 @@ async def run_status(
         async with open_clients(target) as clients:
             return await _status_loop(target, clients, out, watch, interval, iterations)
     except DaemonUnreachable as exc:
-        err.write(f"smgd: the daemon is not running? {exc}\n")
+        err.write(f"smgd: {exc}\n")
         return 1
 
 
@@ -299,7 +303,7 @@ async def run_reload(target: Target, *, out: TextIO, err: TextIO) -> int:
         async with _admin_client(target, RELOAD_TIMEOUT_S) as client:
             response = await client.post("/admin/reload")
     except (httpx.HTTPError, OSError) as exc:
-        err.write(f"smgd: the daemon is not running? cannot reach {target.describe()}: {exc}\n")
+        err.write(f"smgd: cannot reach {target.describe()}: {exc} (is smgd running?)\n")
         return EXIT_UNREACHABLE
     try:
         body: dict[str, Any] = response.json()

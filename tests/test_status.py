@@ -99,7 +99,7 @@ async def test_unreachable_daemon(tmp_path: Path) -> None:
     target = Target("http://smgd", uds=str(tmp_path / "admin.sock"))
     out, err = io.StringIO(), io.StringIO()
     assert await run_status(target, out=out, err=err, interval=0.01) == 1
-    assert "not running" in err.getvalue() and str(tmp_path) in err.getvalue()
+    assert "is smgd running" in err.getvalue() and str(tmp_path) in err.getvalue()
     assert await run_reload(target, out=out, err=err) == 2
     assert out.getvalue() == ""
 
