@@ -253,6 +253,7 @@ def test_floor_run_checks_ids_against_the_echo() -> None:
     out = run.summary(wall=0.1, cpu_s=0.01)
     assert out["ttft_p50_ms"] == pytest.approx(20.0)
     assert out["output_tokens"] == 7
+    assert out["chunks"] == 3  # per-request deliveries, not zmq messages
 
 
 def loadgen_stream(start: float) -> Any:
@@ -300,6 +301,7 @@ def _point(**kw: Any) -> dict[str, Any]:
         "duplicated_tokens": 0,
         "requests_failed": 0,
         "tokens_per_chunk": 1.0,
+        "chunks": 5000,
     }
     return {**base, **kw}
 
@@ -308,6 +310,7 @@ def test_derive_computes_the_figures() -> None:
     w = Workload(step_ms=20.0, max_batch=256)
     d = report.derive(_point(), w)
     assert d["cpu_us_per_token"] == pytest.approx(250.0)
+    assert d["cpu_us_per_chunk"] == pytest.approx(500.0)
     assert d["offered_tokens_per_s"] == pytest.approx(800.0)
     assert d["delivered_fraction"] == pytest.approx(0.95)
     assert d["ttft_p50_over_step_ms"] == pytest.approx(10.0)

@@ -90,6 +90,7 @@ class FloorRun:
 
     def summary(self, wall: float, cpu_s: float) -> dict[str, Any]:
         window = min(self.spec.duration_s, wall)
+        deliveries = len(self.ttft) + len(self.gaps)
         ms = 1000.0
         return {
             "concurrency": self.spec.concurrency,
@@ -102,10 +103,10 @@ class FloorRun:
             "output_tokens": self.tokens,
             "window_tokens": self.window_tokens,
             "tokens_per_s": round(self.window_tokens / window, 1) if window > 0 else 0.0,
-            "chunks": self.messages,
-            "tokens_per_chunk": round(self.tokens / len(self.gaps + self.ttft), 3)
-            if self.ttft
-            else 0.0,
+            # A "chunk" is one per-request delivery (what one SSE event would carry).
+            "chunks": deliveries,
+            "messages": self.messages,
+            "tokens_per_chunk": round(self.tokens / deliveries, 3) if deliveries else 0.0,
             "ttft_p50_ms": round(percentile(self.ttft, 50) * ms, 2),
             "ttft_p99_ms": round(percentile(self.ttft, 99) * ms, 2),
             "itl_p50_ms": round(percentile(self.gaps, 50) * ms, 2),

@@ -38,6 +38,11 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     out["offered_tokens_per_s"] = round(offered, 1)
     out["delivered_fraction"] = _r(_div(float(point["tokens_per_s"]), offered), 3)
     out["cpu_us_per_token"] = _r(_div(float(point["server_cpu_s"]) * 1e6, tokens))
+    # Per SSE event (or per delivery for the floor): unlike per token, this does not drop when
+    # a loaded server coalesces several tokens into one event.
+    out["cpu_us_per_chunk"] = _r(
+        _div(float(point["server_cpu_s"]) * 1e6, float(point.get("chunks", 0)))
+    )
     out["server_cores"] = _r(_div(float(point["server_cpu_s"]), float(point["elapsed_s"])), 3)
     out["mock_cores"] = _r(_div(float(point["mock_cpu_s"]), float(point["elapsed_s"])), 3)
     if "loadgen_cpu_s" in point:
@@ -93,6 +98,7 @@ _COLUMNS = (
     ("ITL p50", "itl_p50_ms", "{:.1f}"),
     ("p99", "itl_p99_ms", "{:.1f}"),
     ("CPU µs/tok", "cpu_us_per_token", "{:.1f}"),
+    ("µs/chunk", "cpu_us_per_chunk", "{:.1f}"),
     ("cores", "server_cores", "{:.2f}"),
     ("mock cores", "mock_cores", "{:.2f}"),
     ("RSS MiB", "peak_rss_mib", "{:.1f}"),
@@ -163,8 +169,7 @@ def plot(
         xs = [p["concurrency"] for p in points]
         cs.update(xs)
         ax1.plot(xs, [p["tokens_per_s"] for p in points], marker="o", label=target)
-        if target != "floor" or any(p.get("cpu_us_per_token") for p in points):
-            ax2.plot(xs, [p["cpu_us_per_token"] for p in points], marker="o", label=target)
+        ax2.plot(xs, [p["cpu_us_per_token"] for p in points], marker="o", label=target)
     xs = sorted(cs)
     ax1.plot(xs, [workload.offered_tokens_per_s(c) for c in xs], "k--", label="offered")
     ax1.set(
