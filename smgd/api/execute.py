@@ -10,6 +10,10 @@
 Leaving ``EngineClient.open_stream`` early (client gone → ``trio.Cancelled`` in the generator,
 stop string hit, error) sends the engine abort from its ``finally``; ``Cancelled`` is never
 caught here.
+
+Metrics: each output event notes its time on the request state (TTFT, inter-event gaps);
+:func:`log_request`, run once from every path's ``finally``, hands the state to the app's
+recorder (:mod:`smgd.metrics`), which observes everything in one go.
 """
 
 from __future__ import annotations
