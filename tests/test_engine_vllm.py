@@ -151,7 +151,8 @@ async def test_eos_stops_only_because_smgd_sends_it() -> None:
         ids, last = await collect(s.client, request(rid, [10, EOS, 12], 20))
         assert ids == [10, EOS]
         assert last.finish is not None
-        assert (last.finish.reason, last.finish.matched_token) == (FinishReason.STOP, None)
+        # The engine's stop_reason is None on EOS; the client names the EOS token it hit.
+        assert (last.finish.reason, last.finish.matched_token) == (FinishReason.STOP, EOS)
         assert wire.eos_seen[rid] == EOS, "no EOS ids on the request: the client added its own"
         rid = uuid.uuid4().hex
         ids, last = await collect(s.client, request(rid, [10, EOS, 12], 5, ignore_eos=True))

@@ -13,6 +13,7 @@ What the engine does not do and this client therefore does:
   no EOS ids gets the model's (unless ``ignore_eos``);
 - count ``completion_tokens`` (the wire only carries new ids) and take ``prompt_tokens`` from
   ``prefill_stats`` or the prompt;
+- name the EOS token a STOP finish hit (the engine's ``stop_reason`` is None then);
 - slice logprobs to each request's own top-k (the engine sends the batch-wide maximum);
 - finish aborted requests locally (vLLM never answers a client abort).
 """
@@ -26,6 +27,7 @@ import msgspec
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import InvalidRequest
 from smgd.wire import vllm as codec
+from smgd.wire.common import FinishReason
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
@@ -97,6 +99,18 @@ class VllmEngineClient(HandshakeEngineClient):
             delta.completion_tokens = meta.generated
             if delta.prompt_tokens is None:
                 delta.prompt_tokens = meta.prompt_tokens
+            finish = delta.finish
+            if (
+                finish is not None
+                and finish.reason is FinishReason.STOP
+                and finish.matched_token is None
+                and finish.matched_text is None
+                and delta.token_ids
+            ):
+                # vLLM says stop_reason=None when EOS ended the request, EOS being the last
+                # token. Name it, as SGLang does, so the text drops it as vLLM's own
+                # detokenizer does (even with skip_special_tokens=False).
+                delta.finish = msgspec.structs.replace(finish, matched_token=delta.token_ids[-1])
         return Batch(out.deltas, out.engine_index, out.load)
 
     def deliver(self, delta: TokenDelta) -> None:
