@@ -42,6 +42,8 @@ log = logging.getLogger("smgd")
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 60.0
 BACKOFF_RESET_S = 60.0
+# Extra time past settle + drain timeout before the drain stops waiting for the HTTP server.
+DRAIN_MARGIN_S = 2.0
 
 
 async def supervise_engine(
@@ -139,11 +141,13 @@ async def _drain_then_cancel(gateway: Gateway, cancel_all: Callable[[], None]) -
     from smgd.sdnotify import notify
 
     notify("STOPPING=1")
-    with trio.move_on_after(gateway.config.server.drain_timeout_s):
-        # In-flight counts change on every engine's reader task; polling at 50 ms during a
-        # drain costs nothing and keeps the engines free of drain-specific hooks.
-        while any(e.in_flight for e in gateway.router.engines()):  # noqa: ASYNC110
-            await trio.sleep(0.05)
+    server = gateway.config.server
+    # The HTTP server finishes its own graceful shutdown: after the settle window it stops
+    # accepting and waits (up to drain_timeout_s, its graceful_timeout) for every response to
+    # be written to the end, [DONE] included. Cancelling on engine idleness instead would cut
+    # those tails. The margin only guards against a server that never returns.
+    with trio.move_on_after(server.drain_settle_s + server.drain_timeout_s + DRAIN_MARGIN_S):
+        await gateway.http_done.wait()
     left = sum(e.in_flight for e in gateway.router.engines())
     if left:
         log.warning("drain timeout: aborting %d request(s)", left)

@@ -53,6 +53,7 @@ class Gateway:
     texts: dict[str, ModelText] = field(default_factory=dict)  # by served model name
     draining: bool = False
     drain_event: trio.Event = field(default_factory=trio.Event)
+    http_done: trio.Event = field(default_factory=trio.Event)  # the HTTP server has returned
     started_at: float = 0.0
     # How the daemon was started, so a reload re-reads the same file with the same overrides.
     config_path: str | None = None

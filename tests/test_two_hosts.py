@@ -162,11 +162,9 @@ async def start_smgd(tmp_path: Path, name: str) -> tuple[trio.Process, str, Path
     return proc, lines[0][len(prefix) :], log
 
 
-# Known daemon bug (reported to the lead with a patch): the drain cancels the whole daemon as
-# soon as no request is in flight *on the engines*, which cuts the HTTP tail (last chunk, usage,
-# [DONE]) of streams whose engine part just finished, and skips the settle window. Fails in
-# about one run of four until daemon.py waits for the HTTP server to finish instead.
-@pytest.mark.xfail(strict=False, reason="daemon drain cancels before HTTP responses end")
+# Guards the drain order: the daemon must wait for the HTTP server's graceful shutdown (the
+# tail of every stream: last chunk, usage, [DONE]) before it cancels the engines. Cancelling on
+# engine idleness instead failed this in about one run of four.
 async def test_draining_one_host_shifts_traffic_with_no_failed_request(tmp_path: Path) -> None:
     procs: list[trio.Process] = []
     try:

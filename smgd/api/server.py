@@ -65,9 +65,12 @@ async def serve_http(
     fds = take_listen_fds()
     if fds:
         log.info("socket activation: serving fd(s) %s", ", ".join(map(str, fds)))
-    await serve(
-        app,
-        hypercorn_config(gateway, fds),
-        shutdown_trigger=partial(_stop_accepting, gateway),
-        task_status=task_status,
-    )
+    try:
+        await serve(
+            app,
+            hypercorn_config(gateway, fds),
+            shutdown_trigger=partial(_stop_accepting, gateway),
+            task_status=task_status,
+        )
+    finally:
+        gateway.http_done.set()
