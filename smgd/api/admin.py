@@ -9,6 +9,7 @@ token that every admin request must carry.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,7 @@ async def serve_admin(
     cfg.bind = [bind]
     cfg.graceful_timeout = 1.0  # admin requests are short
     cfg.accesslog = None
+    cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
     await serve(
         create_admin_app(gateway),
         cfg,
