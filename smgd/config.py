@@ -247,12 +247,19 @@ def _set_path(tree: dict[str, Any], dotted: list[str], value: Any, origin: str) 
                 node = node.setdefault(key, {})
 
 
+# Top-level scalar keys reachable as SMGD_<KEY> (no section); SMGD_CONFIG is the file path.
+_TOP_LEVEL_ENV = {"RUN_DIR": "run_dir"}
+
+
 def env_overrides(environ: Mapping[str, str]) -> Iterator[tuple[list[str], Any, str]]:
     for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
+        if not name.startswith(ENV_PREFIX):
             continue
-        dotted = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
-        yield dotted, _parse_literal(raw), name
+        rest = name[len(ENV_PREFIX) :]
+        if rest in _TOP_LEVEL_ENV:
+            yield [_TOP_LEVEL_ENV[rest]], _parse_literal(raw), name
+        elif "__" in rest:
+            yield [part.lower() for part in rest.split("__")], _parse_literal(raw), name
 
 
 def scalar_flags() -> Iterator[tuple[str, str, Any]]:

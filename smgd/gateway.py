@@ -61,6 +61,10 @@ class Gateway:
     reloads_total: int = 0
     reload_failures_total: int = 0
     engine_restarts: dict[str, int] = field(default_factory=dict)  # by engine name
+    # Parts that read settings at start-up register here to follow a reload: each hook gets
+    # the new config, validates what it needs (raising ConfigError rejects the whole reload)
+    # and returns the function that applies it.
+    reload_hooks: list[Callable[[Config], Callable[[], None]]] = field(default_factory=list)
     # Set by the daemon: re-read and apply smgd.toml (returns a ReloadResult).
     reload: Callable[[], Awaitable[Any]] | None = None
     admin_binds: list[str] = field(default_factory=list)
@@ -70,6 +74,10 @@ class Gateway:
         gateway = cls(config=config, router=Router(config.routing))
         gateway.texts = gateway.stage_texts(config)
         return gateway
+
+    def prepare_reload(self, config: Config) -> list[Callable[[], None]]:
+        """Run every reload hook's validation; raises ConfigError to reject the reload."""
+        return [hook(config) for hook in self.reload_hooks]
 
     def apply_config(self, config: Config, texts: dict[str, ModelText]) -> None:
         """Switch to a validated new config (reload): text pipelines, routing, log level."""

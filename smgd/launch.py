@@ -30,6 +30,9 @@ READY_PREFIX = "SMGD_READY "
 # process tree down in well under a second; 5 s leaves room for a busy engine.
 TERMINATE_GRACE_S = 5.0
 LAUNCHERS_DIR = Path(__file__).parent / "launchers"
+_DAEMON_ONLY_ENV = frozenset(
+    {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"}
+)
 
 
 class Child:
@@ -96,7 +99,9 @@ async def spawn(
     env: dict[str, str] | None = None,
 ) -> Child:
     """Start ``argv`` in its own session; pump its output into the log from ``nursery``."""
-    full_env = dict(os.environ)
+    # systemd's notify/watchdog/socket-activation variables are smgd's own: an engine that
+    # inherited them could send READY=1 for smgd or grab the passed listening sockets.
+    full_env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
     if env:
         full_env.update(env)
     log.info("[%s] launching: %s", name, " ".join(argv))

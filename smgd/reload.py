@@ -27,7 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("smgd.reload")
 
 # Keys whose change only takes effect after a restart (they are bound sockets / listeners).
-RESTART_KEYS = ("server.host", "server.port", "admin.host", "admin.port", "run_dir")
+RESTART_KEYS = (
+    "server.host",
+    "server.port",
+    "admin.host",
+    "admin.port",
+    "admin.token_env",
+    "logging.format",
+    "logging.access_log",
+    "run_dir",
+)
 
 
 class ReloadResult(msgspec.Struct, kw_only=True):
@@ -101,6 +110,7 @@ class EngineSet:
         try:
             new = load_config(path, overrides=self.gateway.overrides)
             staged = self.gateway.stage_texts(new)
+            appliers = self.gateway.prepare_reload(new)
         except SmgdError as exc:
             text = exc.one_line() if hasattr(exc, "one_line") else exc.message
             log.error("reload rejected, nothing changed: %s", text)
@@ -110,6 +120,8 @@ class EngineSet:
         for key in restart:
             log.warning("reload: %s changed; it takes effect after a restart", key)
         self.gateway.apply_config(new, staged)
+        for apply in appliers:
+            apply()
         drain_s = new.server.drain_timeout_s
         async with trio.open_nursery() as nursery:
             for engine in [*removed, *changed]:

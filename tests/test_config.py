@@ -88,6 +88,11 @@ def test_env_then_cli_precedence(tmp_path: Path) -> None:
     assert config.server.port == 3000
 
 
+def test_top_level_run_dir_from_env(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, engine()), environ={"SMGD_RUN_DIR": "/run/x"})
+    assert config.run_dir == "/run/x"
+
+
 def test_override_past_list_end_is_an_error(tmp_path: Path) -> None:
     err = error_of(write(tmp_path, engine()), overrides=["engines.3.name=z"])
     assert "past the end" in err.message

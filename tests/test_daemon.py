@@ -157,3 +157,25 @@ async def test_startup_failure_port_in_use_exits_nonzero_with_message(tmp_path: 
     assert proc.returncode != 0
     assert "smgd:" in err
     assert "Traceback" not in err
+
+
+async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "smgd.toml"
+    text = config_text(engine_toml("a", "m-a"))
+    path.write_text(text)
+    body = {"model": "m-a", "prompt": "hi", "max_tokens": 2}
+    async with running_daemon(path) as (gateway, client):
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        monkeypatch.setenv("SMGD_TEST_KEYS", "k1,k2")
+        run_line, rest = text.split("\n", 1)
+        path.write_text(
+            run_line
+            + "\n"
+            + rest.replace("[server]\n", '[server]\napi_keys_env = "SMGD_TEST_KEYS"\n')
+        )
+        assert gateway.reload is not None
+        result = await gateway.reload()
+        assert result.ok, result.error
+        assert (await client.post("/v1/completions", json=body)).status_code == 401
+        ok = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
+        assert ok.status_code == 200

@@ -40,7 +40,7 @@ from smgd.errors import ConfigError, Draining, InvalidRequest, SmgdError, Unauth
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from smgd.api.pipeline import RequestState
     from smgd.config import Config
@@ -108,6 +108,19 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         keepalive_s=server.keepalive_interval_s,
         created=int(time.time()),
     )
+
+    def on_reload(config: Config) -> Callable[[], None]:
+        keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload
+
+        def apply() -> None:
+            ctx = app.extensions["smgd"]
+            ctx.api_keys = keys
+            ctx.keepalive_s = config.server.keepalive_interval_s
+            app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+
+        return apply
+
+    gateway.reload_hooks.append(on_reload)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(native.blueprint)
     app.register_blueprint(ops.blueprint)
