@@ -27,8 +27,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,7 @@ async def generate_ids(client: httpx.AsyncClient, ids: list[int], max_tokens: in
     return response.json()
 
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def sse_events(response: httpx.Response) -> AsyncGenerator[dict[str, Any]]:
     async for line in response.aiter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[6:])
@@ -263,7 +263,13 @@ async def check_parity(
     assert choice["finish_reason"] == "length"
     # vLLM's detokenizer leaves out the token that stopped a request even when special tokens
     # are kept; smgd must too (the EOS finish names its token for that).
-    body = {"model": MODEL, "prompt": EOS_PROMPT, "max_tokens": 48, "skip_special_tokens": False}
+    body = {
+        "model": MODEL,
+        "prompt": EOS_PROMPT,
+        "max_tokens": 48,
+        "temperature": 0,
+        "skip_special_tokens": False,
+    }
     completion = await client.post("/v1/completions", json=body)
     assert completion.status_code == 200, completion.text
     choice = completion.json()["choices"][0]
@@ -284,9 +290,10 @@ async def check_abort(client: httpx.AsyncClient, engine: VllmEngineClient) -> No
     body = {"model": MODEL, "prompt": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
-        async for event in sse_events(response):
-            if event["choices"][0]["text"]:
-                break
+        async with aclosing(sse_events(response)) as events:
+            async for event in events:
+                if event["choices"][0]["text"]:
+                    break
         assert engine.in_flight == 1
     t0 = time.monotonic()
     took = await wait_until(lambda: engine.in_flight == 0, 5.0)
@@ -301,15 +308,29 @@ async def check_abort(client: httpx.AsyncClient, engine: VllmEngineClient) -> No
 
 
 async def check_logprobs(client: httpx.AsyncClient) -> None:
-    body = {"model": MODEL, "prompt": HELLO, "max_tokens": 3, "logprobs": 2, "temperature": 0}
-    response = await client.post("/v1/completions", json=body)
+    body = {
+        "model": MODEL,
+        "input_ids": HELLO,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 3},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    response = await client.post("/generate", json=body)
     if response.status_code == 400:
         print("logprobs: answered 400:", response.json()["error"]["message"])
         return
     assert response.status_code == 200, response.text
-    logprobs = response.json()["choices"][0]["logprobs"]
-    assert len(logprobs["tokens"]) == 3
-    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    out = response.json()
+    meta = out["meta_info"]
+    sampled = meta["output_token_logprobs"]  # [logprob, token_id, text] per output id
+    assert [entry[1] for entry in sampled] == out["output_ids"]
+    assert len(meta["output_top_logprobs"]) == 3
+    for (logprob, token, _), top in zip(sampled, meta["output_top_logprobs"], strict=True):
+        # The engine sends the batch-wide top-K; smgd slices to the request's 2, best first.
+        assert len(top) == 2 and top[0][0] >= top[1][0], top
+        # Greedy: the sampled token is the argmax, so it is the top-1 entry.
+        assert top[0][1] == token and top[0][0] == pytest.approx(logprob, abs=1e-5)
+        assert logprob <= 0.0
 
 
 async def check_sigkill(client: httpx.AsyncClient, engine: VllmEngineClient) -> None:
@@ -393,7 +414,9 @@ async def test_vllm_reattach_after_daemon_restart() -> None:
         assert proc.returncode is None  # neither daemon stopped an engine it did not launch
     finally:
         with trio.CancelScope(shield=True):
-            os.killpg(proc.pid, signal.SIGTERM)
+            # The engine core only: it stops its worker itself. SIGTERM to the whole group
+            # kills the worker first and the core exits 1 ("Worker proc died unexpectedly").
+            os.kill(proc.pid, signal.SIGTERM)
             with trio.move_on_after(30):
                 await proc.wait()
             if proc.returncode is None:
