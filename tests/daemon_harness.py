@@ -67,7 +67,7 @@ async def stream_completion(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    text, usage, finish = "", None, None
+    text, usage, finish, error = "", None, None, None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
@@ -75,10 +75,13 @@ async def stream_completion(
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                raise AssertionError(f"stream error: {chunk['error']}")
+                error = chunk["error"]
+                continue  # read to the end ([DONE]) so the response closes cleanly
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
                 text += choice.get("text", "")
                 finish = choice.get("finish_reason") or finish
+    if error is not None:
+        raise AssertionError(f"stream error: {error}")
     return text, usage, finish

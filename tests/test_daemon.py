@@ -179,3 +179,57 @@ async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.Monke
         assert (await client.post("/v1/completions", json=body)).status_code == 401
         ok = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
         assert ok.status_code == 200
+
+
+async def test_killed_engine_fails_only_its_streams_and_comes_back(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(
+        config_text(engine_toml("a", "m-a", step_ms=10), engine_toml("b", "m-b", step_ms=10))
+    )
+    async with running_daemon(path) as (gateway, client):
+        outcomes: dict[str, list[str]] = {"m-a": [], "m-b": []}
+
+        async def one(model: str) -> None:
+            try:
+                _, usage, _ = await stream_completion(client, model, PROMPT, 150)
+                outcomes[model].append(f"ok {usage['completion_tokens'] if usage else None}")
+            except AssertionError as exc:
+                outcomes[model].append(f"error {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for model in ("m-a", "m-b"):
+                for _ in range(8):
+                    nursery.start_soon(one, model)
+            await trio.sleep(0.5)
+            engine_a = gateway.router.get("a")
+            assert engine_a is not None and engine_a.child is not None  # type: ignore[attr-defined]
+            os.kill(engine_a.child.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            await trio.sleep(0.3)
+            ready = await client.get("/readiness")
+            assert ready.status_code == 503
+            assert ready.json()["engines"]["a"]["ready"] is False
+        assert outcomes["m-b"] == ["ok 150"] * 8  # the other engine's streams are untouched
+        assert len(outcomes["m-a"]) == 8
+        assert all(o.startswith("error") and "engine a" in o for o in outcomes["m-a"])
+        with trio.fail_after(30):  # relaunched after a 1 s backoff
+            while (await client.get("/readiness")).status_code != 200:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        text, usage, _ = await stream_completion(client, "m-a", PROMPT, 5)
+        assert usage is not None and usage["completion_tokens"] == 5
+        assert gateway.engine_restarts == {"a": 1}
+
+
+async def test_admin_endpoints_are_not_on_the_public_listener(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")))
+    async with running_daemon(path) as (gateway, client):
+        for route in ("/admin/reload", "/admin/drain"):
+            assert (await client.post(route)).status_code == 404
+        assert (await client.get("/admin/engines")).status_code == 404
+        assert not gateway.draining
+        sock = gateway.admin_binds[0]
+        assert sock.startswith("http://unix:")
+        transport = httpx.AsyncHTTPTransport(uds=sock[len("http://unix:") :])
+        async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
+            engines = (await admin.get("/admin/engines")).json()
+        assert [e["name"] for e in engines["engines"]] == ["a"]

@@ -76,3 +76,20 @@ def test_prefix_affinity_spreads_different_prefixes() -> None:
     r = router(RoutingPolicy.PREFIX_AFFINITY, *(Fake(n) for n in "abcd"))
     homes = Counter(r.pick("m", [i] * 8).name for i in range(200))
     assert len(homes) == 4
+
+
+def test_prefix_affinity_100_requests_sharing_a_1k_prefix_go_to_one_of_four() -> None:
+    engines = [Fake(n) for n in ("e0", "e1", "e2", "e3")]
+    r = Router(RoutingConfig(policy=RoutingPolicy.PREFIX_AFFINITY))  # default prefix_tokens
+    for e in engines:
+        r.put(cast(EngineClient, e))
+    shared = [(i * 7919) % 1000 + 10 for i in range(1024)]
+    picks: Counter[str] = Counter()
+    for i in range(100):
+        engine = cast(Fake, r.pick("m", [*shared, 5000 + i, 6000 + i]))
+        picks[engine.name] += 1
+        # Load allows: the home engine carries a few requests more than the others, well under
+        # the overload margin (requests finish as new ones come).
+        engine.in_flight = 1 + i % 8
+    assert len(picks) == 1, picks
+    assert picks.most_common(1)[0][1] == 100
