@@ -403,3 +403,23 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
                 assert "rss_per_stream_kib" in p
     assert {r["vs"] for r in doc["ratios"]} == {"floor"}
     assert "| smgd |" in done.stdout.replace("  ", " ") or "smgd" in done.stdout
+
+
+async def test_a_failing_target_is_recorded_and_does_not_stop_the_run() -> None:
+    from smgd.bench.main import _guarded
+
+    async def fails_in_a_nursery() -> list[dict[str, Any]]:
+        async def boom() -> None:
+            raise RuntimeError("engine exited during start-up")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(boom)
+        return []
+
+    async def works() -> list[dict[str, Any]]:
+        return [{"concurrency": 1}]
+
+    failed: dict[str, str] = {}
+    assert await _guarded(fails_in_a_nursery(), "vllm", failed) is None
+    assert failed == {"vllm": "RuntimeError: engine exited during start-up"}
+    assert await _guarded(works(), "smgd", failed) == [{"concurrency": 1}]

@@ -17,13 +17,16 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
 from smgd.bench import report
 from smgd.bench.workload import Workload
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable
 
 log = logging.getLogger("smgd.bench")
 
@@ -96,6 +99,27 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, list[int]]:
     return workload, conc
 
 
+_FAILURES = (RuntimeError, OSError, trio.TooSlowError, msgspec.DecodeError)
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _guarded(
+    work: Awaitable[list[dict[str, Any]]], name: str, failed: dict[str, str]
+) -> list[dict[str, Any]] | None:
+    """Run one target; a failure (even inside a nursery) is recorded, the others still run."""
+    try:
+        return await work
+    except* _FAILURES as group:
+        exc = _first_failure(group)
+        failed[name] = f"{type(exc).__name__}: {exc}"
+    return None
+
+
 async def run_all(
     workload: Workload, conc: list[int], targets: list[str], out: Path
 ) -> dict[str, Any]:
@@ -113,12 +137,9 @@ async def run_all(
             continue
         runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}[name]
         print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
-        try:
-            points = await runner(workload, conc, log_dir)
-        except (RuntimeError, OSError, trio.TooSlowError) as exc:
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        results[name] = [report.derive(p, workload) for p in points]
+        points = await _guarded(runner(workload, conc, log_dir), name, failed)
+        if points is not None:
+            results[name] = [report.derive(p, workload) for p in points]
     return {"results": results, "skipped": skipped, "failed": failed}
 
 
