@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException
 from smgd.api import native, openai, ops
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.execute import RECORDER_KEY
+from smgd.api.pacer import LoadPacer
 from smgd.api.pipeline import check_request_id, new_request_id
 from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
@@ -107,7 +108,14 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         tokenize_limiter=trio.CapacityLimiter(TOKENIZE_THREADS),
         keepalive_s=server.keepalive_interval_s,
         created=int(time.time()),
+        pacer=LoadPacer(max_window_s=server.coalesce_max_ms / 1000),
     )
+
+    @app.before_serving
+    async def _start_pacer() -> None:
+        pacer = app.extensions["smgd"].pacer
+        if pacer is not None:
+            app.nursery.start_soon(pacer.run)
 
     def on_reload(config: Config) -> Callable[[], None]:
         keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload

@@ -33,6 +33,7 @@ from smgd.wire.common import TokenDelta
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from smgd.api.pacer import LoadPacer
     from smgd.api.pipeline import Choice, RequestState
     from smgd.engines.base import EngineClient
     from smgd.wire.common import GenerateRequest
@@ -141,16 +142,21 @@ def stream(
     *,
     keepalive_s: float,
     nursery: trio.Nursery | None,
+    pacer: LoadPacer | None = None,
 ) -> AsyncIterator[bytes]:
     attach_sink(state)  # here, in the request context: the body runs after it is gone
     if len(jobs) == 1:
-        return _stream_one(jobs[0], state, render, keepalive_s)
+        return _stream_one(jobs[0], state, render, keepalive_s, pacer)
     assert nursery is not None, "n > 1 streams need the app nursery for their pumps"
     return _stream_many(jobs, state, render, keepalive_s, nursery)
 
 
 async def _stream_one(
-    job: Job, state: RequestState, render: Renderer, keepalive_s: float
+    job: Job,
+    state: RequestState,
+    render: Renderer,
+    keepalive_s: float,
+    pacer: LoadPacer | None = None,
 ) -> AsyncIterator[bytes]:
     choice = job.choice
     try:
@@ -173,6 +179,9 @@ async def _stream_one(
                     yield out
                 if choice.done:
                     break
+                if pacer is not None and pacer.window_s > 0:
+                    # Loaded loop: let output accumulate so the next event carries more tokens.
+                    await trio.sleep(pacer.window_s)
         yield render.end()
     except trio.EndOfChannel:
         early = EngineDead(f"engine {job.engine.name} ended the request early")

@@ -206,7 +206,14 @@ async def generate() -> Response:
         lp = NativeLogprobs(TokenText(text.tokenizer), top=logprobs > 0, with_text=with_text)
     if streaming:
         render = NativeRenderer(state, max_tokens, indexed=options.n > 1, logprobs=lp)
-        body_iter = stream(jobs, state, render, keepalive_s=ctx.keepalive_s, nursery=app_nursery())
+        body_iter = stream(
+            jobs,
+            state,
+            render,
+            keepalive_s=ctx.keepalive_s,
+            nursery=app_nursery(),
+            pacer=ctx.pacer,
+        )
         response = Response(body_iter, headers=SSE_HEADERS)
         response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
         return response

@@ -270,6 +270,7 @@ async def _respond(
             render,
             keepalive_s=api().keepalive_s,
             nursery=app_nursery(),
+            pacer=api().pacer,
         )
         response = Response(body, headers=SSE_HEADERS)
         response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams

@@ -24,6 +24,7 @@ from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
 if TYPE_CHECKING:
+    from smgd.api.pacer import LoadPacer
     from smgd.api.pipeline import RequestState
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
@@ -69,6 +70,7 @@ class ApiContext:
     tokenize_limiter: trio.CapacityLimiter
     keepalive_s: float
     created: int  # unix time the app was built (the `created` of /v1/models)
+    pacer: LoadPacer | None = None  # adaptive SSE coalescing under load
 
 
 def api() -> ApiContext:
