@@ -75,14 +75,20 @@ class Child:
         return code
 
     async def stop(self, grace: float = TERMINATE_GRACE_S) -> None:
-        """SIGTERM the child's process group, SIGKILL after ``grace`` seconds."""
+        """SIGTERM the child itself, SIGKILL its whole process group after ``grace`` seconds.
+
+        Only the leader gets SIGTERM: engines shut their own workers down in order (a vLLM
+        engine core whose worker was killed first exits 1 with a traceback). The group kill
+        afterwards makes sure nothing of the tree survives.
+        """
         if self.proc.returncode is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of an exited leader
             return
-        _signal_group(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
         with trio.move_on_after(grace):
             await self.proc.wait()
-            return
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # anything of the tree still alive
         await self.proc.wait()
 
 

@@ -46,9 +46,8 @@ def hypercorn_config(gateway: Gateway, listen_fds: Sequence[int] = ()) -> Hyperc
     cfg.errorlog = logging.getLogger("hypercorn.error")
     # Streams idle between tokens for long prefills; keep-alive of idle connections is separate.
     cfg.keep_alive_timeout = 75
-    # hypercorn's default listen backlog of 100 overflows on a burst of new connections (seen at
-    # 1,024 concurrent clients: SYN retransmits added a second to TTFT); the kernel caps it at
-    # net.core.somaxconn anyway.
+    # hypercorn's default listen backlog is 100; a gateway takes bursts of connects from many
+    # clients at once. The kernel caps the value at net.core.somaxconn.
     cfg.backlog = 2048
     cfg.h11_max_incomplete_size = 64 * 1024  # request line + headers; bodies are limited by the app
     return cfg
