@@ -111,11 +111,22 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         pacer=LoadPacer(max_window_s=server.coalesce_max_ms / 1000),
     )
 
+    pacer_scope = trio.CancelScope()
+
+    async def _run_pacer(pacer: LoadPacer) -> None:
+        with pacer_scope:
+            await pacer.run()
+
     @app.before_serving
     async def _start_pacer() -> None:
         pacer = app.extensions["smgd"].pacer
         if pacer is not None:
-            app.nursery.start_soon(pacer.run)
+            app.nursery.start_soon(_run_pacer, pacer)
+
+    @app.after_serving
+    async def _stop_pacer() -> None:
+        # Background tasks would otherwise hold the app's shutdown for its 5 s timeout.
+        pacer_scope.cancel()
 
     def on_reload(config: Config) -> Callable[[], None]:
         keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload

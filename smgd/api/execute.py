@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import trio
 from quart import current_app, has_app_context
 
+from smgd.api.pipeline import new_engine_rid
 from smgd.api.sse import KEEPALIVE
-from smgd.errors import EngineDead, SmgdError
+from smgd.errors import EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from smgd.api.pacer import LoadPacer
     from smgd.api.pipeline import Choice, RequestState
     from smgd.engines.base import EngineClient
+    from smgd.router import Router
     from smgd.wire.common import GenerateRequest
 
 __all__ = ["RECORDER_KEY", "Job", "Renderer", "attach_sink", "collect", "log_request", "stream"]
@@ -51,6 +54,35 @@ class Job:
     engine: EngineClient
     request: GenerateRequest
     choice: Choice
+    router: Router | None = None  # set: the job may move to another engine before its 1st token
+    tried: set[str] = field(default_factory=set)
+
+
+# Engine failures worth another engine: the engine died or was not ready at submit. A 4xx-class
+# rejection (EngineRejected) or a full queue is the request's fate on any engine.
+_RETRYABLE = (EngineDead, EngineNotReady)
+
+
+def reroute(job: Job, model: str) -> bool:
+    """Move a job that has produced no token yet to another ready engine; False if none.
+
+    Retries happen only before the first token: a started stream is never replayed.
+    """
+    if job.router is None or job.choice.completion_tokens:
+        return False
+    job.tried.add(job.engine.name)
+    try:
+        engine = job.router.pick(model, job.request.prompt_ids, exclude=tuple(job.tried))
+        request = msgspec.structs.replace(job.request, rid=new_engine_rid())
+        engine.validate(request)
+    except SmgdError:
+        return False
+    log.warning(
+        "request %s: engine %s failed before the first token; retrying on %s",
+        job.request.rid, job.engine.name, engine.name,
+    )  # fmt: skip
+    job.engine, job.request = engine, request
+    return True
 
 
 class Renderer(Protocol):
@@ -92,6 +124,16 @@ def _internal(exc: Exception, state: RequestState) -> SmgdError:
 
 
 async def _collect_one(job: Job, state: RequestState) -> None:
+    while True:
+        try:
+            await _collect_attempt(job, state)
+            return
+        except _RETRYABLE:
+            if not reroute(job, state.model):
+                raise
+
+
+async def _collect_attempt(job: Job, state: RequestState) -> None:
     choice = job.choice
     async with job.engine.open_stream(job.request) as rs:
         async for delta in rs:
@@ -160,28 +202,34 @@ async def _stream_one(
 ) -> AsyncIterator[bytes]:
     choice = job.choice
     try:
-        async with job.engine.open_stream(job.request) as rs:
-            while True:
-                delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
-                if delta is None:
-                    if keepalive_s > 0:
-                        with trio.move_on_after(keepalive_s):
-                            delta = await rs.receive()
+        while True:
+            try:
+                async with job.engine.open_stream(job.request) as rs:
+                    while True:
+                        delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
                         if delta is None:
-                            yield KEEPALIVE
-                            continue
-                    else:
-                        delta = await rs.receive()
-                text = choice.apply(delta)
-                state.output_event(choice, trio.current_time())
-                out = render.delta(choice, text)
-                if out:
-                    yield out
-                if choice.done:
-                    break
-                if pacer is not None and pacer.window_s > 0:
-                    # Loaded loop: let output accumulate so the next event carries more tokens.
-                    await trio.sleep(pacer.window_s)
+                            if keepalive_s > 0:
+                                with trio.move_on_after(keepalive_s):
+                                    delta = await rs.receive()
+                                if delta is None:
+                                    yield KEEPALIVE
+                                    continue
+                            else:
+                                delta = await rs.receive()
+                        text = choice.apply(delta)
+                        state.output_event(choice, trio.current_time())
+                        out = render.delta(choice, text)
+                        if out:
+                            yield out
+                        if choice.done:
+                            break
+                        if pacer is not None and pacer.window_s > 0:
+                            # Loaded loop: let output pile up so the next event carries more.
+                            await trio.sleep(pacer.window_s)
+                break
+            except _RETRYABLE:
+                if not reroute(job, state.model):
+                    raise
         yield render.end()
     except trio.EndOfChannel:
         early = EngineDead(f"engine {job.engine.name} ended the request early")

@@ -180,7 +180,7 @@ def plan_jobs(
                     None if params.logprobs is None else LogprobTrack(aligned=align_logprobs)
                 ),
             )
-            jobs.append(Job(engine, req, choice))
+            jobs.append(Job(engine, req, choice, gateway.router))
             state.choices.append(choice)
     assert options is not None
     if options.ignored:

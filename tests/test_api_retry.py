@@ -1,0 +1,62 @@
+"""An engine that fails before the first token: the request moves to another engine.
+
+After the first token a stream is never replayed: the failure is reported instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from smgd.wire.common import GenerateRequest
+
+from .fake_engine import MODEL, Behaviour, FakeEngine, open_app, post, post_stream
+
+
+class DiesBeforeFirstToken(FakeEngine):
+    async def _drive(self, req: GenerateRequest) -> None:
+        await trio.sleep(0.01)
+        self.die("crashed during prefill")
+
+
+BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 6, "temperature": 0}
+
+
+async def test_streamed_request_moves_to_another_engine_before_its_first_token() -> None:
+    bad, good = DiesBeforeFirstToken("a"), FakeEngine("b")
+    async with open_app(bad, good) as (app, _):
+        reply = await post_stream(app, "/v1/completions", {**BODY, "stream": True})
+    assert reply.status == 200
+    assert reply.events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in reply.events[:-1]]
+    assert not any("error" in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(bad.requests) == 1 and len(good.requests) == 1
+    assert bad.requests[0].rid != good.requests[0].rid  # a fresh engine rid for the retry
+
+
+async def test_non_streamed_request_moves_to_another_engine() -> None:
+    bad, good = DiesBeforeFirstToken("a"), FakeEngine("b")
+    async with open_app(bad, good) as (app, _):
+        reply = await post(app, "/v1/completions", BODY)
+    assert reply.status == 200, reply.body
+    assert reply.json()["usage"]["completion_tokens"] == 6
+    assert len(good.requests) == 1
+
+
+async def test_no_retry_after_the_first_token() -> None:
+    bad = FakeEngine("a", behaviour=Behaviour(die_after=2))
+    good = FakeEngine("b")
+    async with open_app(bad, good) as (app, _):
+        reply = await post_stream(app, "/v1/completions", {**BODY, "stream": True})
+    assert reply.status == 200
+    assert any("error" in e for e in reply.events if e != "[DONE]")
+    assert good.requests == []  # never replayed
+
+
+async def test_no_other_engine_reports_the_failure() -> None:
+    async with open_app(DiesBeforeFirstToken("a")) as (app, _):
+        reply = await post(app, "/v1/completions", BODY)
+    assert reply.status in (502, 503)
+    assert "crashed during prefill" in reply.json()["error"]["message"]
