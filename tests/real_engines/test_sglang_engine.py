@@ -28,24 +28,15 @@ from smgd.wire import sglang as codec
 from smgd.wire.common import EngineInfo, FinishReason, GenerateRequest, SamplingParams
 
 from ..engine_harness import short_ipc_dir
+from .test_sglang_raw import SCHEDULER_ARGS as RAW_SCHEDULER_ARGS
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
 # Importing sglang (~15 s) plus loading the model; generous for a loaded 2-core CI machine.
 READY_TIMEOUT_S = 300.0
 PROMPT = [1, 385, 600, 436, 943, 14, 10, 385]
-SCHEDULER_ARGS = [
-    "--device", "cpu",
-    "--max-total-tokens", "4096",  # default sizing would take ~16 GB of RAM for the KV cache
-    "--max-running-requests", "8",
-    "--dtype", "float32",
-    "--attention-backend", "torch_native",
-    "--sampling-backend", "pytorch",
-    "--disable-overlap-schedule",
-    "--grammar-backend", "none",
-    "--cuda-graph-backend-decode=disabled",
-    "--cuda-graph-backend-prefill=disabled",
-]  # fmt: skip
+# The same scheduler flags as the raw test: CPU device, capped KV cache, torch-native paths.
+SCHEDULER_ARGS = [a for a in RAW_SCHEDULER_ARGS if a != "--skip-tokenizer-init"]
 
 
 def _env(name: str) -> str:
