@@ -237,6 +237,7 @@ def test_flush_cache(scheduler: Scheduler) -> None:
         if got.success:
             break
         time.sleep(0.5)
+    assert isinstance(got, sg.FlushCacheReqOutput)
     assert got.success is True, got.message
 
 
