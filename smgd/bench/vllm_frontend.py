@@ -94,9 +94,11 @@ def mock_argv(rpc_port: int, workload: Workload, skip_ids: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "smgd.bench.vllm_mock",  # smgd's vLLM-wire mock, announcing itself as remote
+        "smgd",
+        "mock-engine",
         "--wire",
         "vllm",
+        "--remote",  # vLLM's front end with --data-parallel-size-local 0 wants remote engines
         # The vLLM mock learns its input/output addresses from the handshake.
         "--handshake",
         handshake,

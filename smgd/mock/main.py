@@ -38,6 +38,12 @@ def add_mock_args(parser: argparse.ArgumentParser) -> None:
         help="inject this fault after --fault-after-steps steps",
     )
     parser.add_argument("--fault-after-steps", type=int, default=0)
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="vllm: announce a remote engine core (for vLLM's own front end with "
+        "--data-parallel-size-local 0)",
+    )
 
 
 def build_wire(args: argparse.Namespace) -> MockWire:
@@ -56,7 +62,12 @@ def build_wire(args: argparse.Namespace) -> MockWire:
         )
     from smgd.mock.vllm import VllmMockWire
 
-    return VllmMockWire(args.handshake, context_len=args.context_len, max_batch=args.max_batch)
+    return VllmMockWire(
+        args.handshake,
+        context_len=args.context_len,
+        max_batch=args.max_batch,
+        local=not args.remote,
+    )
 
 
 def mock_engine_main(args: argparse.Namespace) -> int:

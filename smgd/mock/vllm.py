@@ -39,6 +39,10 @@ _FINISH = {
 }
 
 
+# Utility calls the mock answers (a generate-only engine); the rest are answered with None.
+UTILITY_ANSWERS: dict[str, object] = {"get_supported_tasks": ["generate"]}
+
+
 class VllmMockWire:
     def __init__(
         self,
@@ -48,8 +52,12 @@ class VllmMockWire:
         context_len: int = 4096,
         max_batch: int = 256,
         log_stats: bool = True,
+        local: bool = True,
     ) -> None:
         self.handshake = handshake
+        # vLLM's own front end started with --data-parallel-size-local 0 only accepts engines
+        # whose HELLO/READY say `local: false`; smgd accepts either.
+        self.local = local
         self.identity = engine_index.to_bytes(2, "little")
         self.engine_index = engine_index
         self.context_len = context_len
@@ -87,7 +95,7 @@ class VllmMockWire:
             hs.socket.setsockopt(zmq.LINGER, 0)
             hs.socket.setsockopt(zmq.IDENTITY, self.identity)
             hs.socket.connect(self.handshake)
-            await hs.send_multipart(codec.encode_hello(local=True, headless=True))
+            await hs.send_multipart(codec.encode_hello(local=self.local, headless=True))
             reply = await hs.recv_multipart(copy=True)
             init = codec.decode_init(reply[-1:])
             inp = ctx.socket(zmq.DEALER)
@@ -101,7 +109,7 @@ class VllmMockWire:
             out.connect(init.addresses.outputs[0])
             in_sock = TrioSocket(inp)
             await in_sock.send_multipart(codec.encode_ready_response(self.ready_response()))
-            await hs.send_multipart(codec.encode_ready(local=True, headless=True))
+            await hs.send_multipart(codec.encode_ready(local=self.local, headless=True))
             self.handshakes += 1
             return in_sock, TrioSocket(out)
         finally:
@@ -120,8 +128,18 @@ class VllmMockWire:
                 self._client_aborted.add(rid)
                 sched.abort(rid)
             return []
+        if isinstance(msg, codec.UtilityRequest):
+            # vLLM's API server asks this at start-up and waits for the answer; other utility
+            # calls get None (the call succeeded, nothing to report).
+            value = UTILITY_ANSWERS.get(msg.method)
+            result = codec.UtilityResult(None, value)
+            out = codec.EngineCoreOutputs(
+                engine_index=self.engine_index,
+                utility_output=codec.UtilityOutput(msg.call_id, None, result),
+            )
+            return [codec.encode_outputs(out)]
         if not isinstance(msg, codec.AddRequest):
-            return []  # utility calls and waves: not modelled
+            return []  # DP waves: not modelled
         req = msg.request
         sp = req.sampling_params or codec.SamplingParams()
         self.received.append(req.request_id)
