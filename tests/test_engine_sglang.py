@@ -205,3 +205,42 @@ async def test_idle_probe_detects_a_hung_engine(
             assert 15.0 <= trio.current_time() - start <= 15.5
             assert "health check" in (pair.client.last_error or "")
             await trio.sleep_forever()
+
+
+@pytest.mark.slow
+def test_a_launched_engine_dies_with_a_killed_daemon(tmp_path: object) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from .engine_harness import short_ipc_dir
+
+    ipc = short_ipc_dir()
+    # A parent that launches the mock through smgd's launcher, then gets SIGKILLed.
+    code = (
+        "import trio, sys\n"
+        "from smgd import launch\n"
+        "async def main():\n"
+        "    async with trio.open_nursery() as n:\n"
+        f"        argv = launch.mock_argv('sglang', 'ipc://{ipc}/i', 'ipc://{ipc}/o', [])\n"
+        "        child = await launch.spawn(n, 'm', argv)\n"
+        "        await child.ready_event.wait()  # it is up and idle: nothing would stop it\n"
+        "        print(child.pid, flush=True)\n"
+        "        await trio.sleep_forever()\n"
+        "trio.run(main)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(child_pid, signal.SIGKILL)
+    raise AssertionError("the launched engine outlived its killed parent")
