@@ -92,21 +92,6 @@ class Child:
         await self.proc.wait()
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if smgd dies without stopping us (SIGKILL, OOM).
-
-    The child runs in its own session, so nothing else would stop it; an orphaned engine would
-    hold its GPU memory and sockets. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
@@ -133,7 +118,6 @@ async def spawn(
         stderr=subprocess.PIPE,
         env=full_env,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
     )
     child = Child(name, proc)
     assert proc.stdout is not None

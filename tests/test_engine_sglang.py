@@ -208,7 +208,7 @@ async def test_idle_probe_detects_a_hung_engine(
 
 
 @pytest.mark.slow
-def test_a_launched_engine_dies_with_a_killed_daemon(tmp_path: object) -> None:
+def test_a_launched_mock_engine_exits_when_its_daemon_is_killed(tmp_path: object) -> None:
     import subprocess
     import sys
     import time
@@ -243,4 +243,4 @@ def test_a_launched_engine_dies_with_a_killed_daemon(tmp_path: object) -> None:
             return
         time.sleep(0.05)
     os.kill(child_pid, signal.SIGKILL)
-    raise AssertionError("the launched engine outlived its killed parent")
+    raise AssertionError("the launched mock engine outlived its killed parent")

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
 import trio
 
-from smgd.mock.engine import MockEngine, MockWire
+from smgd.mock.engine import EngineExit, MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
 
 if TYPE_CHECKING:
     import argparse
+
+
+# How often the mock checks that its parent is alive: an orphan lingers at most this long.
+PARENT_CHECK_S = 1.0
 
 
 def _ids(text: str) -> list[int]:
@@ -86,6 +91,7 @@ def mock_engine_main(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
+            nursery.start_soon(_exit_with_parent, os.getppid())
             info = {
                 "context_length": args.context_len,
                 "max_running_requests": args.max_batch,
@@ -103,14 +109,23 @@ def mock_engine_main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except BaseException as exc:
-        from smgd.mock.engine import EngineExit
-
         code = _exit_code(exc, EngineExit)
         if code is None:
             raise
         print(f"mock-engine: exiting with {code}", file=sys.stderr)
         return code
     return 0
+
+
+async def _exit_with_parent(parent: int) -> None:
+    """Exit when the process that launched us is gone (smgd SIGKILLed or crashed).
+
+    The mock runs in its own session, so nothing else would stop it. (prctl's PDEATHSIG is no
+    help: trio starts children from a worker thread, and it fires when that thread exits.)
+    """
+    while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for "parent died"
+        await trio.sleep(PARENT_CHECK_S)
+    raise EngineExit(0)
 
 
 def _exit_code(exc: BaseException, kind: type[Exception]) -> int | None:
