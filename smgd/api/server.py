@@ -48,7 +48,7 @@ def hypercorn_config(gateway: Gateway, listen_fds: Sequence[int] = ()) -> Hyperc
     cfg.keep_alive_timeout = 75
     # hypercorn's default listen backlog is 100; a gateway takes bursts of connects from many
     # clients at once. The kernel caps the value at net.core.somaxconn.
-    cfg.backlog = 2048
+    cfg.backlog = 4096
     cfg.h11_max_incomplete_size = 64 * 1024  # request line + headers; bodies are limited by the app
     return cfg
 
