@@ -66,6 +66,11 @@ def prepare_ipc_dir(path: str | os.PathLike[str]) -> Path:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise TransportError(f"ipc directory {str(directory)!r} is not a directory") from None
+    except OSError as exc:
+        raise TransportError(
+            f"cannot create ipc directory {str(directory)!r}: {exc.strerror} "
+            "(set run_dir, or the engine's ipc_dir, to a writable place)"
+        ) from None
     st = directory.lstat()  # lstat: a symlink planted in place of our directory is refused
     if not stat.S_ISDIR(st.st_mode):
         raise TransportError(f"ipc directory {str(directory)!r} is not a directory")

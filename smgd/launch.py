@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from smgd.errors import TransportError
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -111,14 +113,17 @@ async def spawn(
     if env:
         full_env.update(env)
     log.info("[%s] launching: %s", name, " ".join(argv))
-    proc = await trio.lowlevel.open_process(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=full_env,
-        start_new_session=True,
-    )
+    try:
+        proc = await trio.lowlevel.open_process(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise TransportError(f"engine {name}: cannot launch {argv[0]!r}: {exc.strerror}") from None
     child = Child(name, proc)
     assert proc.stdout is not None
     assert proc.stderr is not None

@@ -234,3 +234,35 @@ async def test_admin_endpoints_are_not_on_the_public_listener(tmp_path: Path) ->
         async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
             engines = (await admin.get("/admin/engines")).json()
         assert [e["name"] for e in engines["engines"]] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            '[engines.launch]\nkind = "command"\ncommand = ["/nonexistent/engine"]\n',
+            "cannot launch",
+        ),
+        ("", "cannot create ipc directory"),
+    ],
+)
+async def test_startup_failures_exit_nonzero_with_a_clear_message(
+    tmp_path: Path, extra: str, needle: str
+) -> None:
+    text = config_text(engine_toml("a", "m-a", extra=extra))
+    if extra:  # a real-engine wire, so the launch command (not the built-in mock) is used
+        text = text.replace('wire = "mock"', 'wire = "sglang"')
+    else:  # an ipc directory that cannot be created
+        text = 'run_dir = "/proc/smgd-cannot-exist"\n' + text.split("\n", 1)[1]
+    path = tmp_path / "smgd.toml"
+    path.write_text(text)
+    proc = _serve(path)
+    try:
+        _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    assert needle in err
+    assert "Traceback" not in err
