@@ -60,3 +60,19 @@ async def test_no_other_engine_reports_the_failure() -> None:
         reply = await post(app, "/v1/completions", BODY)
     assert reply.status in (502, 503)
     assert "crashed during prefill" in reply.json()["error"]["message"]
+
+
+async def test_n2_streams_move_to_another_engine_before_their_first_token() -> None:
+    bad, good = DiesBeforeFirstToken("a"), FakeEngine("b")
+    async with open_app(bad, good) as (app, _):
+        reply = await post_stream(app, "/v1/completions", {**BODY, "stream": True, "n": 2})
+    assert reply.status == 200
+    chunks = [json.loads(e) for e in reply.events if e != "[DONE]"]
+    assert not any("error" in c for c in chunks)
+    finishes = {
+        c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["finish_reason"]
+    }
+    assert finishes == {0: "length", 1: "length"}
+    assert len(good.requests) >= 1  # at least the choice that went to `a` moved to `b`

@@ -253,6 +253,7 @@ _Item = tuple[int, TokenDelta | SmgdError]
 async def _pump(
     job: Job,
     send: trio.MemorySendChannel[_Item],
+    model: str,
     *,
     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -261,12 +262,20 @@ async def _pump(
     with trio.CancelScope() as scope:
         task_status.started(scope)
         try:
-            async with job.engine.open_stream(job.request) as rs:
-                async for delta in rs:
-                    send.send_nowait((index, delta))
-                    if delta.finish is not None:
-                        return
-            send.send_nowait((index, EngineDead(f"engine {job.engine.name} ended early")))
+            while True:
+                produced = False  # a forwarded token: from then on, never retry elsewhere
+                try:
+                    async with job.engine.open_stream(job.request) as rs:
+                        async for delta in rs:
+                            produced = produced or bool(delta.token_ids)
+                            send.send_nowait((index, delta))
+                            if delta.finish is not None:
+                                return
+                    send.send_nowait((index, EngineDead(f"engine {job.engine.name} ended early")))
+                    return
+                except _RETRYABLE:
+                    if produced or not reroute(job, model):
+                        raise
         except SmgdError as err:
             send.send_nowait((index, err))
         except trio.ClosedResourceError:
@@ -288,7 +297,7 @@ async def _stream_many(
     scopes: dict[int, trio.CancelScope] = {}
     try:
         for job in jobs:
-            scopes[job.choice.index] = await nursery.start(_pump, job, send)
+            scopes[job.choice.index] = await nursery.start(_pump, job, send, state.model)
         while any(not c.done for c in by_index.values()):
             items = await _receive_all(recv, keepalive_s)
             if not items:
