@@ -11,12 +11,13 @@ from pathlib import Path
 import trio
 
 from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.engines.base import EngineClient
 from smgd.engines.sglang import SglangEngineClient
 from smgd.launch import mock_argv
 from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
 from smgd.mock.sglang import SglangMockWire
-from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams
+from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams, TokenDelta
 
 VOCAB = 1024
 
@@ -93,6 +94,18 @@ def request(
         prompt_ids=prompt,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
     )
+
+
+async def collect(client: EngineClient, req: GenerateRequest) -> tuple[list[int], TokenDelta]:
+    """Run one request to its end: (all output ids in order, the last delta)."""
+    ids: list[int] = []
+    last = None
+    async with client.open_stream(req) as stream:
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+            last = delta
+    assert last is not None
+    return ids, last
 
 
 def expected_echo(prompt: list[int], n: int) -> list[int]:

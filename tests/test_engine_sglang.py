@@ -12,20 +12,9 @@ import trio.testing
 
 from smgd.engines.base import EngineState
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest
-from smgd.wire.common import FinishReason, TokenDelta
+from smgd.wire.common import FinishReason
 
-from .engine_harness import expected_echo, request, sglang_pair
-
-
-async def collect(client, req) -> tuple[list[int], TokenDelta]:  # type: ignore[no-untyped-def]
-    ids: list[int] = []
-    last = None
-    async with client.open_stream(req) as stream:
-        async for delta in stream:
-            ids.extend(delta.token_ids)
-            last = delta
-    assert last is not None
-    return ids, last
+from .engine_harness import collect, expected_echo, request, sglang_pair
 
 
 async def test_stream_tokens_usage_and_length_finish() -> None:

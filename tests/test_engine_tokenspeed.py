@@ -35,9 +35,9 @@ from smgd.launch import mock_argv
 from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
 from smgd.mock.tokenspeed import TokenspeedMockWire
-from smgd.wire.common import EngineInfo, EngineLoad, FinishReason, TokenDelta
+from smgd.wire.common import EngineInfo, EngineLoad, FinishReason
 
-from .engine_harness import VOCAB, expected_echo, request, short_ipc_dir
+from .engine_harness import VOCAB, collect, expected_echo, request, short_ipc_dir
 
 CONTEXT = 2048  # differs from the fallback's 4096, so readiness provably used the registration
 
@@ -156,17 +156,6 @@ async def ts_setup(
 
 def state_of(client: TokenspeedEngineClient) -> EngineState:
     return client.state  # a call, so mypy does not keep a narrowing from before an await
-
-
-async def collect(client: TokenspeedEngineClient, req: Any) -> tuple[list[int], TokenDelta]:
-    ids: list[int] = []
-    last = None
-    async with client.open_stream(req) as stream:
-        async for delta in stream:
-            ids.extend(delta.token_ids)
-            last = delta
-    assert last is not None
-    return ids, last
 
 
 # --------------------------------------------------------------------------- over sockets

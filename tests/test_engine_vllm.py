@@ -23,9 +23,9 @@ from smgd.launch import mock_argv
 from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
 from smgd.mock.vllm import VllmMockWire
-from smgd.wire.common import EngineInfo, FinishReason, TokenDelta
+from smgd.wire.common import EngineInfo, FinishReason
 
-from .engine_harness import VOCAB, expected_echo, request, short_ipc_dir
+from .engine_harness import VOCAB, collect, expected_echo, request, short_ipc_dir
 
 CONTEXT = 2048  # differs from the fallback's 4096, so readiness provably used the ready response
 EOS = 2
@@ -117,17 +117,6 @@ async def vllm_setup(
             await client.wait_ready()
         yield Setup(client, mocks, ipc_dir)
         nursery.cancel_scope.cancel()
-
-
-async def collect(client: VllmEngineClient, req: Any) -> tuple[list[int], TokenDelta]:
-    ids: list[int] = []
-    last = None
-    async with client.open_stream(req) as stream:
-        async for delta in stream:
-            ids.extend(delta.token_ids)
-            last = delta
-    assert last is not None
-    return ids, last
 
 
 async def test_ready_response_sets_info_and_streams_count_tokens() -> None:
