@@ -55,6 +55,26 @@ class MockWire(Protocol):
     def garbage(self) -> list[bytes]: ...
 
 
+def connect_data_sockets(
+    ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes, input_addr: str, output_addr: str
+) -> tuple[TrioSocket, TrioSocket]:
+    """The engine side of the vLLM/TokenSpeed data plane, once INIT named smgd's addresses.
+
+    A DEALER carrying this rank's identity reads from smgd's input ROUTER; a PUSH writes to
+    smgd's output PULL. Unlimited HWMs, as the engines set them.
+    """
+    inp = ctx.socket(zmq.DEALER)
+    out = ctx.socket(zmq.PUSH)
+    for sock in (inp, out):
+        sock.setsockopt(zmq.LINGER, 0)
+    inp.setsockopt(zmq.IDENTITY, identity)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    out.setsockopt(zmq.SNDHWM, 0)
+    inp.connect(input_addr)
+    out.connect(output_addr)
+    return TrioSocket(inp), TrioSocket(out)
+
+
 class EngineExit(Exception):
     """The mock was asked to exit (shutdown request or a `die` fault)."""
 

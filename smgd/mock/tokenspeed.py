@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from smgd.errors import WireError
-from smgd.mock.engine import GARBAGE
+from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
 from smgd.wire import tokenspeed as codec
 from smgd.zmq_trio import TrioSocket
@@ -96,19 +96,12 @@ class TokenspeedMockWire:
             await hs.send_multipart([codec.encode_hello()])
             reply = await hs.recv_multipart(copy=True)
             self.init = init = codec.decode_init(reply[-1])  # the last frame, like TokenSpeed
-            inp = ctx.socket(zmq.DEALER)
-            out = ctx.socket(zmq.PUSH)
-            for sock in (inp, out):
-                sock.setsockopt(zmq.LINGER, 0)
-            inp.setsockopt(zmq.IDENTITY, self.identity)
-            inp.setsockopt(zmq.RCVHWM, 0)
-            out.setsockopt(zmq.SNDHWM, 0)
-            inp.connect(init.addresses.inputs[0])
-            out.connect(init.addresses.outputs[0])
+            in_sock, out_sock = connect_data_sockets(
+                ctx, self.identity, init.addresses.inputs[0], init.addresses.outputs[0]
+            )
             await hs.send_multipart([codec.encode_ready()])
-            in_sock = TrioSocket(inp)
             await in_sock.send_multipart([self.registration()])
-            return in_sock, TrioSocket(out)
+            return in_sock, out_sock
         finally:
             hs.close()
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from smgd.errors import WireError
-from smgd.mock.engine import GARBAGE
+from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
 from smgd.wire import vllm as codec
 from smgd.zmq_trio import TrioSocket
@@ -98,20 +98,13 @@ class VllmMockWire:
             await hs.send_multipart(codec.encode_hello(local=self.local, headless=True))
             reply = await hs.recv_multipart(copy=True)
             init = codec.decode_init(reply[-1:])
-            inp = ctx.socket(zmq.DEALER)
-            out = ctx.socket(zmq.PUSH)
-            for sock in (inp, out):
-                sock.setsockopt(zmq.LINGER, 0)
-            inp.setsockopt(zmq.IDENTITY, self.identity)
-            inp.setsockopt(zmq.RCVHWM, 0)
-            out.setsockopt(zmq.SNDHWM, 0)
-            inp.connect(init.addresses.inputs[0])
-            out.connect(init.addresses.outputs[0])
-            in_sock = TrioSocket(inp)
+            in_sock, out_sock = connect_data_sockets(
+                ctx, self.identity, init.addresses.inputs[0], init.addresses.outputs[0]
+            )
             await in_sock.send_multipart(codec.encode_ready_response(self.ready_response()))
             await hs.send_multipart(codec.encode_ready(local=self.local, headless=True))
             self.handshakes += 1
-            return in_sock, TrioSocket(out)
+            return in_sock, out_sock
         finally:
             hs.close()
 
