@@ -41,7 +41,7 @@ from smgd.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Sequence
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
 
     from smgd.api.pipeline import RequestState
     from smgd.gateway import Gateway
@@ -196,39 +196,31 @@ class RequestMetrics:
 
     # ---- export
     def collect(self) -> Iterator[Metric]:
-        http = CounterMetricFamily(
+        yield _counter(
             "smgd_http_requests",
             "HTTP responses by route template, method and status code.",
-            labels=["route", "method", "status"],
+            ["route", "method", "status"],
+            self.http_requests,
         )
-        for labels, value in self.http_requests.items():
-            http.add_metric(list(labels), value)
-        yield http
-        requests = CounterMetricFamily(
+        yield _counter(
             "smgd_requests",
             "Engine requests (one per choice) by model, engine and outcome (ok, error, cancelled).",
-            labels=["model", "engine", "status"],
+            ["model", "engine", "status"],
+            self.requests,
         )
-        for labels, value in self.requests.items():
-            requests.add_metric(list(labels), value)
-        yield requests
-        tokens = CounterMetricFamily(
+        yield _counter(
             "smgd_tokens",
             "Tokens by kind: prompt (once per prompt), completion (generated), cached "
             "(prompt tokens the engine served from its prefix cache).",
-            labels=["model", "engine", "kind"],
+            ["model", "engine", "kind"],
+            self.tokens,
         )
-        for labels, value in self.tokens.items():
-            tokens.add_metric(list(labels), value)
-        yield tokens
-        aborts = CounterMetricFamily(
+        yield _counter(
             "smgd_aborts",
             "Requests refused or ended before their natural finish, by cause.",
-            labels=["reason"],
+            ["reason"],
+            {(reason,): value for reason, value in self.aborts.items()},
         )
-        for reason, value in self.aborts.items():
-            aborts.add_metric([reason], value)
-        yield aborts
         yield _histogram(
             "smgd_time_to_first_token_seconds",
             "Time from request arrival to the first generated token.",
@@ -254,6 +246,15 @@ def _hist(table: dict[str, Buckets], model: str, bounds: Sequence[float]) -> Buc
     if hist is None:
         hist = table[model] = Buckets(bounds)
     return hist
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], table: Mapping[tuple[str, ...], int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, count in table.items():
+        family.add_metric(list(values), count)
+    return family
 
 
 def _histogram(name: str, doc: str, table: dict[str, Buckets]) -> HistogramMetricFamily:
