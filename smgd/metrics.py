@@ -41,7 +41,7 @@ from smgd.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Mapping, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
     from smgd.api.pipeline import RequestState
     from smgd.gateway import Gateway
@@ -200,26 +200,26 @@ class RequestMetrics:
             "smgd_http_requests",
             "HTTP responses by route template, method and status code.",
             ["route", "method", "status"],
-            self.http_requests,
+            self.http_requests.items(),
         )
         yield _counter(
             "smgd_requests",
             "Engine requests (one per choice) by model, engine and outcome (ok, error, cancelled).",
             ["model", "engine", "status"],
-            self.requests,
+            self.requests.items(),
         )
         yield _counter(
             "smgd_tokens",
             "Tokens by kind: prompt (once per prompt), completion (generated), cached "
             "(prompt tokens the engine served from its prefix cache).",
             ["model", "engine", "kind"],
-            self.tokens,
+            self.tokens.items(),
         )
         yield _counter(
             "smgd_aborts",
             "Requests refused or ended before their natural finish, by cause.",
             ["reason"],
-            {(reason,): value for reason, value in self.aborts.items()},
+            (((reason,), value) for reason, value in self.aborts.items()),
         )
         yield _histogram(
             "smgd_time_to_first_token_seconds",
@@ -249,10 +249,10 @@ def _hist(table: dict[str, Buckets], model: str, bounds: Sequence[float]) -> Buc
 
 
 def _counter(
-    name: str, doc: str, labels: list[str], table: Mapping[tuple[str, ...], int]
+    name: str, doc: str, labels: list[str], rows: Iterable[tuple[tuple[str, ...], int]]
 ) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=labels)
-    for values, count in table.items():
+    for values, count in rows:
         family.add_metric(list(values), count)
     return family
 
