@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from smgd import launch
 from smgd.assets import TINY_MODEL_DIR
 from smgd.bench import procstat
 from smgd.bench.floor import FloorSpec
@@ -162,24 +163,12 @@ async def _floor_point(
                 raise RuntimeError(f"floor did not bind:\n{floor.tail()}")
             mock = await start(
                 f"floor-mock-c{concurrency}",
-                [
-                    sys.executable,
-                    "-m",
-                    "smgd",
-                    "mock-engine",
-                    "--wire",
+                launch.mock_argv(
                     "sglang",
-                    "--input",
                     spec.input_addr,
-                    "--output",
                     spec.output_addr,
-                    "--step-ms",
-                    str(workload.step_ms),
-                    "--max-batch",
-                    str(workload.max_batch),
-                    "--skip-ids",
-                    skip_ids,
-                ],
+                    workload.mock_args(skip_ids),
+                ),
                 log_dir,
                 stdout=subprocess.PIPE,
             )

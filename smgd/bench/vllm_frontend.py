@@ -15,10 +15,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from smgd import launch
 from smgd.bench.runner import Measured, free_port, start, wait_ready
 from smgd.bench.workload import Workload, build_prompt
 
@@ -91,28 +91,18 @@ def serve_argv(python: str, model: str, port: int, rpc_port: int, workload: Work
 
 def mock_argv(rpc_port: int, workload: Workload, skip_ids: str) -> list[str]:
     handshake = f"tcp://127.0.0.1:{rpc_port}"
-    return [
-        sys.executable,
-        "-m",
-        "smgd",
-        "mock-engine",
-        "--wire",
+    # The vLLM mock learns its input/output addresses from the handshake.
+    return launch.mock_argv(
         "vllm",
-        "--remote",  # vLLM's front end with --data-parallel-size-local 0 wants remote engines
-        # The vLLM mock learns its input/output addresses from the handshake.
-        "--handshake",
         handshake,
-        "--input",
         handshake,
-        "--output",
-        handshake,
-        "--step-ms",
-        str(workload.step_ms),
-        "--max-batch",
-        str(workload.max_batch),
-        "--skip-ids",
-        skip_ids,
-    ]
+        [
+            "--remote",  # vLLM's front end with --data-parallel-size-local 0 wants remote engines
+            "--handshake",
+            handshake,
+            *workload.mock_args(skip_ids),
+        ],
+    )
 
 
 async def run_vllm(

@@ -35,6 +35,14 @@ class Workload:
     max_tokens: int = 128
     duration_s: float = 10.0
 
+    def mock_args(self, skip_ids: str) -> list[str]:
+        """The mock engine's flags for this workload (step time, batch, never-echoed ids)."""
+        return [
+            "--step-ms", str(self.step_ms),
+            "--max-batch", str(self.max_batch),
+            "--skip-ids", skip_ids,
+        ]  # fmt: skip
+
     def offered_tokens_per_s(self, concurrency: int) -> float:
         """What the engine can produce for C streams: one token per running stream per step."""
         return min(concurrency, self.max_batch) * 1000.0 / self.step_ms
