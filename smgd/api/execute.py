@@ -115,6 +115,13 @@ def log_request(state: RequestState) -> None:
     )  # fmt: skip
 
 
+def _failed(state: RequestState, exc: Exception) -> SmgdError:
+    """Record a stream's failure; a non-smgd exception is logged and reported as internal."""
+    err = exc if isinstance(exc, SmgdError) else _internal(exc, state)
+    state.fail(err)
+    return err
+
+
 def _internal(exc: Exception, state: RequestState) -> SmgdError:
     log.exception("request %s failed", state.request_id, exc_info=exc)
     return SmgdError(f"internal error: {type(exc).__name__}")
@@ -236,13 +243,8 @@ async def _stream_one(
         state.fail(early)
         state.error = "stream ended without a finish"
         yield render.error(early)
-    except SmgdError as err:
-        state.fail(err)
-        yield render.error(err)
     except Exception as exc:
-        internal = _internal(exc, state)
-        state.fail(internal)
-        yield render.error(internal)
+        yield render.error(_failed(state, exc))
     finally:
         log_request(state)
 
@@ -315,13 +317,8 @@ async def _stream_many(
                     scopes[index].cancel()  # abort this one on the engine now
             yield b"".join(out)
         yield render.end()
-    except SmgdError as err:
-        state.fail(err)
-        yield render.error(err)
     except Exception as exc:
-        internal = _internal(exc, state)
-        state.fail(internal)
-        yield render.error(internal)
+        yield render.error(_failed(state, exc))
     finally:
         for scope in scopes.values():
             scope.cancel()
