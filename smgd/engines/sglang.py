@@ -24,7 +24,7 @@ from smgd import ipc, launch
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
 from smgd.wire import sglang as codec
-from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+from smgd.wire.common import EngineInfo, GenerateRequest
 from smgd.zmq_trio import TrioSocket, open_monitor
 
 if TYPE_CHECKING:
@@ -198,9 +198,7 @@ class SglangEngineClient(EngineClient):
         return [codec.encode_abort(rid)]
 
     def _handle_frames(self, frames: list[Any]) -> None:
-        result = codec.decode_output(
-            frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
-        )
+        result = codec.decode_output(memoryview(frames[0]))  # zero-copy over the zmq frame
         if isinstance(result, list):
             health = self._health_rid
             for delta in result:
@@ -209,15 +207,9 @@ class SglangEngineClient(EngineClient):
                     continue
                 self.deliver(delta)
             return
-        self._handle_control(result)
-
-    def _handle_control(self, message: object) -> None:
-        if isinstance(message, TokenDelta):
-            self.deliver(message)
-            return
         # A busy scheduler answers the oldest pending health check with a HealthCheckOutput
         # whose rid is None (seen live on 0.5.23), so any HealthCheckOutput is the answer.
-        if self._health_rid is not None and isinstance(message, codec.HealthCheckOutput):
+        if self._health_rid is not None and isinstance(result, codec.HealthCheckOutput):
             self._health_done.set()
 
 
