@@ -388,11 +388,6 @@ def engine_ipc_dir(config: Config, engine: EngineConfig) -> Path:
     return run_dir(config) / engine.name
 
 
-def to_builtins(config: Config) -> dict[str, Any]:
-    result: dict[str, Any] = msgspec.to_builtins(config)
-    return result
-
-
 def diff_engines(
     old: Config, new: Config
 ) -> tuple[list[EngineConfig], list[EngineConfig], list[EngineConfig]]:

@@ -31,7 +31,7 @@ import trio
 from smgd.admission import Admission
 from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
-from smgd.wire.common import EngineInfo, EngineLoad, FinishReason, GenerateRequest, TokenDelta
+from smgd.wire.common import EngineInfo, EngineLoad, GenerateRequest, TokenDelta
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -322,13 +322,6 @@ class EngineClient:
         stream.push(delta)
         if delta.finish is not None:
             del self._streams[delta.rid]
-
-    def finish_locally(self, rid: str, reason: FinishReason, message: str) -> None:
-        from smgd.wire.common import Finish
-
-        self.deliver(
-            TokenDelta(rid=rid, token_ids=[], finish=Finish(reason=reason, message=message))
-        )
 
     # ------------------------------------------------------------------ hooks
 
