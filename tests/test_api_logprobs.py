@@ -71,7 +71,8 @@ class LogprobEngine(FakeEngine):
 
 
 class TokenspeedLike(LogprobEngine):
-    wire = "tokenspeed"  # the wire that only returns sampled-token logprobs
+    wire = "tokenspeed"
+    max_top_logprobs = 0  # as TokenspeedEngineClient: only the sampled token's logprob
 
 
 def value(position: int) -> float:

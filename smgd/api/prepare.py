@@ -53,10 +53,6 @@ BIG_PROMPT_CHARS = 16_384
 # One HTTP request fans out into (prompts x n) engine requests while admission sees one;
 # 64 bounds what a single batched /v1/completions call can put on the engines.
 MAX_CHOICES = 64
-# Engine wires that cannot return top-k logprobs, by the most they can: TokenSpeed's output
-# frames carry only the sampled token's logprob (its encoder refuses k > 0 at send time, which
-# for a stream would be after the 200 went out).
-TOP_LOGPROBS_LIMIT = {"tokenspeed": 0}
 
 _decoder = msgspec.json.Decoder()
 
@@ -189,7 +185,7 @@ def plan_jobs(
 
 
 def _check_top_logprobs(engine: EngineClient, k: int | None, param: str) -> None:
-    limit = TOP_LOGPROBS_LIMIT.get(engine.wire)
+    limit = engine.max_top_logprobs
     if k is not None and limit is not None and k > limit:
         raise InvalidRequest(
             f"top_logprobs: engine {engine.name} ({engine.wire}) returns only the sampled "

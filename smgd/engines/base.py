@@ -75,8 +75,9 @@ class EngineClient:
     """Base class; subclasses implement the wire-specific hooks below."""
 
     wire: str = "?"
-    # vLLM and TokenSpeed never answer an abort; SGLang does (finish abort or AbortReq echo).
-    abort_gets_reply: bool = True
+    # The most top-k logprobs this wire can return (None: any). Checked before a request is
+    # sent: an encoder refusing it at send time would be after a stream's 200 went out.
+    max_top_logprobs: int | None = None
 
     def __init__(self, config: EngineConfig, *, fallback_info: EngineInfo | None) -> None:
         self.config = config
@@ -164,8 +165,10 @@ class EngineClient:
         """Submit a request; yield its output stream; abort it on the engine if it is left early.
 
         Leaving the block before the stream finished (client gone, stop string hit, error)
-        sends an abort from ``finally``. The outbox is unbounded, so the abort is queued
-        synchronously and cannot be lost to a cancellation.
+        sends an abort from ``finally`` and closes the stream locally at once: vLLM and
+        TokenSpeed never answer an abort, and SGLang's late answer is simply dropped. The
+        outbox is unbounded, so the abort is queued synchronously and cannot be lost to a
+        cancellation.
         """
         if self.state is not EngineState.READY:
             raise EngineNotReady(f"engine {self.name} is {self.state.value}")

@@ -281,8 +281,6 @@ class Batch(NamedTuple):
 class HandshakeEngineClient(EngineClient):
     """Base for engines that dial in; subclasses implement the ``_wire_*`` hooks."""
 
-    abort_gets_reply = False
-
     def __init__(
         self,
         config: EngineConfig,

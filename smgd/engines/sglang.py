@@ -42,7 +42,6 @@ HEALTH_TIMEOUT_S = 60.0
 
 class SglangEngineClient(EngineClient):
     wire = "sglang"
-    abort_gets_reply = True
 
     def __init__(
         self,

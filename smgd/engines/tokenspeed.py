@@ -33,7 +33,8 @@ DEFAULT_HANDSHAKE = "tcp://127.0.0.1:30500"
 
 class TokenspeedEngineClient(HandshakeEngineClient):
     wire = "tokenspeed"
-    abort_gets_reply = False
+    # Its output frames carry only the sampled token's logprob.
+    max_top_logprobs = 0
 
     def __init__(self, config: EngineConfig, *, handshake: str, **kwargs: Any) -> None:
         if not handshake.startswith("tcp://"):

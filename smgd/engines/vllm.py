@@ -44,7 +44,6 @@ class _Meta(msgspec.Struct):
 
 class VllmEngineClient(HandshakeEngineClient):
     wire = "vllm"
-    abort_gets_reply = False
 
     def __init__(
         self, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (), **kwargs: Any
