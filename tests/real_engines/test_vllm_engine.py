@@ -31,6 +31,10 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
 STARTUP_S = 300.0  # import ~15 s + worker spawn/load ~20 s on an idle box; generous for CI
 EOS = 2
+# Streams in flight at the SIGKILL, each long enough (prompt + tokens < max-model-len 512) that
+# none can finish between its first token and the kill.
+DOOMED_STREAMS = 4
+DOOMED_TOKENS = 480
 PROMPT = [323, 607, 83, 338, 15, 743, 1373, 310]  # "def hello(world):" in the tiny tokenizer
 ENGINE_ARGS = [
     "--dtype", "float32",
@@ -99,21 +103,34 @@ async def test_real_vllm_engine_client() -> None:
                     ids.extend(delta.token_ids)
             assert len(ids) == 4
 
+            # Kill once every doomed stream has its first token, not after a fixed sleep: on a
+            # fast machine 400 tokens of the tiny model finish inside any sleep short enough
+            # to keep the test quick, and a stream that finished cannot fail.
+            started = trio.Semaphore(0)
+            finished_normally: list[str] = []
+
             async def doomed() -> None:
                 try:
-                    async with client.open_stream(req(400, ignore_eos=True)) as s:
-                        async for _ in s:
-                            pass
+                    async with client.open_stream(req(DOOMED_TOKENS, ignore_eos=True)) as s:
+                        first = True
+                        async for delta in s:
+                            if first:
+                                first = False
+                                started.release()
+                            if delta.finish is not None:
+                                finished_normally.append(delta.finish.reason.value)
                 except EngineDead as exc:
                     errors.append(exc)
 
             async with trio.open_nursery() as inner:
-                for _ in range(4):
+                for _ in range(DOOMED_STREAMS):
                     inner.start_soon(doomed)
-                await trio.sleep(0.5)
+                for _ in range(DOOMED_STREAMS):
+                    await started.acquire()
                 assert client.child is not None
                 os.kill(client.child.pid, signal.SIGKILL)
+            assert not finished_normally, f"streams ended before the kill: {finished_normally}"
             assert client.state is EngineState.DEAD
             await trio.sleep_forever()
-    assert len(errors) == 4
+    assert len(errors) == DOOMED_STREAMS
     assert len({id(e) for e in errors}) == 1
