@@ -7,7 +7,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from smgd.api.pacer import LAG_HIGH_S, LAG_LOW_S, LoadPacer
+from smgd.api.pacer import LAG_HIGH_S, LAG_LOW_S, PROBE_S, LoadPacer
 
 
 def test_idle_loop_never_coalesces() -> None:
@@ -65,3 +65,85 @@ async def test_run_measures_lag_from_a_busy_loop(autojump_clock: trio.testing.Mo
         await trio.sleep(5)
         nursery.cancel_scope.cancel()
     assert pacer.window_s == pytest.approx(0.1)
+
+
+def _loaded(max_window_s: float) -> LoadPacer:
+    """A pacer whose window is fully open (as after a long lag)."""
+    pacer = LoadPacer(max_window_s=max_window_s)
+    for _ in range(200):
+        pacer.observe(LAG_HIGH_S * 2)
+    assert pacer.window_s == pytest.approx(max_window_s)
+    return pacer
+
+
+async def test_hold_returns_at_once_when_the_loop_is_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = LoadPacer(max_window_s=0.1)
+    start = trio.current_time()
+    await pacer.hold()
+    assert trio.current_time() == start
+
+
+async def test_holders_wake_together_at_the_first_tick_after_their_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = _loaded(0.05)
+    pacer.observe = lambda lag_s: pacer.window_s  # type: ignore[method-assign]  # keep it open
+    woke: list[float] = []
+    all_woke = trio.Event()
+
+    async def holder() -> None:
+        await pacer.hold()
+        woke.append(trio.current_time())
+        if len(woke) == 50:
+            all_woke.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(0.001)  # the pacer task is ticking now
+        start = trio.current_time()
+        for _ in range(50):
+            nursery.start_soon(holder)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pacer.holding == 50
+        with trio.fail_after(1):
+            await all_woke.wait()
+        nursery.cancel_scope.cancel()
+    assert len(set(woke)) == 1  # one bucket, one unpark_all
+    assert 0.05 <= woke[0] - start <= 0.05 + 2 * PROBE_S
+
+
+async def test_a_stopped_pacer_releases_every_holder(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = _loaded(0.15)
+    pacer.observe = lambda lag_s: pacer.window_s  # type: ignore[method-assign]
+    released = 0
+
+    async def holder() -> None:
+        nonlocal released
+        await pacer.hold()
+        released += 1
+
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as ticking:
+            ticking.start_soon(pacer.run)
+            await trio.sleep(0.001)
+            for _ in range(3):
+                outer.start_soon(holder)
+            await trio.sleep(0.002)
+            assert pacer.holding == 3
+            ticking.cancel_scope.cancel()  # the pacer stops long before the window ends
+        start = trio.current_time()
+    assert released == 3
+    assert trio.current_time() == start  # released at the stop, not after the window
+
+
+async def test_hold_without_a_running_pacer_sleeps_the_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = _loaded(0.08)
+    start = trio.current_time()
+    await pacer.hold()
+    assert trio.current_time() - start == pytest.approx(0.08)

@@ -232,7 +232,7 @@ async def _stream_one(
                             break
                         if pacer is not None and pacer.window_s > 0:
                             # Loaded loop: let output pile up so the next event carries more.
-                            await trio.sleep(pacer.window_s)
+                            await pacer.hold()
                 break
             except _RETRYABLE:
                 if not reroute(job, state.model):

@@ -1,4 +1,7 @@
-"""The HTTP server: hypercorn's trio worker serving the quart-trio app (via nursery.start).
+"""The HTTP server: hypercorn's HTTP/1.1 protocol serving the quart-trio app (nursery.start).
+
+The worker loop is :func:`smgd.api.http_worker.serve` (hypercorn's parts, with a direct socket
+write for each response chunk), not ``hypercorn.trio.serve``.
 
 The public listener binds ``server.host:server.port``, unless systemd socket activation passed
 listening sockets (``LISTEN_PID`` is this process, ``LISTEN_FDS >= 1``): then hypercorn serves
@@ -13,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
+from smgd.api.http_worker import serve
 from smgd.sdnotify import take_listen_fds
 
 if TYPE_CHECKING:
