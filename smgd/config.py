@@ -70,6 +70,10 @@ class ServerConfig(_Section):
     # (comma-separated) and/or this file (one key per line), never from smgd.toml itself.
     api_keys_env: str | None = None
     api_keys_file: str | None = None
+    # Worker processes behind the one port (SO_REUSEPORT), each owning engines[i] with
+    # i % workers == its index (smgd.workers). 1 = everything in one process. One process
+    # tops out near one core; more than the machine's cores only adds contention.
+    workers: int = 1
 
 
 class AdminConfig(_Section):
@@ -318,6 +322,29 @@ def load_config(
     return config
 
 
+# More workers than this is a typo, not a deployment: each is a whole process.
+MAX_WORKERS = 64
+
+
+def _check_workers(config: Config, served: dict[str, str]) -> None:
+    """Every model must have an engine in every worker's share (engines[i], i % workers)."""
+    count = config.server.workers
+    if not 1 <= count <= MAX_WORKERS:
+        raise ConfigError(f"workers must be 1..{MAX_WORKERS}", path="$.server.workers")
+    if count == 1:
+        return
+    for model in served:
+        owners = {i % count for i, e in enumerate(config.engines) if model in e.models}
+        missing = sorted(set(range(count)) - owners)
+        if missing:
+            raise ConfigError(
+                f"workers = {count}, but model {model!r} has no engine in worker "
+                f"{missing[0]} (worker k runs engines[i] with i % {count} == k)",
+                path="$.server.workers",
+                hint=f"serve {model!r} from {count}+ interleaved engines, or lower workers",
+            )
+
+
 def resolve_path(config: Config, value: str) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else Path(config.base_dir) / path
@@ -363,6 +390,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             raise ConfigError(
                 'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
             )
+    _check_workers(config, served)
     for model in config.routing.models:
         if model not in served:
             raise ConfigError(

@@ -16,6 +16,7 @@ launched engines are stopped) and the process exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from functools import partial
@@ -28,6 +29,7 @@ from smgd.errors import EngineDead, SmgdError, TransportError
 from smgd.gateway import Gateway
 from smgd.logs import setup_logging
 from smgd.reload import EngineSet, ReloadResult
+from smgd.workers import current_worker, for_worker, reload_others, watch_supervisor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -113,6 +115,14 @@ async def reload_now(gateway: Gateway, engines: EngineSet) -> ReloadResult:
     return result
 
 
+async def _reload_all_workers(gateway: Gateway, engines: EngineSet) -> ReloadResult:
+    """Worker 0's admin reload: apply it here, then have the supervisor reload the others."""
+    result = await reload_now(gateway, engines)
+    if result.ok:
+        reload_others()
+    return result
+
+
 async def _signal_task(
     gateway: Gateway,
     engines: EngineSet,
@@ -186,7 +196,13 @@ async def run_daemon(
         for engine_config in config.engines:
             await engines.start(engine_config)
         binds: list[str] = await nursery.start(serve_http, gateway)
-        gateway.admin_binds = await nursery.start(serve_admin, gateway)
+        worker = current_worker()
+        if worker is None or worker.index == 0:  # one admin listener for all workers
+            gateway.admin_binds = await nursery.start(serve_admin, gateway)
+        if worker is not None:
+            nursery.start_soon(watch_supervisor, os.getppid())
+            if worker.index == 0:
+                gateway.reload = partial(_reload_all_workers, gateway, engines)
         nursery.start_soon(readiness_barrier, gateway)
         nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
         interval = watchdog_interval()
@@ -212,12 +228,33 @@ def serve_main(
     config: Config, *, config_path: str | None = None, overrides: list[str] | None = None
 ) -> int:
     setup_logging(config.logging)
+    worker = current_worker()
+    supervise = worker is None and config.server.workers > 1
+    if worker is not None:
+        config = for_worker(config, worker)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            gateway, binds = await nursery.start(
-                partial(run_daemon, config, config_path=config_path, overrides=overrides)
-            )
+            if supervise:
+                from smgd.workers import serve_workers
+
+                binds = await nursery.start(
+                    partial(
+                        serve_workers,
+                        config,
+                        config_path=config_path,
+                        overrides=list(overrides or []),
+                    )
+                )
+            elif worker is not None:
+                await nursery.start(
+                    partial(run_daemon, config, config_path=config_path, overrides=overrides)
+                )
+                return  # the supervisor printed the banner
+            else:
+                _, binds = await nursery.start(
+                    partial(run_daemon, config, config_path=config_path, overrides=overrides)
+                )
             for bind in binds:
                 url = bind.replace("http://", "http://", 1)
                 print(f"smgd listening on {url}", file=sys.stderr)
@@ -229,7 +266,6 @@ def serve_main(
                 '"max_tokens": 32, "stream": true}\'',
                 file=sys.stderr,
             )
-            _ = gateway
 
     try:
         trio.run(main)

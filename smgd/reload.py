@@ -20,6 +20,7 @@ import trio
 
 from smgd.config import Config, EngineConfig, diff_engines, load_config
 from smgd.errors import SmgdError
+from smgd.workers import for_worker
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -30,6 +31,7 @@ log = logging.getLogger("smgd.reload")
 RESTART_KEYS = (
     "server.host",
     "server.port",
+    "server.workers",
     "admin.host",
     "admin.port",
     "admin.token_env",
@@ -108,7 +110,8 @@ class EngineSet:
     async def _reload(self, path: str | None) -> ReloadResult:
         old = self.gateway.config
         try:
-            new = load_config(path, overrides=self.gateway.overrides)
+            # A worker (server.workers > 1) applies only its share of the engines.
+            new = for_worker(load_config(path, overrides=self.gateway.overrides))
             staged = self.gateway.stage_texts(new)
             appliers = self.gateway.prepare_reload(new)
         except SmgdError as exc:

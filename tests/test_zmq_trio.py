@@ -82,9 +82,10 @@ async def test_soak_200k_push_pull_no_loss_no_hang(
 ) -> None:
     push, pull = pair
     await _soak(push, pull, 200_000, batch=True, limit_s=60)
-    # Both ends really parked on the FD many times: the edge-triggered paths were exercised.
-    assert push.statistics().waits > 0
-    assert pull.statistics().waits > 0
+    # The edge-triggered park paths were exercised: whichever side is faster waits for the
+    # other (which side that is depends on the machine, so only the sum is certain; the
+    # tiny-HWM soak below forces the sender to park).
+    assert push.statistics().waits + pull.statistics().waits > 0
 
 
 @pytest.mark.parametrize("batch", [True, False])

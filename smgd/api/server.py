@@ -19,6 +19,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from smgd.api.http_worker import serve
 from smgd.sdnotify import take_listen_fds
+from smgd.workers import worker_listen_fds
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -68,9 +69,14 @@ async def serve_http(
     from smgd.api.app import create_app
 
     app = create_app(gateway)
-    fds = take_listen_fds()
+    # A worker serves the sockets its supervisor bound (smgd.workers); else systemd's, if any.
+    fds = worker_listen_fds()
     if fds:
-        log.info("socket activation: serving fd(s) %s", ", ".join(map(str, fds)))
+        log.debug("worker: serving the supervisor's fd(s) %s", ", ".join(map(str, fds)))
+    else:
+        fds = take_listen_fds()
+        if fds:
+            log.info("socket activation: serving fd(s) %s", ", ".join(map(str, fds)))
     try:
         await serve(
             app,

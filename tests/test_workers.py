@@ -1,0 +1,178 @@
+"""server.workers > 1: engine partition, config check, one port, signals, restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from smgd.config import load_config
+from smgd.errors import ConfigError
+from smgd.workers import Worker, current_worker, for_worker, reuseport_sockets
+
+from .daemon_harness import config_text, engine_toml, stream_completion
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def _two_workers(tmp_path: Path, *engines: str) -> Path:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(*engines).replace("[server]\n", "[server]\nworkers = 2\n"))
+    return path
+
+
+# --------------------------------------------------------------------------- sans-IO
+
+
+def test_current_worker_reads_its_place_from_the_environment() -> None:
+    assert current_worker({}) is None
+    assert current_worker({"SMGD_WORKER": "1/3"}) == Worker(1, 3)
+    with pytest.raises(ValueError, match="out of range"):
+        current_worker({"SMGD_WORKER": "3/3"})
+
+
+def test_worker_k_gets_engines_i_with_i_mod_n_equal_k(tmp_path: Path) -> None:
+    engines = [engine_toml(f"e{i}", "m") for i in range(5)]
+    config = load_config(_two_workers(tmp_path, *engines), environ={})
+    assert [e.name for e in for_worker(config, Worker(0, 2)).engines] == ["e0", "e2", "e4"]
+    assert [e.name for e in for_worker(config, Worker(1, 2)).engines] == ["e1", "e3"]
+
+
+def test_a_model_missing_from_a_worker_is_a_config_error_on_server_workers(
+    tmp_path: Path,
+) -> None:
+    # e0 -> worker 0, e1 -> worker 1: model "b" exists only in worker 1.
+    path = _two_workers(tmp_path, engine_toml("e0", "a"), engine_toml("e1", "b"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert info.value.path == "$.server.workers"
+    assert "'a' has no engine in worker 1" in info.value.message
+
+
+def test_workers_out_of_range_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(
+        config_text(engine_toml("e0", "a")).replace("[server]\n", "[server]\nworkers = 0\n")
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert info.value.path == "$.server.workers"
+
+
+def test_reuseport_sockets_share_one_port() -> None:
+    sockets = reuseport_sockets("127.0.0.1", 0, 3)
+    try:
+        ports = {s.getsockname()[1] for s in sockets}
+        assert len(ports) == 1 and ports != {0}
+        # Each one accepts: a connect succeeds whichever socket the kernel picks.
+        with socket.create_connection(("127.0.0.1", ports.pop()), timeout=5):
+            pass
+    finally:
+        for s in sockets:
+            s.close()
+
+
+# --------------------------------------------------------------------------- the processes
+
+
+def _serve(path: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def _wait_url(proc: subprocess.Popen[str]) -> str:
+    assert proc.stderr is not None
+    with trio.fail_after(30):
+        while True:
+            line = await trio.to_thread.run_sync(proc.stderr.readline)
+            if not line:
+                raise AssertionError("smgd exited before listening")
+            if line.startswith("smgd listening on "):
+                return line.split()[-1]
+
+
+def _children(pid: int) -> list[int]:
+    # trio spawns from a worker thread, so the children belong to whichever task did it.
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue  # that thread just ended
+    return found
+
+
+async def _engines_seen(url: str, tries: int) -> set[str]:
+    """Engine names reported by /readiness over ``tries`` fresh connections."""
+    seen: set[str] = set()
+    for _ in range(tries):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            response = await client.get("/readiness")
+            if response.status_code == 200:
+                engines = set(response.json()["engines"])
+                assert len(engines) == 1, engines  # a worker runs only its share
+                seen |= engines
+    return seen
+
+
+@pytest.mark.slow
+async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    path = _two_workers(tmp_path, engine_toml("e0", "m", step_ms=20), engine_toml("e1", "m"))
+    proc = _serve(path)
+    try:
+        url = await _wait_url(proc)
+        with trio.fail_after(60):
+            seen: set[str] = set()
+            while seen != {"e0", "e1"}:
+                seen |= await _engines_seen(url, 8)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+
+        # A worker that dies is replaced; the port keeps answering meanwhile.
+        victim = workers[1]
+        os.kill(victim, signal.SIGKILL)
+        with trio.fail_after(30):
+            while len(set(_children(proc.pid)) - {victim}) < 2:  # noqa: ASYNC110 - /proc only
+                await trio.sleep(0.1)
+            seen = set()
+            while seen != {"e0", "e1"}:
+                seen |= await _engines_seen(url, 8)
+
+        # SIGTERM to the supervisor drains every worker: streams in flight finish, exit 0.
+        results: list[int] = []
+
+        async def one(client: httpx.AsyncClient) -> None:
+            _, usage, finish = await stream_completion(client, "m", PROMPT, 40)
+            assert finish == "length" and usage is not None
+            results.append(int(usage["completion_tokens"]))  # type: ignore[call-overload]
+
+        clients = [httpx.AsyncClient(base_url=url, timeout=60) for _ in range(8)]
+        try:
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(one, client)
+                await trio.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)
+        finally:
+            for client in clients:
+                await client.aclose()
+        assert results == [40] * 8
+        code = await trio.to_thread.run_sync(proc.wait, 30)
+        assert code == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
