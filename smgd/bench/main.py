@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,11 +48,17 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+# `smgd-wN`: smgd with server.workers = N (2..8), one mock engine per worker.
+_WORKERS_TARGET = re.compile(r"smgd-w([2-8])")
+
+
 def _targets(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in names if t not in TARGETS]
+    bad = [t for t in names if t not in TARGETS and not _WORKERS_TARGET.fullmatch(t)]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; choose from {TARGETS}")
+        raise argparse.ArgumentTypeError(
+            f"unknown target(s) {bad}; choose from {TARGETS} or smgd-w2..smgd-w8"
+        )
     return names
 
 
@@ -67,7 +74,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--targets",
         type=_targets,
         default=list(TARGETS),
-        help="comma-separated subset of smgd,floor,vllm",
+        help="comma-separated subset of smgd,floor,vllm, plus smgd-wN (N = 2..8 workers)",
     )
     parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
     parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
@@ -135,9 +142,13 @@ async def run_all(
         if name == "vllm" and (why := vllm_frontend.unavailable()) is not None:
             skipped[name] = why
             continue
-        runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}[name]
         print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
-        points = await _guarded(runner(workload, conc, log_dir), name, failed)
+        if match := _WORKERS_TARGET.fullmatch(name):
+            work = t.run_smgd(workload, conc, log_dir, workers=int(match.group(1)))
+        else:
+            runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}
+            work = runner[name](workload, conc, log_dir)
+        points = await _guarded(work, name, failed)
         if points is not None:
             results[name] = [report.derive(p, workload) for p in points]
     return {"results": results, "skipped": skipped, "failed": failed}

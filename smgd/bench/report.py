@@ -33,7 +33,9 @@ def _r(x: float, digits: int = 1) -> float | None:
 def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     c = int(point["concurrency"])
     out = dict(point)
-    offered = workload.offered_tokens_per_s(c)
+    # A several-worker target runs one full-batch mock engine per worker (`engines`).
+    engines = int(point.get("engines", 1))
+    offered = min(c, workload.max_batch * engines) * 1000.0 / workload.step_ms
     tokens = float(point["output_tokens"])
     out["offered_tokens_per_s"] = round(offered, 1)
     out["delivered_fraction"] = _r(_div(float(point["tokens_per_s"]), offered), 3)
@@ -62,29 +64,40 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     return out
 
 
+def _is_smgd(name: str) -> bool:
+    return name == "smgd" or name.startswith("smgd-w")
+
+
 def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
-    """smgd vs each baseline at equal concurrency: CPU per token, tokens/s, TTFT p50."""
-    smgd = {p["concurrency"]: p for p in targets.get("smgd", [])}
+    """Each smgd target vs each baseline at equal concurrency: CPU per token, tok/s, TTFT p50.
+
+    Baselines are the floor and vLLM, and for a several-worker target (``smgd-wN``) also the
+    one-process ``smgd`` of the same run.
+    """
     out: list[dict[str, Any]] = []
-    for base in ("floor", "vllm"):
-        for p in targets.get(base, []):
-            s = smgd.get(p["concurrency"])
-            if s is None:
-                continue
-            out.append(
-                {
-                    "concurrency": p["concurrency"],
-                    "vs": base,
-                    "cpu_per_token": _r(
-                        _div(s["cpu_us_per_token"] or math.nan, p["cpu_us_per_token"] or math.nan),
-                        2,
-                    ),
-                    "tokens_per_s": _r(_div(s["tokens_per_s"], p["tokens_per_s"]), 3),
-                    "ttft_p50_delta_ms": _r(s["ttft_p50_ms"] - p["ttft_p50_ms"], 2)
+    for name, points in targets.items():
+        if not _is_smgd(name):
+            continue
+        mine = {p["concurrency"]: p for p in points}
+        bases = ["floor", "vllm"] + (["smgd"] if name != "smgd" else [])
+        for base in bases:
+            for p in targets.get(base, []):
+                s = mine.get(p["concurrency"])
+                if s is None:
+                    continue
+                row: dict[str, Any] = {"concurrency": p["concurrency"], "vs": base}
+                if name != "smgd":
+                    row["target"] = name
+                row["cpu_per_token"] = _r(
+                    _div(s["cpu_us_per_token"] or math.nan, p["cpu_us_per_token"] or math.nan), 2
+                )
+                row["tokens_per_s"] = _r(_div(s["tokens_per_s"], p["tokens_per_s"]), 3)
+                row["ttft_p50_delta_ms"] = (
+                    _r(s["ttft_p50_ms"] - p["ttft_p50_ms"], 2)
                     if s["ttft_p50_ms"] is not None and p["ttft_p50_ms"] is not None
-                    else None,
-                }
-            )
+                    else None
+                )
+                out.append(row)
     return out
 
 
@@ -139,13 +152,14 @@ def ratio_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return "(no baseline measured)"
     lines = [
-        "| C | vs | smgd/base CPU per token | smgd/base tok/s | TTFT p50 delta ms |",
-        "|---|---|---|---|---|",
+        "| target | C | vs | target/base CPU per token | target/base tok/s | TTFT p50 delta ms |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['concurrency']} | {r['vs']} | {_cell('{:.2f}', r['cpu_per_token'])} | "
-            f"{_cell('{:.3f}', r['tokens_per_s'])} | {_cell('{:.1f}', r['ttft_p50_delta_ms'])} |"
+            f"| {r.get('target', 'smgd')} | {r['concurrency']} | {r['vs']} | "
+            f"{_cell('{:.2f}', r['cpu_per_token'])} | {_cell('{:.3f}', r['tokens_per_s'])} | "
+            f"{_cell('{:.1f}', r['ttft_p50_delta_ms'])} |"
         )
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """The benchmark's targets, each run against the same mock engine and the same load.
 
 - ``smgd``: ``smgd serve`` with its built-in mock (SGLang wire), driven over HTTP by the loadgen.
+- ``smgd-wN``: the same with ``server.workers = N``, one full-batch mock engine per worker.
 - ``floor``: the bare pyzmq decode loop of :mod:`smgd.bench.floor` on the same mock.
 - ``vllm``: vLLM's own OpenAI server with a headless mock engine (:mod:`smgd.bench.vllm_frontend`).
 
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -37,7 +39,6 @@ from smgd.bench.workload import Prompt, Workload, build_prompt
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from pathlib import Path
 
 log = logging.getLogger("smgd.bench")
 
@@ -91,32 +92,54 @@ async def _points(
     return results
 
 
+def smgd_config(workload: Workload, *, port: int, run_dir: str, workers: int = 1) -> str:
+    """smgd.toml for a bench run: ``workers`` worker processes, one mock engine each.
+
+    Each engine has the full ``max_batch``: the kernel spreads connections over the workers by
+    hash, not evenly, so engines sized to an exact share would queue the surplus of the busier
+    worker and measure that instead of the front end. Up to C = max_batch the offered load is
+    the same as with one engine; above it, N engines offer N times as much (the report's
+    ``offered`` column says so).
+    """
+    batch = workload.max_batch
+    lines = [
+        f'run_dir = "{run_dir}"',
+        "[server]",
+        f"port = {port}",
+        f"workers = {workers}",
+        "[logging]",
+        'level = "warning"',
+    ]
+    for index in range(workers):
+        lines += [
+            "[[engines]]",
+            f'name = "mock{index}"',
+            'wire = "mock"',
+            f'models = ["{SMGD_MODEL}"]',
+            f'model_dir = "{TINY_MODEL_DIR}"',
+            "[engines.mock]",
+            f"step_ms = {workload.step_ms}",
+            f"max_batch = {batch}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 async def run_smgd(
-    workload: Workload, concurrencies: Sequence[int], log_dir: Path
+    workload: Workload, concurrencies: Sequence[int], log_dir: Path, *, workers: int = 1
 ) -> list[dict[str, Any]]:
     port = free_port()
     prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
     # A private run dir: other smgd instances on this machine use the default one.
     with tempfile.TemporaryDirectory(prefix="smgdb-", dir="/tmp") as run_dir:
-        argv = [
-            sys.executable,
-            "-m",
-            "smgd",
-            "serve",
-            "--server-port",
-            str(port),
-            "--set",
-            f'run_dir="{run_dir}"',
-            "--set",
-            f"engines.0.mock.step_ms={workload.step_ms}",
-            "--set",
-            f"engines.0.mock.max_batch={workload.max_batch}",
-            "--set",
-            'logging.level="warning"',
-        ]
-        proc = await start("smgd", argv, log_dir)
+        config = Path(run_dir) / "smgd.toml"
+        config.write_text(smgd_config(workload, port=port, run_dir=run_dir, workers=workers))
+        argv = [sys.executable, "-m", "smgd", "serve", "--config", str(config)]
+        name = "smgd" if workers == 1 else f"smgd-w{workers}"
+        proc = await start(name, argv, log_dir)
         try:
             await wait_ready(proc, port, "/readiness", SMGD_READY_TIMEOUT_S)
+            if workers > 1:
+                await _wait_all_workers_ready(port, workers)
 
             def server() -> list[int]:
                 return _split(proc.tree())[0]
@@ -124,11 +147,29 @@ async def run_smgd(
             def mock() -> list[int]:
                 return _split(proc.tree())[1]
 
-            return await _points(
+            points = await _points(
                 port, SMGD_MODEL, prompt, workload, concurrencies, Measured(server, mock)
             )
+            for point in points:
+                point["engines"] = workers
+            return points
         finally:
             await proc.stop()
+
+
+async def _wait_all_workers_ready(port: int, workers: int) -> None:
+    """/readiness answers from one worker per connection: ask on fresh ones until each said so."""
+    import httpx
+
+    ready: set[str] = set()
+    with trio.fail_after(SMGD_READY_TIMEOUT_S):
+        while len(ready) < workers:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+                response = await c.get("/readiness")
+            if response.status_code == 200:
+                ready |= set(response.json()["engines"])
+            else:
+                await trio.sleep(0.05)
 
 
 async def _floor_point(
