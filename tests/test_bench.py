@@ -423,3 +423,36 @@ async def test_a_failing_target_is_recorded_and_does_not_stop_the_run() -> None:
     assert await _guarded(fails_in_a_nursery(), "vllm", failed) is None
     assert failed == {"vllm": "RuntimeError: engine exited during start-up"}
     assert await _guarded(works(), "smgd", failed) == [{"concurrency": 1}]
+
+
+def test_workers_target_config_gives_each_worker_a_full_batch_engine(tmp_path: Path) -> None:
+    from smgd.bench.targets import smgd_config
+    from smgd.config import load_config
+
+    w = Workload(max_batch=256, step_ms=20.0)
+    path = tmp_path / "smgd.toml"
+    path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), workers=2))
+    config = load_config(path, environ={})
+    assert config.server.workers == 2
+    assert [e.mock.max_batch for e in config.engines] == [256, 256]
+    assert {m for e in config.engines for m in e.models} == {"tiny-mock"}
+
+
+def test_offered_load_counts_every_workers_engine() -> None:
+    w = Workload(max_batch=256, step_ms=20.0)
+    one = report.derive(_point(concurrency=1024), w)
+    two = report.derive({**_point(concurrency=1024), "engines": 2}, w)
+    assert one["offered_tokens_per_s"] == 12_800.0
+    assert two["offered_tokens_per_s"] == 25_600.0
+
+
+def test_a_workers_target_is_compared_with_one_process_smgd() -> None:
+    w = Workload()
+    targets = {
+        "smgd": [report.derive(_point(server_cpu_s=0.5), w)],
+        "smgd-w2": [report.derive(_point(server_cpu_s=0.6), w)],
+    }
+    rows = report.ratios(targets)
+    assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [("smgd-w2", "smgd")]
+    assert rows[0]["cpu_per_token"] == 1.2
+    assert "| smgd-w2 | 16 | smgd |" in report.ratio_table(rows)
