@@ -35,9 +35,11 @@ from smgd.wire.common import TokenDelta
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from smgd.api.direct import DirectWriter
     from smgd.api.pacer import LoadPacer
     from smgd.api.pipeline import Choice, RequestState
     from smgd.engines.base import EngineClient
+    from smgd.engines.stream import RequestStream
     from smgd.router import Router
     from smgd.wire.common import GenerateRequest
 
@@ -192,12 +194,74 @@ def stream(
     keepalive_s: float,
     nursery: trio.Nursery | None,
     pacer: LoadPacer | None = None,
+    writer: DirectWriter | None = None,
 ) -> AsyncIterator[bytes]:
+    """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack."""
     attach_sink(state)  # here, in the request context: the body runs after it is gone
     if len(jobs) == 1:
-        return _stream_one(jobs[0], state, render, keepalive_s, pacer)
+        return _stream_one(jobs[0], state, render, keepalive_s, pacer, writer)
     assert nursery is not None, "n > 1 streams need the app nursery for their pumps"
     return _stream_many(jobs, state, render, keepalive_s, nursery)
+
+
+class _ClientGone(Exception):
+    """A direct write found the client's socket broken."""
+
+
+async def _direct(
+    rs: RequestStream,
+    choice: Choice,
+    state: RequestState,
+    render: Renderer,
+    writer: DirectWriter,
+    keepalive_s: float,
+) -> None:
+    """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
+
+    Returns once the choice is done with every byte written; raises the engine's error, or
+    :class:`_ClientGone`. The caller sends the end (or the error event) the normal way.
+    """
+    failures: list[Exception] = []
+
+    def sink(delta: TokenDelta) -> bool:
+        try:
+            text = choice.apply(delta)
+            state.output_event(choice, trio.current_time())
+            out = render.delta(choice, text)
+        except Exception as exc:  # never into the reader task: the stream's task raises it
+            failures.append(exc)
+            rs.notify()
+            return True
+        if (out and not writer.write(out)) or choice.done:
+            rs.notify()  # a backlog to flush, a broken socket, or the end: the task acts
+        return True
+
+    rs.sink = sink
+    try:
+        while True:
+            if failures:
+                raise failures[0]
+            if writer.broken:
+                raise _ClientGone
+            if writer.backlog:
+                await writer.flush()
+                continue
+            if choice.done:
+                return
+            delta = rs.receive_nowait()  # output from before the sink, or the engine's error
+            if delta is not None:
+                sink(delta)
+                continue
+            if keepalive_s <= 0:
+                await rs.wait()
+                continue
+            written = writer.writes
+            with trio.move_on_after(keepalive_s) as idle:
+                await rs.wait()
+            if idle.cancelled_caught and writer.writes == written:
+                writer.write(KEEPALIVE)
+    finally:
+        rs.sink = None
 
 
 async def _stream_one(
@@ -206,6 +270,7 @@ async def _stream_one(
     render: Renderer,
     keepalive_s: float,
     pacer: LoadPacer | None = None,
+    writer: DirectWriter | None = None,
 ) -> AsyncIterator[bytes]:
     choice = job.choice
     try:
@@ -229,6 +294,13 @@ async def _stream_one(
                         if out:
                             yield out
                         if choice.done:
+                            break
+                        if writer is not None and out:
+                            # The response is under way: the rest go straight to the socket.
+                            try:
+                                await _direct(rs, choice, state, render, writer, keepalive_s)
+                            except _ClientGone:
+                                return  # leaving open_stream aborts the engine request
                             break
                         if pacer is not None and pacer.window_s > 0:
                             # Loaded loop: let output pile up so the next event carries more.

@@ -34,6 +34,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from smgd.api.direct import CONNECTION_KEY
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
@@ -44,6 +46,13 @@ __all__ = ["DirectSendTCPServer", "serve"]
 
 
 class DirectSendTCPServer(TCPServer):
+    def __init__(self, app: Any, config: Config, context: Any, state: Any, stream: Any) -> None:
+        # A state dict of its own, naming this connection: hypercorn copies it into every
+        # request's scope, where smgd.api.direct finds the connection to write to.
+        super().__init__(
+            app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
+        )
+
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData and not self.send_lock.locked():
             data = event.data

@@ -35,6 +35,7 @@ from smgd.api.prepare import (
     read_json,
     request_id,
     resolve_model,
+    response_writer,
 )
 from smgd.api.sse import DONE, SSE_HEADERS, encode_json, event
 from smgd.errors import InvalidRequest, SmgdError
@@ -213,6 +214,7 @@ async def generate() -> Response:
             keepalive_s=ctx.keepalive_s,
             nursery=app_nursery(),
             pacer=ctx.pacer,
+            writer=response_writer(),
         )
         response = Response(body_iter, headers=SSE_HEADERS)
         response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams

@@ -32,6 +32,7 @@ from smgd.api.prepare import (
     read_json,
     request_id,
     resolve_model,
+    response_writer,
 )
 from smgd.api.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.errors import InvalidRequest, SmgdError
@@ -271,6 +272,7 @@ async def _respond(
             keepalive_s=api().keepalive_s,
             nursery=app_nursery(),
             pacer=api().pacer,
+            writer=response_writer(),
         )
         response = Response(body, headers=SSE_HEADERS)
         response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams

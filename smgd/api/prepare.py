@@ -17,6 +17,7 @@ import msgspec
 import trio
 from quart import current_app, g, request
 
+from smgd.api.direct import direct_writer
 from smgd.api.execute import Job
 from smgd.api.pipeline import Choice, LogprobTrack, new_engine_rid
 from smgd.errors import EngineNotReady, InvalidRequest
@@ -24,6 +25,7 @@ from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
 if TYPE_CHECKING:
+    from smgd.api.direct import DirectWriter
     from smgd.api.pacer import LoadPacer
     from smgd.api.pipeline import RequestState
     from smgd.engines.base import EngineClient
@@ -42,6 +44,7 @@ __all__ = [
     "read_json",
     "request_id",
     "resolve_model",
+    "response_writer",
 ]
 
 log = logging.getLogger("smgd.api")
@@ -78,6 +81,11 @@ def app_nursery() -> trio.Nursery:
     """quart-trio's app-wide nursery (set up by the ASGI lifespan): home of n > 1 pumps."""
     nursery: trio.Nursery = current_app.nursery  # type: ignore[attr-defined]
     return nursery
+
+
+def response_writer() -> DirectWriter | None:
+    """Direct SSE writes for this request's connection, where they apply (smgd.api.direct)."""
+    return direct_writer(request.scope)
 
 
 def request_id() -> str:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from smgd.errors import EngineError
     from smgd.wire.common import TokenDelta
 
@@ -29,7 +31,7 @@ class StreamState(enum.Enum):
 class RequestStream:
     """Output of one engine request, as the consumer sees it."""
 
-    __slots__ = ("_error", "_pending", "_waiter", "engine", "rid", "state")
+    __slots__ = ("_error", "_pending", "_waiter", "engine", "rid", "sink", "state")
 
     def __init__(self, rid: str, engine: str) -> None:
         self.rid = rid
@@ -38,17 +40,26 @@ class RequestStream:
         self._pending: TokenDelta | None = None
         self._error: BaseException | None = None
         self._waiter: trio.Event | None = None
+        # Set by a consumer in direct mode (smgd.api.direct): called with each delta on the
+        # reader task; True = consumed there. It must not raise. A finish still wakes the
+        # consumer, which ends the stream.
+        self.sink: Callable[[TokenDelta], bool] | None = None
 
     # ---- producer side (reader task; synchronous, never blocks)
     def push(self, delta: TokenDelta) -> None:
         if self.state is not StreamState.OPEN:
             return
+        if delta.finish is not None:
+            self.state = StreamState.FINISHED
+        sink = self.sink
+        if sink is not None and self._pending is None and sink(delta):
+            if self.state is not StreamState.OPEN:
+                self._wake()
+            return
         if self._pending is None:
             self._pending = delta
         else:
             self._pending.merge(delta)
-        if delta.finish is not None:
-            self.state = StreamState.FINISHED
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -62,6 +73,10 @@ class RequestStream:
         if self._waiter is not None:
             self._waiter.set()
             self._waiter = None
+
+    def notify(self) -> None:
+        """Wake the consumer without output (a direct-mode sink asking it to act)."""
+        self._wake()
 
     # ---- consumer side
     @property
@@ -102,6 +117,24 @@ class RequestStream:
             finally:
                 if self._waiter is event:
                     self._waiter = None
+
+    async def wait(self) -> None:
+        """Sleep until the stream is woken: output, a failure, a finish, or :meth:`notify`.
+
+        Returns at once (after a checkpoint) when output or an end is already there. Takes
+        nothing: the caller checks its own conditions, then :meth:`receive_nowait`.
+        """
+        if self._pending is not None or self.state is not StreamState.OPEN:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiter is not None:
+            raise trio.BusyResourceError("another task is already waiting on this stream")
+        self._waiter = event = trio.Event()
+        try:
+            await event.wait()
+        finally:
+            if self._waiter is event:
+                self._waiter = None
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -1,0 +1,109 @@
+"""Direct SSE writes: an event goes from the engine's reader task straight to the client socket.
+
+Through the ASGI stack, every SSE event of every stream costs a task switch (the engine's
+reader wakes the stream's task), a trip through the response generator, Quart's send loop,
+hypercorn's ``app_send`` and h11's chunk writer, then the socket write. Under load that is
+most of smgd's CPU per token (docs/performance.md). Once a stream's response has started, none
+of it is needed: the bytes on the wire are one HTTP/1.1 chunk per event, and the connection
+has nothing else to send until the stream ends.
+
+So, after the first event went out the normal way, a stream on an HTTP/1.1 connection of
+smgd's own worker loop (:mod:`smgd.api.http_worker`) hands its engine stream a *sink*: the
+reader task applies each delta (detokenize, stop strings), renders the event and writes it as
+a chunk with one ``os.write`` (:class:`DirectWriter`). The stream's task sleeps meanwhile and
+wakes only when the writer needs it:
+
+- the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
+  the task flushes through hypercorn's ordinary, waiting send path, and every later event
+  joins the backlog until it is empty (order is kept; nothing is dropped);
+- the stream finished or failed, or a stop string ended it: the task sends the end (usage,
+  ``[DONE]``, or the error event) the normal way, through h11, which also ends the chunked
+  body;
+- the socket broke: the task ends the response, which aborts the engine request.
+
+h11 keeps no count of chunked body bytes, so chunks written beside it leave its state as it
+would be had it written them. Direct mode is off for anything but HTTP/1.1 (close-delimited
+HTTP/1.0 bodies, HTTP/2 frames), and for connections not served by smgd's worker loop (the
+test client, another ASGI server): those keep the ordinary path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from hypercorn.events import RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = ["CONNECTION_KEY", "DirectWriter", "direct_writer"]
+
+# Where smgd's worker loop puts its connection object in the ASGI scope's "state" (hypercorn
+# copies the connection's state dict into every request's scope).
+CONNECTION_KEY = "smgd.connection"
+
+
+class DirectWriter:
+    """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
+
+    __slots__ = ("_busy", "_conn", "backlog", "broken", "writes")
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._busy = False  # flush() is in hypercorn's send path right now
+        self.backlog = bytearray()
+        self.broken = False
+        self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
+
+    def write(self, payload: bytes) -> bool:
+        """Send ``payload`` as one chunk now; False if it waits in the backlog or the socket broke.
+
+        A False asks the owning task to :meth:`flush` (or to end the stream if ``broken``).
+        """
+        if self.broken:
+            return False
+        frame = b"%x\r\n%b\r\n" % (len(payload), payload)
+        conn = self._conn
+        if self.backlog or self._busy or conn.send_lock.locked():
+            self.backlog += frame
+            return False
+        fd = conn.stream.socket.fileno()
+        try:
+            sent = os.write(fd, frame) if fd >= 0 else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # EPIPE, ECONNRESET: the client is gone
+            self.broken = True
+            return False
+        if sent < len(frame):
+            self.backlog += frame[sent:]
+            return False
+        self.writes += 1
+        return True
+
+    async def flush(self) -> None:
+        """Push the backlog through hypercorn's send path, which waits for the socket."""
+        while self.backlog and not self.broken:
+            data = bytes(self.backlog)
+            self.backlog.clear()
+            self._busy = True
+            try:
+                # The base class's path on purpose: lock, then send_all, which waits until
+                # the kernel took everything (a broken socket closes the stream there).
+                await TCPServer.protocol_send(self._conn, RawData(data=data))
+            finally:
+                self._busy = False
+            if self._conn.stream.socket.fileno() < 0:
+                self.broken = True
+
+
+def direct_writer(scope: Mapping[str, Any]) -> DirectWriter | None:
+    """A writer for this request's connection, or None where direct mode does not apply."""
+    if scope.get("type") != "http" or scope.get("http_version") != "1.1":
+        return None
+    conn = (scope.get("state") or {}).get(CONNECTION_KEY)
+    if conn is None:
+        return None
+    return DirectWriter(conn)

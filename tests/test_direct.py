@@ -1,0 +1,252 @@
+"""Direct SSE writes (smgd.api.direct) through smgd's real worker loop, over real sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.tcp_server import TCPServer
+
+from smgd.api import http_worker
+from smgd.api.app import create_app
+from smgd.api.direct import DirectWriter, direct_writer
+
+from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
+
+
+class _Fallbacks:
+    """Counts writes that went through hypercorn's own send path (not written directly)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = TCPServer.protocol_send
+
+        async def counting(server: Any, event: Any) -> None:
+            self.count += 1
+            await original(server, event)
+
+        monkeypatch.setattr(TCPServer, "protocol_send", counting)
+
+
+@asynccontextmanager
+async def serving(*engines: FakeEngine) -> AsyncIterator[int]:
+    async with open_gateway(*engines) as gateway:
+        app = create_app(gateway, environ={})
+        config = HypercornConfig()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        config.graceful_timeout = 1
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(http_worker.serve, app, config)
+            yield int(binds[0].rsplit(":", 1)[1])
+            nursery.cancel_scope.cancel()
+
+
+def _dechunk(data: bytes) -> bytes:
+    body = bytearray()
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(body)
+        body += data[:size]
+        assert data[size : size + 2] == b"\r\n", "a chunk is not followed by CRLF"
+        data = data[size + 2 :]
+
+
+async def post_sse(
+    port: int,
+    path: str,
+    body: dict[str, Any],
+    *,
+    rcvbuf: int | None = None,
+    pause_s: float = 0.0,
+    read_events: int | None = None,
+) -> list[Any]:
+    """POST, read the whole chunked SSE body (or ``read_events`` events, then hang up)."""
+    sock = trio.socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    async with stream:
+        await stream.send_all(head + payload)
+        if pause_s:
+            await trio.sleep(pause_s)  # a client that does not read: the server's writes back up
+        data = bytearray()
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            chunk = await stream.receive_some(65536)
+            assert chunk, "the server closed the connection before the body ended"
+            data += chunk
+            if read_events is not None and data.count(b"data: ") >= read_events:
+                return []
+    header, _, raw = bytes(data).partition(b"\r\n\r\n")
+    assert header.startswith(b"HTTP/1.1 200"), header
+    assert b"transfer-encoding: chunked" in header.lower()
+    events = []
+    for block in _dechunk(raw).split(b"\n\n"):
+        if block.startswith(b"data: "):
+            text = block[6:]
+            events.append(text.decode() if text == b"[DONE]" else json.loads(text))
+    return events
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(
+        c.get("text") or (c.get("delta") or {}).get("content") or ""
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices", [])
+    )
+
+
+def _completion(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "stream": True, **extra}
+
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_direct_writer_applies_only_to_http11_on_smgds_own_loop() -> None:
+    conn = object()
+    state = {"smgd.connection": conn}
+    assert direct_writer({"type": "http", "http_version": "1.1", "state": state}) is not None
+    assert direct_writer({"type": "http", "http_version": "1.0", "state": state}) is None
+    assert direct_writer({"type": "http", "http_version": "2", "state": state}) is None
+    assert direct_writer({"type": "http", "http_version": "1.1", "state": {}}) is None
+    assert direct_writer({"type": "http", "http_version": "1.1"}) is None
+
+
+def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
+    left, right = socket.socketpair()
+    left.setblocking(False)
+
+    class Conn:
+        send_lock = trio.Lock()
+
+        class stream:
+            socket = left
+
+    writer = DirectWriter(Conn())
+    assert writer.write(b"abc")
+    assert right.recv(100) == b"3\r\nabc\r\n"
+    writer.backlog += b"pending"
+    assert not writer.write(b"xy")  # joins the backlog behind what waits already
+    assert bytes(writer.backlog) == b"pending2\r\nxy\r\n"
+    right.close()
+    writer.backlog.clear()
+    for _ in range(100):  # the peer is gone: the write fails, once the buffer notices
+        if not writer.write(b"z" * 65536):
+            break
+    assert writer.broken or writer.backlog
+    left.close()
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+async def test_a_stream_is_written_directly_with_the_same_text_and_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        fallbacks = _Fallbacks(monkeypatch)
+        events = await post_sse(
+            port, "/v1/completions", _completion(60, stream_options={"include_usage": True})
+        )
+        direct_count = fallbacks.count
+        # The same request, not streamed (so never written directly), gives the same text.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            response = await client.post("/v1/completions", json=_completion(60, stream=False))
+            reference = response.json()["choices"][0]["text"]
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 60
+    assert _text(events) == reference
+    # 60 tokens in ~60 events, yet hypercorn's send path carried only the head, the first
+    # event and the end: everything between went straight to the socket.
+    assert len(events) > 40
+    assert direct_count <= 8, direct_count
+
+
+async def test_a_client_that_does_not_read_gets_every_event_in_order_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.0005, tokens_per_step=1))
+    tokens = 2000
+    async with serving(engine) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
+            reference = response.json()["choices"][0]["text"]
+        fallbacks = _Fallbacks(monkeypatch)
+        # A tiny receive buffer and a pause: the kernel soon refuses more, writes back up.
+        events = await post_sse(
+            port,
+            "/v1/completions",
+            _completion(tokens, stream_options={"include_usage": True}),
+            rcvbuf=4096,
+            pause_s=1.5,
+        )
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == tokens
+    assert _text(events) == reference  # none lost, none twice, in order
+    assert fallbacks.count > 3  # the backlog was flushed through hypercorn's waiting path
+
+
+async def test_a_stop_string_mid_stream_ends_it_and_aborts_the_engine() -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        full = _text(await post_sse(port, "/v1/completions", _completion(40)))
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        cut = full[: full.index(stop)]
+        events = await post_sse(port, "/v1/completions", _completion(40, stop=[stop]))
+        with trio.fail_after(2):
+            await engine.wait_abort(engine.requests[-1].rid)
+    assert _text(events) == cut
+    finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"]]
+    assert finishes[-1] == "stop"
+
+
+async def test_a_client_hanging_up_mid_stream_aborts_the_engine_request() -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with serving(engine) as port:
+        await post_sse(port, "/v1/completions", _completion(1000), read_events=10)
+        with trio.fail_after(2):
+            await engine.wait_abort(engine.requests[-1].rid)
+
+
+async def test_an_engine_death_mid_stream_ends_with_an_error_event() -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002, die_after=20))
+    async with serving(engine) as port:
+        events = await post_sse(port, "/v1/completions", _completion(100))
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and "crashed" in errors[0]["message"]
+    assert len(_text(events)) > 0
+
+
+async def test_chat_streams_directly_with_role_first_and_usage_last() -> None:
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        events = await post_sse(port, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["usage"]["completion_tokens"] == 30
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
