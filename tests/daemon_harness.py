@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -85,3 +87,25 @@ async def stream_completion(
     if error is not None:
         raise AssertionError(f"stream error: {error}")
     return text, usage, finish
+
+
+def serve_process(path: Path) -> subprocess.Popen[str]:
+    """`smgd serve --config path` as a child process (stderr piped for the banner)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def wait_url(proc: subprocess.Popen[str]) -> str:
+    """The URL from the banner line `smgd listening on ...`."""
+    assert proc.stderr is not None
+    with trio.fail_after(30):
+        while True:
+            line = await trio.to_thread.run_sync(proc.stderr.readline)
+            if not line:
+                raise AssertionError("smgd exited before listening")
+            if line.startswith("smgd listening on "):
+                return line.split()[-1]

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from .daemon_harness import config_text, engine_toml, running_daemon, stream_completion
+from .daemon_harness import (
+    config_text,
+    engine_toml,
+    running_daemon,
+    serve_process,
+    stream_completion,
+    wait_url,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -92,32 +97,12 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
         assert text
 
 
-def _serve(path: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-async def _wait_url(proc: subprocess.Popen[str]) -> str:
-    assert proc.stderr is not None
-    with trio.fail_after(30):
-        while True:
-            line = await trio.to_thread.run_sync(proc.stderr.readline)
-            if not line:
-                raise AssertionError("smgd exited before listening")
-            if line.startswith("smgd listening on "):
-                return line.split()[-1]
-
-
 async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(engine_toml("a", "m-a", step_ms=20), drain_s=20))
-    proc = _serve(path)
+    proc = serve_process(path)
     try:
-        url = await _wait_url(proc)
+        url = await wait_url(proc)
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             with trio.fail_after(30):
                 while (await client.get("/readiness")).status_code != 200:  # noqa: ASYNC110
@@ -152,7 +137,7 @@ async def test_startup_failure_port_in_use_exits_nonzero_with_message(tmp_path: 
         port = busy.getsockname()[1]
         path = tmp_path / "smgd.toml"
         path.write_text(config_text(engine_toml("a", "m-a")).replace("port = 0", f"port = {port}"))
-        proc = _serve(path)
+        proc = serve_process(path)
         _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
     assert proc.returncode != 0
     assert "smgd:" in err
@@ -256,7 +241,7 @@ async def test_startup_failures_exit_nonzero_with_a_clear_message(
         text = 'run_dir = "/proc/smgd-cannot-exist"\n' + text.split("\n", 1)[1]
     path = tmp_path / "smgd.toml"
     path.write_text(text)
-    proc = _serve(path)
+    proc = serve_process(path)
     try:
         _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
     finally:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,7 +15,13 @@ from smgd.config import load_config
 from smgd.errors import ConfigError
 from smgd.workers import Worker, current_worker, for_worker, reuseport_sockets
 
-from .daemon_harness import config_text, engine_toml, stream_completion
+from .daemon_harness import (
+    config_text,
+    engine_toml,
+    serve_process,
+    stream_completion,
+    wait_url,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -82,26 +86,6 @@ def test_reuseport_sockets_share_one_port() -> None:
 # --------------------------------------------------------------------------- the processes
 
 
-def _serve(path: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-async def _wait_url(proc: subprocess.Popen[str]) -> str:
-    assert proc.stderr is not None
-    with trio.fail_after(30):
-        while True:
-            line = await trio.to_thread.run_sync(proc.stderr.readline)
-            if not line:
-                raise AssertionError("smgd exited before listening")
-            if line.startswith("smgd listening on "):
-                return line.split()[-1]
-
-
 def _children(pid: int) -> list[int]:
     # trio spawns from a worker thread, so the children belong to whichever task did it.
     found: list[int] = []
@@ -131,9 +115,9 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
     tmp_path: Path,
 ) -> None:
     path = _two_workers(tmp_path, engine_toml("e0", "m", step_ms=20), engine_toml("e1", "m"))
-    proc = _serve(path)
+    proc = serve_process(path)
     try:
-        url = await _wait_url(proc)
+        url = await wait_url(proc)
         with trio.fail_after(60):
             seen: set[str] = set()
             while seen != {"e0", "e1"}:
