@@ -164,7 +164,7 @@ async def _drain_then_cancel(gateway: Gateway, cancel_all: Callable[[], None]) -
     cancel_all()
 
 
-async def _watchdog_task(interval: float) -> None:
+async def watchdog_task(interval: float) -> None:
     from smgd.sdnotify import notify
 
     while True:
@@ -207,7 +207,7 @@ async def run_daemon(
         nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
         interval = watchdog_interval()
         if interval:
-            nursery.start_soon(_watchdog_task, interval)
+            nursery.start_soon(watchdog_task, interval)
         task_status.started((gateway, binds))
 
 

@@ -221,14 +221,6 @@ async def _signals(sup: _Supervisor) -> None:
                 sup.signal_all(signum)
 
 
-async def _watchdog(interval: float) -> None:
-    from smgd.sdnotify import notify
-
-    while True:
-        notify("WATCHDOG=1")
-        await trio.sleep(interval)
-
-
 async def serve_workers(
     config: Config,
     *,
@@ -237,6 +229,7 @@ async def serve_workers(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The supervisor: bind, start ``server.workers`` workers, forward signals, restart."""
+    from smgd.daemon import watchdog_task
     from smgd.sdnotify import notify, take_listen_fds, watchdog_interval
 
     count = config.server.workers
@@ -261,7 +254,7 @@ async def serve_workers(
             nursery.start_soon(_signals, sup)
             interval = watchdog_interval()
             if interval:
-                nursery.start_soon(_watchdog, interval)
+                nursery.start_soon(watchdog_task, interval)
             send, receive = trio.open_memory_channel[int](count)
             async with trio.open_nursery() as workers:
                 for index in range(count):

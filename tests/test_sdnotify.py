@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from smgd.daemon import _watchdog_task
+from smgd.daemon import watchdog_task
 from smgd.sdnotify import notify, watchdog_interval
 
 from .daemon_harness import config_text, engine_toml, running_daemon
@@ -115,7 +115,7 @@ async def test_watchdog_pings_every_interval(
     async with notify_socket(monkeypatch, f"@smgd-test-{uuid.uuid4().hex}") as inbox:
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watchdog_task, 7.5)
+            nursery.start_soon(watchdog_task, 7.5)
             with trio.fail_after(100):
                 await inbox.wait_for("WATCHDOG=1", count=5)
             nursery.cancel_scope.cancel()
