@@ -17,6 +17,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from smgd.api import http_worker
 from smgd.api.app import create_app
 from smgd.api.direct import DirectWriter, direct_writer
+from smgd.api.pacer import LoadPacer
 
 from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
 
@@ -178,6 +179,29 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
     # event and the end: everything between went straight to the socket.
     assert len(events) > 40
     assert direct_count <= 8, direct_count
+
+
+async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Keep the pacer's window open as if the loop lagged: 30 ms between events, while the
+    # engine makes a token every 2 ms, so each direct event must carry several tokens.
+    monkeypatch.setattr(LoadPacer, "observe", lambda self, lag_s: setattr(self, "window_s", 0.03))
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            response = await client.post("/v1/completions", json=_completion(120, stream=False))
+            reference = response.json()["choices"][0]["text"]
+        fallbacks = _Fallbacks(monkeypatch)
+        events = await post_sse(
+            port, "/v1/completions", _completion(120, stream_options={"include_usage": True})
+        )
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["completion_tokens"] == 120
+    assert _text(events) == reference
+    # ~240 ms of output in 30 ms windows: far fewer events than tokens, still written directly.
+    assert len(events) < 40, len(events)
+    assert fallbacks.count <= 8, fallbacks.count
 
 
 async def test_a_client_that_does_not_read_gets_every_event_in_order_later(

@@ -147,3 +147,29 @@ async def test_hold_without_a_running_pacer_sleeps_the_window(
     start = trio.current_time()
     await pacer.hold()
     assert trio.current_time() - start == pytest.approx(0.08)
+
+
+async def test_call_at_runs_callbacks_at_the_first_tick_after_their_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = LoadPacer(max_window_s=0.1)
+    assert not pacer.call_at(trio.current_time(), lambda: None)  # not ticking: refused
+    fired: list[tuple[str, float]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(0.001)
+        start = trio.current_time()
+        assert pacer.ticking
+        assert pacer.call_at(start + 0.035, lambda: fired.append(("a", trio.current_time())))
+        assert pacer.call_at(start + 0.031, lambda: fired.append(("b", trio.current_time())))
+        assert pacer.call_at(start + 0.070, lambda: fired.append(("c", trio.current_time())))
+        assert pacer.holding == 3
+        await trio.sleep(0.05)
+        assert [name for name, _ in fired] == ["a", "b"]  # c is not due yet
+        assert all(0.035 <= t - start <= 0.035 + 2 * PROBE_S for _, t in fired)
+        assert fired[0][1] == fired[1][1]  # same tick, one pass
+        nursery.cancel_scope.cancel()
+    # Stopping ran the last one at once rather than leaving it pending forever.
+    assert [name for name, _ in fired] == ["a", "b", "c"]
+    assert fired[2][1] - start < 0.070
+    assert pacer.holding == 0

@@ -215,25 +215,54 @@ async def _direct(
     render: Renderer,
     writer: DirectWriter,
     keepalive_s: float,
+    pacer: LoadPacer | None = None,
 ) -> None:
     """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
 
     Returns once the choice is done with every byte written; raises the engine's error, or
     :class:`_ClientGone`. The caller sends the end (or the error event) the normal way.
+
+    When the pacer's window is open (a loaded loop), output that arrives sooner than one
+    window after this stream's last event is held and merged, and goes out as one event at
+    the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
     """
     failures: list[Exception] = []
+    held: TokenDelta | None = None  # output merged while the window is open
+    last_event = trio.current_time()  # of this stream's last event (the first one: just now)
 
-    def sink(delta: TokenDelta) -> bool:
+    def emit(delta: TokenDelta) -> None:
+        nonlocal last_event
         try:
             text = choice.apply(delta)
-            state.output_event(choice, trio.current_time())
+            last_event = trio.current_time()
+            state.output_event(choice, last_event)
             out = render.delta(choice, text)
         except Exception as exc:  # never into the reader task: the stream's task raises it
             failures.append(exc)
             rs.notify()
-            return True
+            return
         if (out and not writer.write(out)) or choice.done:
             rs.notify()  # a backlog to flush, a broken socket, or the end: the task acts
+
+    def release() -> None:  # on the pacer task, at its tick
+        nonlocal held
+        if held is not None and rs.sink is sink:
+            delta, held = held, None
+            emit(delta)
+
+    def sink(delta: TokenDelta) -> bool:
+        nonlocal held
+        if held is not None:
+            held.merge(delta)
+            if delta.finish is None:
+                return True
+            delta, held = held, None
+        elif pacer is not None and delta.finish is None and pacer.window_s > 0:
+            due = last_event + pacer.window_s
+            if due > trio.current_time() and pacer.call_at(due, release):
+                held = delta
+                return True
+        emit(delta)
         return True
 
     rs.sink = sink
@@ -261,7 +290,7 @@ async def _direct(
             if idle.cancelled_caught and writer.writes == written:
                 writer.write(KEEPALIVE)
     finally:
-        rs.sink = None
+        rs.sink = None  # a pending release() now does nothing; held output is moot
 
 
 async def _stream_one(
@@ -298,7 +327,7 @@ async def _stream_one(
                         if writer is not None and out:
                             # The response is under way: the rest go straight to the socket.
                             try:
-                                await _direct(rs, choice, state, render, writer, keepalive_s)
+                                await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
                             except _ClientGone:
                                 return  # leaving open_stream aborts the engine request
                             break

@@ -22,8 +22,12 @@ only time windows open) is a tenth of smgd's CPU. The pacer task wakes a whole b
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # How often the loop's lag is sampled. 10 ms resolves the 20 ms engine steps we care about and
 # costs one wakeup per 10 ms (negligible).
@@ -48,7 +52,32 @@ class LoadPacer:
         # Tick number (time // PROBE_S) -> streams to wake at that tick. At most
         # max_window_s / PROBE_S + 1 buckets exist at once (16 for the 150 ms default).
         self._buckets: dict[int, trio.lowlevel.ParkingLot] = {}
+        # Tick number -> callbacks due then (direct-mode streams holding output, see
+        # :meth:`call_at`); run by the pacer task, synchronously, at that tick.
+        self._due: dict[int, list[Callable[[], None]]] = {}
         self._ticking = False
+
+    @property
+    def ticking(self) -> bool:
+        """True while the pacer task runs (only then do :meth:`call_at` callbacks fire)."""
+        return self._ticking
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` at the first tick at or after trio time ``when``; False if not ticking.
+
+        For code that runs outside a task of its own (a direct-mode sink on the engine's reader
+        task): holding output back needs no sleep, no task and no wakeup of its own. The
+        callback runs on the pacer task and must not raise.
+        """
+        if not self._ticking:
+            return False
+        tick = math.ceil(when / PROBE_S)
+        due = self._due.get(tick)
+        if due is None:
+            self._due[tick] = [callback]
+        else:
+            due.append(callback)
+        return True
 
     async def hold(self) -> None:
         """Wait out the current window (at once when the loop is not loaded).
@@ -73,11 +102,14 @@ class LoadPacer:
         due = [tick for tick in self._buckets if tick * PROBE_S <= now]
         for tick in due:
             self._buckets.pop(tick).unpark_all()
+        for tick in [tick for tick in self._due if tick * PROBE_S <= now]:
+            for callback in self._due.pop(tick):
+                callback()
 
     @property
     def holding(self) -> int:
         """Streams parked right now (for tests and the status page)."""
-        return sum(len(lot) for lot in self._buckets.values())
+        return sum(len(lot) for lot in self._buckets.values()) + sum(map(len, self._due.values()))
 
     def observe(self, lag_s: float) -> float:
         """Fold one lag sample in; return the new window (pure, for tests)."""
