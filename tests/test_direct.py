@@ -184,9 +184,13 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
 async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Keep the pacer's window open as if the loop lagged: 30 ms between events, while the
-    # engine makes a token every 2 ms, so each direct event must carry several tokens.
-    monkeypatch.setattr(LoadPacer, "observe", lambda self, lag_s: setattr(self, "window_s", 0.03))
+    # Keep the pacer saturated, its window at 30 ms between events, while the engine makes a
+    # token every 2 ms: each direct event must carry several tokens.
+    def saturated(pacer: LoadPacer, lag_s: float) -> float:
+        pacer.lag_s, pacer.window_s = 1.0, 0.03
+        return pacer.window_s
+
+    monkeypatch.setattr(LoadPacer, "observe", saturated)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:

@@ -7,7 +7,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from smgd.api.pacer import LAG_HIGH_S, LAG_LOW_S, PROBE_S, LoadPacer
+from smgd.api.pacer import DIRECT_LAG_S, LAG_HIGH_S, LAG_LOW_S, PROBE_S, LoadPacer
 
 
 def test_idle_loop_never_coalesces() -> None:
@@ -173,3 +173,14 @@ async def test_call_at_runs_callbacks_at_the_first_tick_after_their_time(
     assert [name for name, _ in fired] == ["a", "b", "c"]
     assert fired[2][1] - start < 0.070
     assert pacer.holding == 0
+
+
+def test_direct_streams_coalesce_only_once_the_loop_is_saturated() -> None:
+    pacer = LoadPacer(max_window_s=0.1)
+    for _ in range(200):
+        pacer.observe((LAG_LOW_S + DIRECT_LAG_S) / 2)  # loaded, not saturated
+    assert pacer.window_s > 0
+    assert pacer.direct_window_s == 0
+    for _ in range(200):
+        pacer.observe(DIRECT_LAG_S * 2)
+    assert pacer.direct_window_s == pacer.window_s == pytest.approx(0.1)
