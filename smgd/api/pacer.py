@@ -17,6 +17,10 @@ Waiting out a window (:meth:`LoadPacer.hold`) parks the stream in a bucket of th
 cancellation and a ``Cancelled`` raised and caught, which under load (hundreds of streams, the
 only time windows open) is a tenth of smgd's CPU. The pacer task wakes a whole bucket with one
 ``unpark_all`` at its tick; a window is rounded up to the next tick.
+
+Streams written directly by the engine's reader task (:mod:`smgd.api.direct`) have no task to
+park: they hold output themselves and ask for a callback at a tick (:meth:`LoadPacer.call_at`),
+and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 """
 
 from __future__ import annotations
