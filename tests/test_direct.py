@@ -12,7 +12,6 @@ import httpx
 import pytest
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.tcp_server import TCPServer
 
 from smgd.api import http_worker
 from smgd.api.app import create_app
@@ -20,20 +19,7 @@ from smgd.api.direct import DirectWriter, direct_writer
 from smgd.api.pacer import LoadPacer
 
 from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
-
-
-class _Fallbacks:
-    """Counts writes that went through hypercorn's own send path (not written directly)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        original = TCPServer.protocol_send
-
-        async def counting(server: Any, event: Any) -> None:
-            self.count += 1
-            await original(server, event)
-
-        monkeypatch.setattr(TCPServer, "protocol_send", counting)
+from .http_helpers import SendPathCounter, dechunk
 
 
 @asynccontextmanager
@@ -48,18 +34,6 @@ async def serving(*engines: FakeEngine) -> AsyncIterator[int]:
             binds = await nursery.start(http_worker.serve, app, config)
             yield int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
-
-
-def _dechunk(data: bytes) -> bytes:
-    body = bytearray()
-    while True:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            return bytes(body)
-        body += data[:size]
-        assert data[size : size + 2] == b"\r\n", "a chunk is not followed by CRLF"
-        data = data[size + 2 :]
 
 
 async def post_sse(
@@ -97,7 +71,7 @@ async def post_sse(
     assert header.startswith(b"HTTP/1.1 200"), header
     assert b"transfer-encoding: chunked" in header.lower()
     events = []
-    for block in _dechunk(raw).split(b"\n\n"):
+    for block in dechunk(raw).split(b"\n\n"):
         if block.startswith(b"data: "):
             text = block[6:]
             events.append(text.decode() if text == b"[DONE]" else json.loads(text))
@@ -163,7 +137,7 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
 ) -> None:
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
-        fallbacks = _Fallbacks(monkeypatch)
+        fallbacks = SendPathCounter(monkeypatch)
         events = await post_sse(
             port, "/v1/completions", _completion(60, stream_options={"include_usage": True})
         )
@@ -196,7 +170,7 @@ async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             response = await client.post("/v1/completions", json=_completion(120, stream=False))
             reference = response.json()["choices"][0]["text"]
-        fallbacks = _Fallbacks(monkeypatch)
+        fallbacks = SendPathCounter(monkeypatch)
         events = await post_sse(
             port, "/v1/completions", _completion(120, stream_options={"include_usage": True})
         )
@@ -217,7 +191,7 @@ async def test_a_client_that_does_not_read_gets_every_event_in_order_later(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
             reference = response.json()["choices"][0]["text"]
-        fallbacks = _Fallbacks(monkeypatch)
+        fallbacks = SendPathCounter(monkeypatch)
         # A tiny receive buffer and a pause: the kernel soon refuses more, writes back up.
         events = await post_sse(
             port,

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import trio
 from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
 
 from smgd.api import http_worker
+
+from .http_helpers import SendPathCounter, dechunk
 
 CHUNKS = 200
 # Larger than any loopback socket buffer, so os.write takes only part of it.
@@ -53,36 +54,13 @@ async def _get(port: int, path: str) -> bytes:
             data += chunk
     head, _, chunked = bytes(data).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
-    return _dechunk(chunked)
-
-
-def _dechunk(data: bytes) -> bytes:
-    body = bytearray()
-    while True:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            return bytes(body)
-        body += data[:size]
-        data = data[size + 2 :]
-
-
-class _Counts:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.fallback = 0
-        original = TCPServer.protocol_send
-
-        async def counting(server: Any, event: Any) -> None:
-            self.fallback += 1
-            await original(server, event)
-
-        monkeypatch.setattr(TCPServer, "protocol_send", counting)
+    return dechunk(chunked)
 
 
 async def test_chunks_arrive_whole_and_in_order_mostly_by_direct_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    counts = _Counts(monkeypatch)
+    counts = SendPathCounter(monkeypatch)
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(http_worker.serve, app, _config())
         port = int(binds[0].rsplit(":", 1)[1])
@@ -91,20 +69,20 @@ async def test_chunks_arrive_whole_and_in_order_mostly_by_direct_write(
     assert body == b"".join(b"%d;" % i for i in range(CHUNKS))
     # Head + 200 chunks + end were written; hypercorn's own path saw only the odd one out
     # (connection events, a write that met a full buffer), not one per chunk.
-    assert counts.fallback < CHUNKS // 4
+    assert counts.count < CHUNKS // 4
 
 
 async def test_a_partial_write_is_finished_by_hypercorns_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    counts = _Counts(monkeypatch)
+    counts = SendPathCounter(monkeypatch)
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(http_worker.serve, app, _config())
         port = int(binds[0].rsplit(":", 1)[1])
         body = await _get(port, "/big")
         nursery.cancel_scope.cancel()
     assert body == bytes(range(256)) * (BIG // 256)
-    assert counts.fallback >= 1  # the rest of the partial write went the slow way
+    assert counts.count >= 1  # the rest of the partial write went the slow way
 
 
 async def test_the_shutdown_trigger_stops_accepting_and_serve_returns() -> None:

@@ -1,0 +1,35 @@
+"""Helpers for tests of smgd's worker loop and direct writes over real sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypercorn.trio.tcp_server import TCPServer
+
+
+class SendPathCounter:
+    """Counts writes that went through hypercorn's own send path (not written directly)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = TCPServer.protocol_send
+
+        async def counting(server: Any, event: Any) -> None:
+            self.count += 1
+            await original(server, event)
+
+        monkeypatch.setattr(TCPServer, "protocol_send", counting)
+
+
+def dechunk(data: bytes) -> bytes:
+    """The body of an HTTP/1.1 chunked transfer, checking each chunk's framing."""
+    body = bytearray()
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(body)
+        body += data[:size]
+        assert data[size : size + 2] == b"\r\n", "a chunk is not followed by CRLF"
+        data = data[size + 2 :]
