@@ -456,3 +456,27 @@ def test_a_workers_target_is_compared_with_one_process_smgd() -> None:
     assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [("smgd-w2", "smgd")]
     assert rows[0]["cpu_per_token"] == 1.2
     assert "| smgd-w2 | 16 | smgd |" in report.ratio_table(rows)
+
+
+def test_the_flat_target_runs_smgd_with_coalescing_off(tmp_path: Path) -> None:
+    from smgd.bench.main import _targets
+    from smgd.bench.targets import smgd_config
+    from smgd.config import load_config
+
+    assert _targets("smgd,smgd-flat") == ["smgd", "smgd-flat"]
+    w = Workload()
+    for coalesce, expected in ((True, 150.0), (False, 0.0)):
+        path = tmp_path / f"smgd-{coalesce}.toml"
+        path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), coalesce=coalesce))
+        assert load_config(path, environ={}).server.coalesce_max_ms == expected
+
+
+def test_smgd_is_compared_with_its_flat_self_and_flat_is_only_a_baseline() -> None:
+    w = Workload()
+    targets = {
+        "smgd": [report.derive(_point(server_cpu_s=0.4), w)],
+        "smgd-flat": [report.derive(_point(server_cpu_s=0.5), w)],
+    }
+    rows = report.ratios(targets)
+    assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [("smgd", "smgd-flat")]
+    assert rows[0]["cpu_per_token"] == 0.8

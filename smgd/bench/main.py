@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("smgd.bench")
 
-TARGETS = ("smgd", "floor", "vllm")
+# smgd-flat: smgd with adaptive coalescing off (server.coalesce_max_ms = 0), every token its
+# own event: the baseline that shows, in one run, what coalescing buys under load.
+TARGETS = ("smgd", "smgd-flat", "floor", "vllm")
 DEFAULT_CONCURRENCY = "1,16,64,256,1024"
 # --quick: three small points of 3 s with short outputs, about 30 s with both start-ups.
 QUICK_CONCURRENCY = "1,16,64"
@@ -74,7 +76,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--targets",
         type=_targets,
         default=list(TARGETS),
-        help="comma-separated subset of smgd,floor,vllm, plus smgd-wN (N = 2..8 workers)",
+        help="comma-separated subset of smgd,smgd-flat,floor,vllm, plus smgd-wN (N = 2..8 workers)",
     )
     parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
     parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
@@ -145,6 +147,8 @@ async def run_all(
         print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
         if match := _WORKERS_TARGET.fullmatch(name):
             work = t.run_smgd(workload, conc, log_dir, workers=int(match.group(1)))
+        elif name == "smgd-flat":
+            work = t.run_smgd(workload, conc, log_dir, coalesce=False)
         else:
             runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}
             work = runner[name](workload, conc, log_dir)

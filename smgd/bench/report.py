@@ -68,19 +68,25 @@ def _is_smgd(name: str) -> bool:
     return name == "smgd" or name.startswith("smgd-w")
 
 
+def _baselines(name: str) -> list[str]:
+    if name == "smgd":
+        return ["floor", "vllm", "smgd-flat"]
+    return ["floor", "vllm", "smgd"]
+
+
 def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Each smgd target vs each baseline at equal concurrency: CPU per token, tok/s, TTFT p50.
 
-    Baselines are the floor and vLLM, and for a several-worker target (``smgd-wN``) also the
-    one-process ``smgd`` of the same run.
+    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) also the
+    one-process ``smgd`` of the same run, and for ``smgd`` the same with coalescing off
+    (``smgd-flat``).
     """
     out: list[dict[str, Any]] = []
     for name, points in targets.items():
         if not _is_smgd(name):
             continue
         mine = {p["concurrency"]: p for p in points}
-        bases = ["floor", "vllm"] + (["smgd"] if name != "smgd" else [])
-        for base in bases:
+        for base in _baselines(name):
             for p in targets.get(base, []):
                 s = mine.get(p["concurrency"])
                 if s is None:

@@ -92,8 +92,12 @@ async def _points(
     return results
 
 
-def smgd_config(workload: Workload, *, port: int, run_dir: str, workers: int = 1) -> str:
+def smgd_config(
+    workload: Workload, *, port: int, run_dir: str, workers: int = 1, coalesce: bool = True
+) -> str:
     """smgd.toml for a bench run: ``workers`` worker processes, one mock engine each.
+
+    ``coalesce=False`` turns adaptive coalescing off (``server.coalesce_max_ms = 0``).
 
     Each engine has the full ``max_batch``: the kernel spreads connections over the workers by
     hash, not evenly, so engines sized to an exact share would queue the surplus of the busier
@@ -107,6 +111,7 @@ def smgd_config(workload: Workload, *, port: int, run_dir: str, workers: int = 1
         "[server]",
         f"port = {port}",
         f"workers = {workers}",
+        *([] if coalesce else ["coalesce_max_ms = 0"]),
         "[logging]",
         'level = "warning"',
     ]
@@ -125,16 +130,24 @@ def smgd_config(workload: Workload, *, port: int, run_dir: str, workers: int = 1
 
 
 async def run_smgd(
-    workload: Workload, concurrencies: Sequence[int], log_dir: Path, *, workers: int = 1
+    workload: Workload,
+    concurrencies: Sequence[int],
+    log_dir: Path,
+    *,
+    workers: int = 1,
+    coalesce: bool = True,
 ) -> list[dict[str, Any]]:
     port = free_port()
     prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
     # A private run dir: other smgd instances on this machine use the default one.
     with tempfile.TemporaryDirectory(prefix="smgdb-", dir="/tmp") as run_dir:
         config = Path(run_dir) / "smgd.toml"
-        config.write_text(smgd_config(workload, port=port, run_dir=run_dir, workers=workers))
+        config.write_text(
+            smgd_config(workload, port=port, run_dir=run_dir, workers=workers, coalesce=coalesce)
+        )
         argv = [sys.executable, "-m", "smgd", "serve", "--config", str(config)]
         name = "smgd" if workers == 1 else f"smgd-w{workers}"
+        name += "" if coalesce else "-flat"
         proc = await start(name, argv, log_dir)
         try:
             await wait_ready(proc, port, "/readiness", SMGD_READY_TIMEOUT_S)
