@@ -222,9 +222,9 @@ async def _direct(
     Returns once the choice is done with every byte written; raises the engine's error, or
     :class:`_ClientGone`. The caller sends the end (or the error event) the normal way.
 
-    When the pacer's direct window is open (a saturated loop), output that arrives sooner than one
-    window after this stream's last event is held and merged, and goes out as one event at
-    the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
+    When the pacer's direct window is open (a saturated loop), output that arrives sooner than
+    one window after this stream's last event is held and merged, and goes out as one event
+    at the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
     """
     failures: list[Exception] = []
     held: TokenDelta | None = None  # output merged while the window is open
@@ -257,8 +257,8 @@ async def _direct(
             if delta.finish is None:
                 return True
             delta, held = held, None
-        elif pacer is not None and delta.finish is None and pacer.direct_window_s > 0:
-            due = last_event + pacer.direct_window_s
+        elif pacer is not None and delta.finish is None and (window := pacer.direct_window_s):
+            due = last_event + window
             if due > trio.current_time() and pacer.call_at(due, release):
                 held = delta
                 return True
