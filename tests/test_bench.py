@@ -446,16 +446,25 @@ def test_offered_load_counts_every_workers_engine() -> None:
     assert two["offered_tokens_per_s"] == 25_600.0
 
 
-def test_a_workers_target_is_compared_with_one_process_smgd() -> None:
+@pytest.mark.parametrize(
+    ("target", "target_cpu_s", "base", "base_cpu_s", "ratio"),
+    [
+        ("smgd-w2", 0.6, "smgd", 0.5, 1.2),  # several workers vs one process
+        ("smgd", 0.4, "smgd-flat", 0.5, 0.8),  # coalescing vs off; smgd-flat is only a baseline
+    ],
+)
+def test_an_smgd_target_is_compared_with_its_smgd_baseline(
+    target: str, target_cpu_s: float, base: str, base_cpu_s: float, ratio: float
+) -> None:
     w = Workload()
     targets = {
-        "smgd": [report.derive(_point(server_cpu_s=0.5), w)],
-        "smgd-w2": [report.derive(_point(server_cpu_s=0.6), w)],
+        base: [report.derive(_point(server_cpu_s=base_cpu_s), w)],
+        target: [report.derive(_point(server_cpu_s=target_cpu_s), w)],
     }
     rows = report.ratios(targets)
-    assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [("smgd-w2", "smgd")]
-    assert rows[0]["cpu_per_token"] == 1.2
-    assert "| smgd-w2 | 16 | smgd |" in report.ratio_table(rows)
+    assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [(target, base)]
+    assert rows[0]["cpu_per_token"] == ratio
+    assert f"| {target} | 16 | {base} |" in report.ratio_table(rows)
 
 
 def test_the_flat_target_runs_smgd_with_coalescing_off(tmp_path: Path) -> None:
@@ -469,14 +478,3 @@ def test_the_flat_target_runs_smgd_with_coalescing_off(tmp_path: Path) -> None:
         path = tmp_path / f"smgd-{coalesce}.toml"
         path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), coalesce=coalesce))
         assert load_config(path, environ={}).server.coalesce_max_ms == expected
-
-
-def test_smgd_is_compared_with_its_flat_self_and_flat_is_only_a_baseline() -> None:
-    w = Workload()
-    targets = {
-        "smgd": [report.derive(_point(server_cpu_s=0.4), w)],
-        "smgd-flat": [report.derive(_point(server_cpu_s=0.5), w)],
-    }
-    rows = report.ratios(targets)
-    assert [(r.get("target", "smgd"), r["vs"]) for r in rows] == [("smgd", "smgd-flat")]
-    assert rows[0]["cpu_per_token"] == 0.8
