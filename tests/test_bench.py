@@ -311,6 +311,10 @@ def test_derive_computes_the_figures() -> None:
     d = report.derive(_point(), w)
     assert d["cpu_us_per_token"] == pytest.approx(250.0)
     assert d["cpu_us_per_chunk"] == pytest.approx(500.0)
+    # One /proc clock tick spread over the point's 10,000 tokens.
+    assert d["cpu_grain_us_per_token"] == pytest.approx(
+        1e6 / procstat.CLOCK_TICKS / 10000, abs=0.01
+    )
     assert d["offered_tokens_per_s"] == pytest.approx(800.0)
     assert d["delivered_fraction"] == pytest.approx(0.95)
     assert d["ttft_p50_over_step_ms"] == pytest.approx(10.0)
@@ -397,7 +401,13 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
             assert p["bad_streams"] == 0
             assert p["requests_failed"] == 0
             assert p["output_tokens"] == 32 * p["requests_completed"] > 0
-            assert p["cpu_us_per_token"] > 0
+            # A light point can spend under one /proc clock tick (the floor at C=1 does):
+            # then it reads 0, and the grain says how coarse the figure is.
+            assert p["cpu_us_per_token"] >= 0
+            assert 0 < p["cpu_grain_us_per_token"] <= 1e6 / 100 / p["output_tokens"] + 0.01
+            if name == "smgd" and p["concurrency"] == 16:
+                # 16 HTTP streams for 3 s cost far more than a tick.
+                assert p["cpu_us_per_token"] > 0
             if name == "smgd":
                 assert p["peak_rss_mib"] > 10
                 assert "rss_per_stream_kib" in p

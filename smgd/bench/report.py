@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from smgd.bench import procstat
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from pathlib import Path
@@ -40,6 +42,9 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     out["offered_tokens_per_s"] = round(offered, 1)
     out["delivered_fraction"] = _r(_div(float(point["tokens_per_s"]), offered), 3)
     out["cpu_us_per_token"] = _r(_div(float(point["server_cpu_s"]) * 1e6, tokens))
+    # /proc counts CPU in clock ticks (10 ms at USER_HZ=100), so a light point (the floor at
+    # C=1 spends well under one tick in a short run) can read 0; this is the figure's grain.
+    out["cpu_grain_us_per_token"] = _r(_div(1e6 / procstat.CLOCK_TICKS, tokens), 2)
     # Per SSE event (or per delivery for the floor): unlike per token, this does not drop when
     # a loaded server coalesces several tokens into one event.
     out["cpu_us_per_chunk"] = _r(
