@@ -252,3 +252,42 @@ async def test_chat_streams_directly_with_role_first_and_usage_last() -> None:
     assert events[-2]["usage"]["completion_tokens"] == 30
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from smgd.api import direct, openai
+
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.0, tokens_per_step=1))
+    tokens = 2000
+    async with serving(engine) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
+            reference = response.json()["choices"][0]["text"]
+        armed = [False]
+        real_write, real_delta = direct.DirectWriter.write, openai.OpenAIRenderer.delta
+
+        def write(self: DirectWriter, payload: bytes) -> bool:
+            took = real_write(self, payload)
+            armed[0] = armed[0] or not took  # the first event that went to the backlog
+            return took
+
+        def delta(self: Any, choice: Any, text: str) -> bytes:
+            if armed[0]:  # the very next event, before the stream's task could flush
+                raise RuntimeError("renderer broke")
+            return real_delta(self, choice, text)
+
+        monkeypatch.setattr(direct.DirectWriter, "write", write)
+        monkeypatch.setattr(openai.OpenAIRenderer, "delta", delta)
+        # The client does not read at first, so written events wait in the backlog when the
+        # renderer fails; they must reach the client whole, and before the error event.
+        events = await post_sse(
+            port, "/v1/completions", _completion(tokens), rcvbuf=4096, pause_s=1.0
+        )
+    assert armed[0]
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and "RuntimeError" in errors[0]["message"], errors
+    assert events[-2] == {"error": errors[0]} and events[-1] == "[DONE]"
+    text = _text(events)
+    assert len(text) > 100 and reference.startswith(text)  # in order, nothing lost before it

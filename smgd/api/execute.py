@@ -268,13 +268,15 @@ async def _direct(
     rs.sink = sink
     try:
         while True:
-            if failures:
-                raise failures[0]
             if writer.broken:
                 raise _ClientGone
             if writer.backlog:
+                # Before anything else, a failure included: the caller's error event goes out
+                # through h11, and must not overtake bytes (perhaps half a chunk) still here.
                 await writer.flush()
                 continue
+            if failures:
+                raise failures[0]
             if choice.done:
                 return
             delta = rs.receive_nowait()  # output from before the sink, or the engine's error
