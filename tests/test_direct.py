@@ -91,6 +91,16 @@ def _completion(max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "stream": True, **extra}
 
 
+async def _reference_text(port: int, tokens: int, http_timeout_s: float = 5.0) -> str:
+    """The whole text of a non-streamed completion: what a streamed one must add up to."""
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", timeout=http_timeout_s
+    ) as client:
+        response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
+    text: str = response.json()["choices"][0]["text"]
+    return text
+
+
 # --------------------------------------------------------------------------- unit
 
 
@@ -143,9 +153,7 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
         )
         direct_count = fallbacks.count
         # The same request, not streamed (so never written directly), gives the same text.
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            response = await client.post("/v1/completions", json=_completion(60, stream=False))
-            reference = response.json()["choices"][0]["text"]
+        reference = await _reference_text(port, 60)
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["completion_tokens"] == 60
     assert _text(events) == reference
@@ -167,9 +175,7 @@ async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
     monkeypatch.setattr(LoadPacer, "observe", saturated)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            response = await client.post("/v1/completions", json=_completion(120, stream=False))
-            reference = response.json()["choices"][0]["text"]
+        reference = await _reference_text(port, 120)
         fallbacks = SendPathCounter(monkeypatch)
         events = await post_sse(
             port, "/v1/completions", _completion(120, stream_options={"include_usage": True})
@@ -188,9 +194,7 @@ async def test_a_client_that_does_not_read_gets_every_event_in_order_later(
     engine = FakeEngine(behaviour=Behaviour(step_s=0.0005, tokens_per_step=1))
     tokens = 2000
     async with serving(engine) as port:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
-            reference = response.json()["choices"][0]["text"]
+        reference = await _reference_text(port, tokens, http_timeout_s=30)
         fallbacks = SendPathCounter(monkeypatch)
         # A tiny receive buffer and a pause: the kernel soon refuses more, writes back up.
         events = await post_sse(
@@ -262,9 +266,7 @@ async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
     engine = FakeEngine(behaviour=Behaviour(step_s=0.0, tokens_per_step=1))
     tokens = 2000
     async with serving(engine) as port:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            response = await client.post("/v1/completions", json=_completion(tokens, stream=False))
-            reference = response.json()["choices"][0]["text"]
+        reference = await _reference_text(port, tokens, http_timeout_s=30)
         armed = [False]
         real_write, real_delta = direct.DirectWriter.write, openai.OpenAIRenderer.delta
 

@@ -413,27 +413,28 @@ async def _kill_under_streams(
     # test task woken "when all streams started" can run that late too, so the stream whose
     # first event completes the set kills the engine itself, at once. Should a stream finish
     # before the last one started, the round proves nothing and runs again.
+    first_events = 0
+
+    async def doomed() -> None:
+        nonlocal killed_at, first_events
+        error = None
+        last: dict[str, Any] = {}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for event in sse_events(response):
+                if not last:
+                    first_events += 1
+                    if first_events == streams and not ended:
+                        killed_at = time.monotonic()
+                        os.kill(core, signal.SIGKILL)
+                last = event
+                if "error" in event:
+                    error = event["error"]
+        ended.append((time.monotonic(), error, last))
+
     for _ in range(10):
         ended.clear()
-        first_events = [0]
-
-        async def doomed(first_events: list[int] = first_events) -> None:
-            nonlocal killed_at
-            error = None
-            last: dict[str, Any] = {}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                async for event in sse_events(response):
-                    if not last:
-                        first_events[0] += 1
-                        if first_events[0] == streams and not ended:
-                            killed_at = time.monotonic()
-                            os.kill(core, signal.SIGKILL)
-                    last = event
-                    if "error" in event:
-                        error = event["error"]
-            ended.append((time.monotonic(), error, last))
-
+        first_events = 0
         async with trio.open_nursery() as nursery:
             for _ in range(streams):
                 nursery.start_soon(doomed)
