@@ -102,3 +102,134 @@ async def test_the_shutdown_trigger_stops_accepting_and_serve_returns() -> None:
 
 def test_write_now_is_zero_for_a_stream_without_a_socket() -> None:
     assert http_worker._write_now(object(), b"x") == 0
+
+
+# -- keep-alive: smgd's KeepAliveTimer in place of hypercorn's per-request idle task --------
+
+KEEP_ALIVE_S = 10.0
+
+
+async def _request(stream: trio.SocketStream, path: str = "/stream", extra: str = "") -> bytes:
+    """One request on an open connection; its dechunked body."""
+    await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n{extra}\r\n".encode())
+    data = bytearray()
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        chunk = await stream.receive_some(1 << 20)
+        assert chunk, "connection closed before the body ended"
+        data += chunk
+    return dechunk(bytes(data).partition(b"\r\n\r\n")[2])
+
+
+async def _closed_by_server(stream: trio.SocketStream) -> bool:
+    try:
+        return await stream.receive_some(1 << 16) == b""
+    except trio.BrokenResourceError:
+        return True
+
+
+def _keep_alive_config() -> Config:
+    config = _config()
+    config.keep_alive_timeout = KEEP_ALIVE_S
+    config.graceful_timeout = 100  # longer than any response here
+    return config
+
+
+async def test_an_idle_connection_closes_after_keep_alive_timeout_counted_from_its_last_request(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(http_worker.serve, app, _keep_alive_config())
+        port = int(binds[0].rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await _request(stream)
+            await trio.sleep(KEEP_ALIVE_S - 1)  # idle, but not long enough
+            assert await _request(stream)  # still open; this request restarts the count
+            last = trio.current_time()
+            assert await _closed_by_server(stream)
+            waited = trio.current_time() - last
+        assert KEEP_ALIVE_S <= waited < KEEP_ALIVE_S + 1
+        nursery.cancel_scope.cancel()
+
+
+async def slow_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A response that takes three keep-alive timeouts to finish."""
+    if scope["type"] == "lifespan":
+        await app(scope, receive, send)
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for i in range(3):
+        await trio.sleep(KEEP_ALIVE_S)
+        await send({"type": "http.response.body", "body": b"%d;" % i, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def test_a_request_longer_than_keep_alive_timeout_is_not_cut(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(http_worker.serve, slow_app, _keep_alive_config())
+        port = int(binds[0].rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            with trio.fail_after(10 * KEEP_ALIVE_S):
+                assert await _request(stream) == b"0;1;2;"  # the idle timer was armed first
+                assert await _request(stream) == b"0;1;2;"
+        nursery.cancel_scope.cancel()
+
+
+async def test_shutdown_closes_an_idle_connection_at_once_and_a_busy_one_when_it_ends(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            lambda **kw: http_worker.serve(
+                slow_app, _keep_alive_config(), shutdown_trigger=stop.wait, **kw
+            )
+        )
+        port = int(binds[0].rsplit(":", 1)[1])
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        async with idle:
+            assert await _request(idle) == b"0;1;2;"  # then it waits for its next request
+            busy = await trio.open_tcp_stream("127.0.0.1", port)
+            bodies: list[bytes] = []
+            ended = trio.Event()
+
+            async def busy_request() -> None:
+                bodies.append(await _request(busy))
+                ended.set()
+
+            nursery.start_soon(busy_request)
+            await trio.sleep(1)
+            start = trio.current_time()
+            stop.set()
+            assert await _closed_by_server(idle)
+            assert trio.current_time() - start < 1
+            await ended.wait()
+            # The busy connection's response ran to its end, then the connection closed.
+            assert bodies == [b"0;1;2;"]
+            assert await _closed_by_server(busy)
+            assert trio.current_time() - start < 3 * KEEP_ALIVE_S
+            await busy.aclose()
+
+
+async def test_a_connection_the_server_closes_leaves_no_task_behind(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    # "connection: close" makes hypercorn close after the response, while its keep-alive timer
+    # is stopped (a request ran). A timer task left waiting would hold the connection's task
+    # group open, and shutdown would wait out the whole graceful timeout for it.
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            lambda **kw: http_worker.serve(
+                app, _keep_alive_config(), shutdown_trigger=stop.wait, **kw
+            )
+        )
+        port = int(binds[0].rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            assert await _request(stream, extra="connection: close\r\n")
+            assert await _closed_by_server(stream)
+        start = trio.current_time()
+        stop.set()
+    assert trio.current_time() - start < 1  # serve() returned without waiting
