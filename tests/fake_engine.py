@@ -159,6 +159,14 @@ class FakeEngine(EngineClient):
             await trio.sleep(b.step_s)
 
 
+class DiesBeforeFirstToken(FakeEngine):
+    """An engine that crashes during every request's prefill (a retry's case)."""
+
+    async def _drive(self, req: GenerateRequest) -> None:
+        await trio.sleep(0.01)
+        self.die("crashed during prefill")
+
+
 @asynccontextmanager
 async def open_gateway(
     *engines: FakeEngine, server: ServerConfig | None = None

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 
-import trio
-
-from smgd.wire.common import GenerateRequest
-
-from .fake_engine import MODEL, Behaviour, FakeEngine, open_app, post, post_stream
-
-
-class DiesBeforeFirstToken(FakeEngine):
-    async def _drive(self, req: GenerateRequest) -> None:
-        await trio.sleep(0.01)
-        self.die("crashed during prefill")
-
+from .fake_engine import (
+    MODEL,
+    Behaviour,
+    DiesBeforeFirstToken,
+    FakeEngine,
+    open_app,
+    post,
+    post_stream,
+)
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 6, "temperature": 0}
 

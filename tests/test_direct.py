@@ -8,17 +8,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import httpx
 import pytest
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.h11 import H11Protocol
 
 from smgd.api import http_worker
 from smgd.api.app import create_app
 from smgd.api.direct import DirectWriter, direct_writer
 from smgd.api.pacer import LoadPacer
 
-from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
+from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
 
 
@@ -157,10 +159,38 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["completion_tokens"] == 60
     assert _text(events) == reference
-    # 60 tokens in ~60 events, yet hypercorn's send path carried only the head, the first
-    # event and the end: everything between went straight to the socket.
+    # 60 tokens in ~60 events, yet hypercorn's send path carried only connection events and
+    # the end: everything before it went straight to the socket.
     assert len(events) > 40
     assert direct_count <= 8, direct_count
+
+
+async def test_only_the_end_of_a_stream_goes_through_h11(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The response head is on its way before the body starts, so even the first event (the one
+    # that sets TTFT) is written directly; h11 carries the head, the end and its terminator.
+    sent: list[type] = []
+    original = H11Protocol._send_h11_event
+
+    async def recording(protocol: H11Protocol, event: Any) -> None:
+        sent.append(type(event))
+        await original(protocol, event)
+
+    monkeypatch.setattr(H11Protocol, "_send_h11_event", recording)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        events = await post_sse(port, "/v1/completions", _completion(20))
+    assert events[-1] == "[DONE]" and len(events) > 10
+    assert sent == [h11.Response, h11.Data, h11.EndOfMessage]
+
+
+async def test_a_stream_whose_engine_dies_before_its_first_token_moves_to_another() -> None:
+    bad = DiesBeforeFirstToken("a")
+    good = FakeEngine("b", behaviour=Behaviour(step_s=0.002))
+    async with serving(bad, good) as port:
+        events = await post_sse(port, "/v1/completions", _completion(12))
+    assert len(bad.requests) == 1 and len(good.requests) == 1
+    assert not any("error" in e for e in events if isinstance(e, dict))
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(

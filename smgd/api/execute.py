@@ -308,6 +308,14 @@ async def _stream_one(
         while True:
             try:
                 async with job.engine.open_stream(job.request) as rs:
+                    if writer is not None:
+                        # Quart sent the response head before it asked for the body: every
+                        # event can go straight to the socket, the first one included.
+                        try:
+                            await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
+                        except _ClientGone:
+                            return  # leaving open_stream aborts the engine request
+                        break
                     while True:
                         delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
                         if delta is None:
@@ -325,13 +333,6 @@ async def _stream_one(
                         if out:
                             yield out
                         if choice.done:
-                            break
-                        if writer is not None and out:
-                            # The response is under way: the rest go straight to the socket.
-                            try:
-                                await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
-                            except _ClientGone:
-                                return  # leaving open_stream aborts the engine request
                             break
                         if pacer is not None and pacer.window_s > 0:
                             # Loaded loop: let output pile up so the next event carries more.
