@@ -218,6 +218,39 @@ async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
     assert fallbacks.count <= 8, fallbacks.count
 
 
+async def test_a_saturated_loop_never_holds_back_a_streams_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The window merges output that follows an event too closely; before the first event
+    # there is nothing to follow, and holding the first token would only add to TTFT.
+    window_s = 1.0
+
+    def saturated(pacer: LoadPacer, lag_s: float) -> float:
+        pacer.lag_s, pacer.window_s = 1.0, window_s
+        return pacer.window_s
+
+    monkeypatch.setattr(LoadPacer, "observe", saturated)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with serving(engine) as port:
+        await trio.sleep(0.1)  # a few pacer ticks: it reads saturated from now on
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        payload = json.dumps(_completion(200)).encode()  # ~0.4 s of tokens, 2 ms apart
+        async with stream:
+            sent_at = trio.current_time()
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%b" % (len(payload), payload)
+            )
+            data = bytearray()
+            while b'"text":"' not in data.replace(b'"text":""', b""):
+                chunk = await stream.receive_some(65536)
+                assert chunk, "the server closed the connection before the first token"
+                data += chunk
+            first_token_s = trio.current_time() - sent_at
+    # Held, it would come with the finish (~0.4 s) or at the window (1 s).
+    assert first_token_s < 0.2, first_token_s
+
+
 async def test_a_client_that_does_not_read_gets_every_event_in_order_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

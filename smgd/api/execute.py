@@ -228,7 +228,7 @@ async def _direct(
     """
     failures: list[Exception] = []
     held: TokenDelta | None = None  # output merged while the window is open
-    last_event = trio.current_time()  # of this stream's last event (the first one: just now)
+    last_event = -math.inf  # of this stream's last event: none yet, so the first is never held
 
     def emit(delta: TokenDelta) -> None:
         nonlocal last_event
