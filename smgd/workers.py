@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 import trio
+
+from smgd.worker_metrics import METRICS_DIR_ENV, METRICS_FD_ENV, bind_sockets
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -150,7 +154,9 @@ def reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
 class _Supervisor:
     argv: list[str]
     count: int
-    fds: list[list[int]]  # per worker: the fds it inherits
+    fds: list[list[int]]  # per worker: its listening fds
+    metrics_dir: str  # the workers' metrics sockets (smgd.worker_metrics)
+    metrics_fds: list[int]  # per worker: its own metrics socket
     stopping: bool = False
 
     def __post_init__(self) -> None:
@@ -160,6 +166,8 @@ class _Supervisor:
         env = {k: v for k, v in os.environ.items() if k not in _SUPERVISOR_ONLY}
         env[WORKER_ENV] = f"{index}/{self.count}"
         env[WORKER_FDS_ENV] = ",".join(map(str, self.fds[index]))
+        env[METRICS_DIR_ENV] = self.metrics_dir
+        env[METRICS_FD_ENV] = str(self.metrics_fds[index])
         return env
 
     async def keep(self, index: int, started: trio.MemorySendChannel[int]) -> None:
@@ -171,7 +179,10 @@ class _Supervisor:
             # Own session: a terminal's Ctrl-C reaches the supervisor only, which forwards it
             # once (a worker seeing it twice would skip its drain).
             proc = await trio.lowlevel.open_process(
-                self.argv, env=self.env(index), pass_fds=self.fds[index], start_new_session=True
+                self.argv,
+                env=self.env(index),
+                pass_fds=[*self.fds[index], self.metrics_fds[index]],
+                start_new_session=True,
             )
             self.procs[index] = proc
             log.info("worker %d started (pid %d)", index, proc.pid)
@@ -248,7 +259,16 @@ async def serve_workers(
         argv += ["--config", config_path]
     for item in overrides:
         argv += ["--set", item]
-    sup = _Supervisor(argv=argv, count=count, fds=fds)
+    # Private to this supervisor (mode 0700): only its workers read each other's metrics.
+    metrics_dir = tempfile.mkdtemp(prefix="smgd-workers-")
+    metrics_sockets = bind_sockets(metrics_dir, count)
+    sup = _Supervisor(
+        argv=argv,
+        count=count,
+        fds=fds,
+        metrics_dir=metrics_dir,
+        metrics_fds=[s.fileno() for s in metrics_sockets],
+    )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_signals, sup)
@@ -265,5 +285,6 @@ async def serve_workers(
                 task_status.started(binds)
             nursery.cancel_scope.cancel()  # every worker is gone: stop the signal task too
     finally:
-        for sock in sockets:
+        for sock in [*sockets, *metrics_sockets]:
             sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)

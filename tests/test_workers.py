@@ -125,6 +125,14 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
         workers = _children(proc.pid)
         assert len(workers) == 2
 
+        # Any connection's /metrics covers both workers, each sample labelled with its worker.
+        for _ in range(4):
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                text = (await client.get("/metrics")).text
+            assert "smgd_workers_scraped 2.0" in text
+            assert 'smgd_engine_up{engine="e0",wire="sglang",worker="0"} 1.0' in text
+            assert 'smgd_engine_up{engine="e1",wire="sglang",worker="1"} 1.0' in text
+
         # A worker that dies is replaced; the port keeps answering meanwhile.
         victim = workers[1]
         os.kill(victim, signal.SIGKILL)

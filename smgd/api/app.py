@@ -23,6 +23,7 @@ import hmac
 import logging
 import os
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -39,9 +40,10 @@ from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
 from smgd.errors import ConfigError, Draining, InvalidRequest, SmgdError, Unauthorized
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
+from smgd.worker_metrics import PEERS_KEY, serve_own, worker_peers
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
     from smgd.api.pipeline import RequestState
     from smgd.config import Config
@@ -111,22 +113,30 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         pacer=LoadPacer(max_window_s=server.coalesce_max_ms / 1000),
     )
 
-    pacer_scope = trio.CancelScope()
+    background: list[trio.CancelScope] = []
+    peers = worker_peers(os.environ if environ is None else environ)
+    if peers is not None:
+        app.extensions[PEERS_KEY] = peers
 
-    async def _run_pacer(pacer: LoadPacer) -> None:
-        with pacer_scope:
-            await pacer.run()
+    async def _in_background(run: Callable[[], Awaitable[None]]) -> None:
+        with trio.CancelScope() as scope:
+            background.append(scope)
+            await run()
 
     @app.before_serving
-    async def _start_pacer() -> None:
+    async def _start_background() -> None:
         pacer = app.extensions["smgd"].pacer
         if pacer is not None:
-            app.nursery.start_soon(_run_pacer, pacer)
+            app.nursery.start_soon(_in_background, pacer.run)
+        if peers is not None:
+            registry = app.extensions[REGISTRY_KEY]
+            app.nursery.start_soon(_in_background, partial(serve_own, peers.own_fd, registry))
 
     @app.after_serving
-    async def _stop_pacer() -> None:
+    async def _stop_background() -> None:
         # Background tasks would otherwise hold the app's shutdown for its 5 s timeout.
-        pacer_scope.cancel()
+        for scope in background:
+            scope.cancel()
 
     def on_reload(config: Config) -> Callable[[], None]:
         keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload

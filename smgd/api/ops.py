@@ -24,6 +24,7 @@ from smgd.api.prepare import api, encode, read_json, resolve_model
 from smgd.api.sse import encode_json
 from smgd.errors import InvalidRequest
 from smgd.metrics import REGISTRY_KEY
+from smgd.worker_metrics import PEERS_KEY, gather
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -150,7 +151,10 @@ async def detokenize() -> Response:
 
 @blueprint.get("/metrics")
 async def metrics() -> Response:
-    body = generate_latest(current_app.extensions[REGISTRY_KEY])
+    registry = current_app.extensions[REGISTRY_KEY]
+    peers = current_app.extensions.get(PEERS_KEY)
+    # With workers, one scrape covers them all (smgd.worker_metrics).
+    body = generate_latest(registry) if peers is None else await gather(registry, peers)
     # The classic text format's content type: every Prometheus/agent version parses it (the
     # client's default advertises version=1.0.0, which older scrapers do not know).
     return Response(body, content_type=TEXT_0_0_4)
