@@ -171,8 +171,9 @@ def _fold_metrics(sample: Sample, text: str) -> None:
             if s.name == "smgd_requests_total":
                 key = s.labels.get("status", "?")
                 sample.requests[key] = sample.requests.get(key, 0.0) + s.value
-            elif s.name == "smgd_aborts_total":
-                sample.aborts[s.labels.get("reason", "?")] = s.value
+            elif s.name == "smgd_aborts_total":  # one per reason (and worker): summed
+                key = s.labels.get("reason", "?")
+                sample.aborts[key] = sample.aborts.get(key, 0.0) + s.value
 
 
 def token_rates(before: Sample | None, after: Sample) -> dict[str, float | None]:

@@ -12,6 +12,7 @@ import trio
 from smgd.config import AdminConfig, Config, ServerConfig, load_config
 from smgd.status import (
     Sample,
+    _fold_metrics,
     Target,
     render,
     run_reload,
@@ -151,3 +152,18 @@ async def test_status_and_reload_against_a_running_daemon(tmp_path: Path) -> Non
     err = io.StringIO()
     assert await run_reload(target, out=out, err=err) == 2  # the daemon is gone
     assert await run_status(target, out=out, err=err, interval=0.01) == 1
+
+
+def test_metrics_of_several_workers_are_summed_per_status_and_reason() -> None:
+    text = (
+        "# HELP smgd_requests_total r\n# TYPE smgd_requests_total counter\n"
+        'smgd_requests_total{engine="a",model="m",status="ok",worker="0"} 3.0\n'
+        'smgd_requests_total{engine="b",model="m",status="ok",worker="1"} 4.0\n'
+        "# HELP smgd_aborts_total a\n# TYPE smgd_aborts_total counter\n"
+        'smgd_aborts_total{reason="client_disconnect",worker="0"} 1.0\n'
+        'smgd_aborts_total{reason="client_disconnect",worker="1"} 2.0\n'
+    )
+    sample = Sample(t=0.0, admin={})
+    _fold_metrics(sample, text)
+    assert sample.requests == {"ok": 7.0}
+    assert sample.aborts == {"client_disconnect": 3.0}
