@@ -12,8 +12,8 @@ import trio
 from smgd.config import AdminConfig, Config, ServerConfig, load_config
 from smgd.status import (
     Sample,
-    _fold_metrics,
     Target,
+    _fold_metrics,
     render,
     run_reload,
     run_status,
