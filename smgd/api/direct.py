@@ -17,9 +17,9 @@ wakes only when the writer needs it:
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event
   joins the backlog until it is empty (order is kept; nothing is dropped);
-- the stream finished or failed, or a stop string ended it: the task sends the end (usage,
-  ``[DONE]``, or the error event) the normal way, through h11, which also ends the chunked
-  body;
+- the stream finished, or a stop string ended it: the task writes the last event and the
+  end (usage, ``[DONE]``) as one chunk, and h11 then ends the chunked body;
+- it failed: the task sends the error event the normal way, through h11;
 - the socket broke: the task ends the response, which aborts the engine request.
 
 h11 keeps no count of chunked body bytes, so chunks written beside it leave its state as it

@@ -216,17 +216,20 @@ async def _direct(
     writer: DirectWriter,
     keepalive_s: float,
     pacer: LoadPacer | None = None,
-) -> None:
+) -> bytes:
     """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
 
-    Returns once the choice is done with every byte written; raises the engine's error, or
-    :class:`_ClientGone`. The caller sends the end (or the error event) the normal way.
+    Returns the choice's last event, not yet written, once the choice is done and every
+    earlier byte is: the caller writes it and the end as one chunk (a write fewer per request).
+    Raises the engine's error, or :class:`_ClientGone`; the caller sends an error event the
+    normal way.
 
     When the pacer's direct window is open (a saturated loop), output that arrives sooner than
     one window after this stream's last event is held and merged, and goes out as one event
     at the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
     """
     failures: list[Exception] = []
+    last: list[bytes] = []  # the final event, kept for the caller
     held: TokenDelta | None = None  # output merged while the window is open
     last_event = -math.inf  # of this stream's last event: none yet, so the first is never held
 
@@ -241,8 +244,11 @@ async def _direct(
             failures.append(exc)
             rs.notify()
             return
-        if (out and not writer.write(out)) or choice.done:
-            rs.notify()  # a backlog to flush, a broken socket, or the end: the task acts
+        if choice.done:
+            last.append(out)
+            rs.notify()  # the end: the task writes it
+        elif out and not writer.write(out):
+            rs.notify()  # a backlog to flush, or a broken socket: the task acts
 
     def release() -> None:  # on the pacer task, at its tick
         nonlocal held
@@ -278,7 +284,7 @@ async def _direct(
             if failures:
                 raise failures[0]
             if choice.done:
-                return
+                return b"".join(last)
             delta = rs.receive_nowait()  # output from before the sink, or the engine's error
             if delta is not None:
                 sink(delta)
@@ -304,6 +310,7 @@ async def _stream_one(
     writer: DirectWriter | None = None,
 ) -> AsyncIterator[bytes]:
     choice = job.choice
+    direct_last: bytes | None = None  # the last event, when the stream went direct
     try:
         while True:
             try:
@@ -312,7 +319,9 @@ async def _stream_one(
                         # Quart sent the response head before it asked for the body: every
                         # event can go straight to the socket, the first one included.
                         try:
-                            await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
+                            direct_last = await _direct(
+                                rs, choice, state, render, writer, keepalive_s, pacer
+                            )
                         except _ClientGone:
                             return  # leaving open_stream aborts the engine request
                         break
@@ -341,7 +350,10 @@ async def _stream_one(
             except _RETRYABLE:
                 if not reroute(job, state.model):
                     raise
-        yield render.end()
+        if direct_last is None:
+            yield render.end()
+        elif writer is not None and not writer.write(direct_last + render.end()):
+            await writer.flush()  # a slow client (a broken socket: flush does nothing)
     except trio.EndOfChannel:
         early = EngineDead(f"engine {job.engine.name} ended the request early")
         state.fail(early)
