@@ -110,6 +110,16 @@ async def _engines_seen(url: str, tries: int) -> set[str]:
     return seen
 
 
+async def _metrics_cover_both_workers(url: str) -> None:
+    """Any connection's /metrics covers both workers, each sample labelled with its worker."""
+    for _ in range(4):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            text = (await client.get("/metrics")).text
+        assert "smgd_workers_scraped 2.0" in text
+        assert 'smgd_engine_up{engine="e0",wire="sglang",worker="0"} 1.0' in text
+        assert 'smgd_engine_up{engine="e1",wire="sglang",worker="1"} 1.0' in text
+
+
 @pytest.mark.slow
 async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
     tmp_path: Path,
@@ -125,13 +135,7 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
         workers = _children(proc.pid)
         assert len(workers) == 2
 
-        # Any connection's /metrics covers both workers, each sample labelled with its worker.
-        for _ in range(4):
-            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-                text = (await client.get("/metrics")).text
-            assert "smgd_workers_scraped 2.0" in text
-            assert 'smgd_engine_up{engine="e0",wire="sglang",worker="0"} 1.0' in text
-            assert 'smgd_engine_up{engine="e1",wire="sglang",worker="1"} 1.0' in text
+        await _metrics_cover_both_workers(url)
 
         # A worker that dies is replaced; the port keeps answering meanwhile.
         victim = workers[1]
@@ -142,6 +146,8 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
             seen = set()
             while seen != {"e0", "e1"}:
                 seen |= await _engines_seen(url, 8)
+        # The metrics sockets are the supervisor's: the new worker answers on its predecessor's.
+        await _metrics_cover_both_workers(url)
 
         # SIGTERM to the supervisor drains every worker: streams in flight finish, exit 0.
         results: list[int] = []
