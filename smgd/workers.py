@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from smgd.worker_metrics import METRICS_DIR_ENV, METRICS_FD_ENV, bind_sockets
+from smgd.worker_peers import METRICS_DIR_ENV, METRICS_FD_ENV, bind_sockets
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -155,7 +155,7 @@ class _Supervisor:
     argv: list[str]
     count: int
     fds: list[list[int]]  # per worker: its listening fds
-    metrics_dir: str  # the workers' metrics sockets (smgd.worker_metrics)
+    metrics_dir: str  # the workers' metrics sockets (smgd.worker_peers)
     metrics_fds: list[int]  # per worker: its own metrics socket
     stopping: bool = False
 

@@ -321,7 +321,7 @@ async def test_every_metric_is_documented_and_the_dashboard_uses_real_names(
     documented = set(re.findall(r"`(smgd_[a-z_]+)`", doc))
     assert exposed - documented == set()  # every exposed metric has a row
     # and no row describes a metric that does not exist (smgd_workers_scraped: only with
-    # server.workers > 1, checked in test_worker_metrics and test_workers)
+    # server.workers > 1, checked in test_worker_peers and test_workers)
     assert documented - exposed == {"smgd_workers_scraped"}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs

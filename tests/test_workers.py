@@ -97,17 +97,20 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-async def _engines_seen(url: str, tries: int) -> set[str]:
-    """Engine names reported by /readiness over ``tries`` fresh connections."""
-    seen: set[str] = set()
-    for _ in range(tries):
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-            response = await client.get("/readiness")
+async def _ready_everywhere(url: str) -> None:
+    """Wait until /readiness, over fresh connections (any worker), reports both workers ready."""
+    with trio.fail_after(60):
+        while True:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                response = await client.get("/readiness")
+            body = response.json()
             if response.status_code == 200:
-                engines = set(response.json()["engines"])
-                assert len(engines) == 1, engines  # a worker runs only its share
-                seen |= engines
-    return seen
+                # Whichever worker answered, the report covers both and their engines.
+                assert body["workers"] == {"0": "ready", "1": "ready"}
+                assert set(body["engines"]) == {"e0", "e1"}
+                return
+            assert body["status"] == "not_ready"
+            await trio.sleep(0.1)
 
 
 async def _metrics_cover_both_workers(url: str) -> None:
@@ -128,10 +131,7 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
     proc = serve_process(path)
     try:
         url = await wait_url(proc)
-        with trio.fail_after(60):
-            seen: set[str] = set()
-            while seen != {"e0", "e1"}:
-                seen |= await _engines_seen(url, 8)
+        await _ready_everywhere(url)
         workers = _children(proc.pid)
         assert len(workers) == 2
 
@@ -143,9 +143,7 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
         with trio.fail_after(30):
             while len(set(_children(proc.pid)) - {victim}) < 2:  # noqa: ASYNC110 - /proc only
                 await trio.sleep(0.1)
-            seen = set()
-            while seen != {"e0", "e1"}:
-                seen |= await _engines_seen(url, 8)
+        await _ready_everywhere(url)
         # The metrics sockets are the supervisor's: the new worker answers on its predecessor's.
         await _metrics_cover_both_workers(url)
 

@@ -27,6 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
+from prometheus_client import generate_latest
 from quart import Response, g, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -40,7 +41,7 @@ from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
 from smgd.errors import ConfigError, Draining, InvalidRequest, SmgdError, Unauthorized
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
-from smgd.worker_metrics import PEERS_KEY, serve_own, worker_peers
+from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -130,7 +131,11 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             app.nursery.start_soon(_in_background, pacer.run)
         if peers is not None:
             registry = app.extensions[REGISTRY_KEY]
-            app.nursery.start_soon(_in_background, partial(serve_own, peers.own_fd, registry))
+            answers = {
+                "metrics": partial(generate_latest, registry),
+                "readiness": partial(ops.readiness_answer, gateway),
+            }
+            app.nursery.start_soon(_in_background, partial(serve_own, peers.own_fd, answers))
 
     @app.after_serving
     async def _stop_background() -> None:

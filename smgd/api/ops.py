@@ -24,7 +24,7 @@ from smgd.api.prepare import api, encode, read_json, resolve_model
 from smgd.api.sse import encode_json
 from smgd.errors import InvalidRequest
 from smgd.metrics import REGISTRY_KEY
-from smgd.worker_metrics import PEERS_KEY, gather
+from smgd.worker_peers import PEERS_KEY, ask_all, merge, merge_readiness
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -67,9 +67,21 @@ def readiness_report(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
     return ready, {"status": status, "draining": gateway.draining, "engines": report}
 
 
+def readiness_answer(gateway: Gateway) -> bytes:
+    """This worker's readiness, as its peers ask for it (smgd.worker_peers)."""
+    ready, report = readiness_report(gateway)
+    return encode_json({"ready": ready, "report": report})
+
+
 @blueprint.get("/readiness")
 async def readiness() -> Response:
-    ready, report = readiness_report(api().gateway)
+    gateway = api().gateway
+    peers = current_app.extensions.get(PEERS_KEY)
+    if peers is None:
+        ready, report = readiness_report(gateway)
+    else:  # with workers: ready only if every worker is
+        answers = await ask_all(peers, "readiness", readiness_answer(gateway))
+        ready, report = merge_readiness(answers)
     response = _json(report, 200 if ready else 503)
     if not ready:
         response.headers["Retry-After"] = "5"
@@ -151,10 +163,10 @@ async def detokenize() -> Response:
 
 @blueprint.get("/metrics")
 async def metrics() -> Response:
-    registry = current_app.extensions[REGISTRY_KEY]
+    body = generate_latest(current_app.extensions[REGISTRY_KEY])
     peers = current_app.extensions.get(PEERS_KEY)
-    # With workers, one scrape covers them all (smgd.worker_metrics).
-    body = generate_latest(registry) if peers is None else await gather(registry, peers)
+    if peers is not None:  # with workers, one scrape covers them all (smgd.worker_peers)
+        body = merge(await ask_all(peers, "metrics", body), peers.count)
     # The classic text format's content type: every Prometheus/agent version parses it (the
     # client's default advertises version=1.0.0, which older scrapers do not know).
     return Response(body, content_type=TEXT_0_0_4)

@@ -1,21 +1,26 @@
-"""``/metrics`` over every worker: one scrape of the public port describes the whole daemon.
+"""``/metrics`` and ``/readiness`` over every worker: one answer for the whole daemon.
 
 With ``server.workers = N`` the kernel hands each connection to one worker, so a worker's own
-registry is only its share (its engines, its requests). The supervisor therefore binds one
-private unix socket per worker in a directory of its own (mode 0700) before it starts them;
-worker *k* inherits its socket's fd (:data:`METRICS_FD_ENV`) and answers every connection on it
-with its registry's text exposition, then closes. The worker that gets ``GET /metrics`` reads
-its own registry and every other worker's socket (:func:`gather`), and :func:`merge` joins the
-expositions, each sample labelled ``worker="k"``, one ``HELP``/``TYPE`` per family.
+registry and readiness are only its share (its engines, its requests). The supervisor therefore
+binds one private unix socket per worker in a directory of its own (mode 0700) before it starts
+them; worker *k* inherits its socket's fd (:data:`METRICS_FD_ENV`) and answers each connection
+on it (:func:`serve_own`): the asker sends one line naming what it wants (``metrics`` or
+``readiness``), the worker writes the answer and closes. The worker that gets the HTTP request
+reads its own state and asks every other worker (:func:`ask_all`):
 
-The sockets are the supervisor's, so they outlive a worker's restart: a scrape during one
-waits at most :data:`FETCH_TIMEOUT_S` for that worker and goes without its samples
-(``smgd_workers_scraped`` says how many answered).
+- :func:`merge` joins the metrics expositions, each sample labelled ``worker="k"``, one
+  ``HELP``/``TYPE`` per family (``smgd_workers_scraped`` says how many answered);
+- :func:`merge_readiness` is ready only if every worker is (a worker that does not answer is
+  not), with every worker's engines in one report.
+
+The sockets are the supervisor's, so they outlive a worker's restart: a request during one
+waits at most :data:`FETCH_TIMEOUT_S` for that worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -29,16 +34,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
 __all__ = [
     "METRICS_DIR_ENV",
     "METRICS_FD_ENV",
     "PEERS_KEY",
     "WorkerPeers",
+    "ask_all",
     "bind_sockets",
-    "gather",
     "merge",
+    "merge_readiness",
     "serve_own",
     "socket_path",
     "worker_peers",
@@ -55,6 +61,8 @@ FETCH_TIMEOUT_S = 2.0
 # series (docs/reference/metrics.md), far below it; a bound keeps a broken peer harmless.
 MAX_EXPOSITION_BYTES = 16 * 1024 * 1024
 WORKER_LABEL = "worker"
+# A request line is one short word; anything longer is not a peer of ours.
+MAX_REQUEST_LINE = 64
 PEERS_KEY = "smgd.worker_peers"  # app.extensions: this worker's WorkerPeers
 
 
@@ -75,70 +83,83 @@ def bind_sockets(directory: str, count: int) -> list[socket.socket]:
 
 async def serve_own(
     fd: int,
-    registry: CollectorRegistry,
+    answers: Mapping[str, Callable[[], bytes]],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """In a worker: answer each connection on the inherited socket ``fd`` with ``registry``."""
+    """In a worker: on the inherited socket ``fd``, answer each request line from ``answers``."""
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=os.dup(fd))))
 
     async def answer(stream: trio.SocketStream) -> None:
         # A BrokenResourceError: the asking worker gave up (its timeout); nothing to do.
         async with stream:
-            with contextlib.suppress(trio.BrokenResourceError):
-                await stream.send_all(generate_latest(registry))
+            with contextlib.suppress(trio.BrokenResourceError), trio.move_on_after(FETCH_TIMEOUT_S):
+                line = bytearray()
+                while b"\n" not in line and len(line) <= MAX_REQUEST_LINE:
+                    chunk = await stream.receive_some(MAX_REQUEST_LINE)
+                    if not chunk:
+                        return
+                    line += chunk
+                produce = answers.get(line.partition(b"\n")[0].decode("ascii", "replace"))
+                if produce is not None:
+                    await stream.send_all(produce())
 
     async with listener:
         task_status.started()
         await trio.serve_listeners(answer, [listener])
 
 
-async def _fetch(path: str) -> bytes | None:
-    """One worker's exposition, or None if it does not answer in time."""
+async def _ask(path: str, what: str) -> bytes | None:
+    """One worker's answer to ``what``, or None if it does not answer in time."""
     with trio.move_on_after(FETCH_TIMEOUT_S):
         try:
             stream = await trio.open_unix_socket(path)
         except OSError as exc:
-            log.debug("metrics of %s: %s", path, exc)
+            log.debug("%s of %s: %s", what, path, exc)
             return None
         async with stream:
-            data = bytearray()
-            while chunk := await stream.receive_some(1 << 16):
-                data += chunk
-                if len(data) > MAX_EXPOSITION_BYTES:
-                    log.warning("metrics of %s: more than %d bytes", path, MAX_EXPOSITION_BYTES)
-                    return None
-            return bytes(data)
-    log.debug("metrics of %s: no answer in %.0f s", path, FETCH_TIMEOUT_S)
+            try:
+                await stream.send_all(what.encode() + b"\n")
+                data = bytearray()
+                while chunk := await stream.receive_some(1 << 16):
+                    data += chunk
+                    if len(data) > MAX_EXPOSITION_BYTES:
+                        log.warning("%s of %s: over %d bytes", what, path, MAX_EXPOSITION_BYTES)
+                        return None
+            except trio.BrokenResourceError as exc:
+                log.debug("%s of %s: %s", what, path, exc)
+                return None
+            return bytes(data) or None
+    log.debug("%s of %s: no answer in %.0f s", what, path, FETCH_TIMEOUT_S)
     return None
 
 
-async def gather(registry: CollectorRegistry, peers: WorkerPeers) -> bytes:
-    """The merged exposition of every worker (this one's ``registry`` read directly)."""
-    index, count, directory = peers.index, peers.count, peers.directory
-    texts: dict[int, bytes] = {index: generate_latest(registry)}
+async def ask_all(peers: WorkerPeers, what: str, own: bytes) -> list[tuple[int, bytes | None]]:
+    """``(worker index, answer)`` for every worker, in order; ``own`` is this worker's."""
+    answers: dict[int, bytes | None] = {peers.index: own}
 
-    async def fetch(other: int) -> None:
-        text = await _fetch(socket_path(directory, other))
-        if text is not None:
-            texts[other] = text
+    async def ask(other: int) -> None:
+        answers[other] = await _ask(socket_path(peers.directory, other), what)
 
     async with trio.open_nursery() as nursery:
-        for other in range(count):
-            if other != index:
-                nursery.start_soon(fetch, other)
-    return merge(sorted(texts.items()), count)
+        for other in range(peers.count):
+            if other != peers.index:
+                nursery.start_soon(ask, other)
+    return sorted(answers.items())
 
 
-def merge(texts: list[tuple[int, bytes]], count: int) -> bytes:
+def merge(texts: list[tuple[int, bytes | None]], count: int) -> bytes:
     """Join ``(worker index, exposition)`` pairs into one exposition (pure).
 
     Every sample gains a ``worker`` label; a family keeps the first worker's help text and
-    type. A worker whose text does not parse is left out (and logged), not the whole scrape.
+    type. A worker that did not answer (None), or whose text does not parse (logged), is left
+    out, not the whole scrape.
     """
     families: dict[str, Metric] = {}
     answered = 0
     for index, text in texts:
+        if text is None:
+            continue
         try:
             parsed = list(text_string_to_metric_families(text.decode()))
         except (ValueError, UnicodeDecodeError) as exc:
@@ -164,6 +185,36 @@ def merge(texts: list[tuple[int, bytes]], count: int) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed([*families.values(), scraped]))
     return generate_latest(registry)
+
+
+def merge_readiness(reports: list[tuple[int, bytes | None]]) -> tuple[bool, dict[str, object]]:
+    """(ready, report) over every worker's ``{"ready": bool, "report": {...}}`` (pure).
+
+    Ready only if every worker answered and is ready; the report holds every worker's engines
+    and, under ``workers``, each worker's status (``no_answer`` for one that did not answer).
+    """
+    ready = True
+    draining = False
+    engines: dict[str, object] = {}
+    workers: dict[str, str] = {}
+    for index, raw in reports:
+        try:
+            if raw is None:
+                raise ValueError("no answer")
+            answer = json.loads(raw)
+            report = answer["report"]
+            worker_ready = bool(answer["ready"])
+            status = str(report["status"])
+            engines.update(report["engines"])
+            draining = draining or bool(report["draining"])
+        except (ValueError, TypeError, KeyError) as exc:
+            if raw is not None:
+                log.warning("readiness of worker %d does not parse: %s", index, exc)
+            worker_ready, status = False, "no_answer"
+        ready = ready and worker_ready
+        workers[str(index)] = status
+    status = "ready" if ready else ("draining" if draining else "not_ready")
+    return ready, {"status": status, "draining": draining, "engines": engines, "workers": workers}
 
 
 class _Fixed:

@@ -1,15 +1,24 @@
-"""One /metrics over every worker (smgd.worker_metrics): merge, and gather over unix sockets."""
+"""One /metrics and /readiness over every worker (smgd.worker_peers): merges, and asking."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from smgd import worker_metrics
-from smgd.worker_metrics import WorkerPeers, bind_sockets, gather, merge, serve_own, worker_peers
+from smgd import worker_peers as peers_module
+from smgd.worker_peers import (
+    WorkerPeers,
+    ask_all,
+    bind_sockets,
+    merge,
+    merge_readiness,
+    serve_own,
+    worker_peers,
+)
 
 
 def _registry(engine: str, requests: int) -> CollectorRegistry:
@@ -60,15 +69,15 @@ def test_a_worker_whose_text_does_not_parse_is_left_out_not_the_scrape() -> None
 def test_worker_peers_come_from_the_supervisors_environment() -> None:
     env = {
         "SMGD_WORKER": "1/3",
-        worker_metrics.METRICS_DIR_ENV: "/run/x",
-        worker_metrics.METRICS_FD_ENV: "7",
+        peers_module.METRICS_DIR_ENV: "/run/x",
+        peers_module.METRICS_FD_ENV: "7",
     }
     assert worker_peers(env) == WorkerPeers(index=1, count=3, directory="/run/x", own_fd=7)
     assert worker_peers({"SMGD_WORKER": "1/3"}) is None  # no sockets: own registry only
     assert worker_peers({}) is None
 
 
-async def test_gather_reads_every_worker_and_skips_one_that_does_not_answer(
+async def test_ask_all_reads_every_worker_and_skips_one_that_does_not_answer(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     # Three workers' sockets, as the supervisor binds them; worker 2 never answers (as while
@@ -76,19 +85,55 @@ async def test_gather_reads_every_worker_and_skips_one_that_does_not_answer(
     sockets = bind_sockets(str(tmp_path), 3)
     try:
         registries = [_registry(f"e{i}", i + 1) for i in range(3)]
+        answers = {"metrics": lambda: generate_latest(registries[1])}
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_own, sockets[1].fileno(), registries[1])
+            await nursery.start(serve_own, sockets[1].fileno(), answers)
             peers = WorkerPeers(0, 3, str(tmp_path), sockets[0].fileno())
             start = trio.current_time()
-            merged = await gather(registries[0], peers)
+            got = await ask_all(peers, "metrics", generate_latest(registries[0]))
             waited = trio.current_time() - start
+            unknown = await ask_all(peers, "no-such-thing", b"")
             nursery.cancel_scope.cancel()
     finally:
         for sock in sockets:
             sock.close()
-    samples = _samples(merged)
+    assert [index for index, _ in got] == [0, 1, 2]
+    assert got[2][1] is None
+    assert unknown[1][1] is None  # a request it does not know gets no answer, not a crash
+    samples = _samples(merge(got, 3))
     assert samples[("smgd_workers_scraped", frozenset())] == 2
     assert samples[("smgd_requests_total", frozenset({("engine", "e0"), ("worker", "0")}))] == 1
     assert samples[("smgd_requests_total", frozenset({("engine", "e1"), ("worker", "1")}))] == 2
     assert not any(("worker", "2") in labels for (_, labels) in samples)
-    assert worker_metrics.FETCH_TIMEOUT_S <= waited < worker_metrics.FETCH_TIMEOUT_S + 1
+    assert peers_module.FETCH_TIMEOUT_S <= waited < peers_module.FETCH_TIMEOUT_S + 1
+
+
+def _readiness(ready: bool, engine: str, *, draining: bool = False) -> bytes:
+    status = "ready" if ready else ("draining" if draining else "not_ready")
+    report = {"status": status, "draining": draining, "engines": {engine: {"ready": ready}}}
+    return json.dumps({"ready": ready, "report": report}).encode()
+
+
+def test_readiness_is_ready_only_when_every_worker_is() -> None:
+    ready, report = merge_readiness([(0, _readiness(True, "e0")), (1, _readiness(True, "e1"))])
+    assert ready
+    assert report["status"] == "ready"
+    assert report["engines"] == {"e0": {"ready": True}, "e1": {"ready": True}}
+    assert report["workers"] == {"0": "ready", "1": "ready"}
+
+    ready, report = merge_readiness([(0, _readiness(True, "e0")), (1, _readiness(False, "e1"))])
+    assert not ready
+    assert report["status"] == "not_ready"
+    assert report["workers"] == {"0": "ready", "1": "not_ready"}
+
+
+def test_a_worker_that_does_not_answer_or_drains_makes_the_daemon_not_ready() -> None:
+    ready, report = merge_readiness([(0, _readiness(True, "e0")), (1, None)])
+    assert not ready
+    assert report["workers"] == {"0": "ready", "1": "no_answer"}
+    assert report["engines"] == {"e0": {"ready": True}}
+
+    ready, report = merge_readiness([(0, _readiness(False, "e0", draining=True)), (1, b"{")])
+    assert not ready
+    assert report["status"] == "draining"
+    assert report["workers"] == {"0": "draining", "1": "no_answer"}
