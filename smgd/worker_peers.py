@@ -1,17 +1,18 @@
-"""``/metrics`` and ``/readiness`` over every worker: one answer for the whole daemon.
+"""``/metrics``, ``/readiness`` and ``/get_load`` over every worker: one answer for the daemon.
 
 With ``server.workers = N`` the kernel hands each connection to one worker, so a worker's own
 registry and readiness are only its share (its engines, its requests). The supervisor therefore
 binds one private unix socket per worker in a directory of its own (mode 0700) before it starts
 them; worker *k* inherits its socket's fd (:data:`METRICS_FD_ENV`) and answers each connection
-on it (:func:`serve_own`): the asker sends one line naming what it wants (``metrics`` or
-``readiness``), the worker writes the answer and closes. The worker that gets the HTTP request
-reads its own state and asks every other worker (:func:`ask_all`):
+on it (:func:`serve_own`): the asker sends one line naming what it wants (``metrics``,
+``readiness`` or ``load``), the worker writes the answer and closes. The worker that gets
+the HTTP request reads its own state and asks every other worker (:func:`ask_all`):
 
 - :func:`merge` joins the metrics expositions, each sample labelled ``worker="k"``, one
   ``HELP``/``TYPE`` per family (``smgd_workers_scraped`` says how many answered);
 - :func:`merge_readiness` is ready only if every worker is (a worker that does not answer is
-  not), with every worker's engines in one report.
+  not), with every worker's engines in one report;
+- :func:`merge_load` lists every worker's engines, ``dp_rank`` renumbered over all of them.
 
 The sockets are the supervisor's, so they outlive a worker's restart: a request during one
 waits at most :data:`FETCH_TIMEOUT_S` for that worker.
@@ -44,6 +45,7 @@ __all__ = [
     "ask_all",
     "bind_sockets",
     "merge",
+    "merge_load",
     "merge_readiness",
     "serve_own",
     "socket_path",
@@ -215,6 +217,26 @@ def merge_readiness(reports: list[tuple[int, bytes | None]]) -> tuple[bool, dict
         workers[str(index)] = status
     status = "ready" if ready else ("draining" if draining else "not_ready")
     return ready, {"status": status, "draining": draining, "engines": engines, "workers": workers}
+
+
+def merge_load(reports: list[tuple[int, bytes | None]]) -> list[dict[str, object]]:
+    """Every worker's ``/get_load`` entries in worker order, each with its ``worker``, and
+    ``dp_rank`` renumbered as the position in the whole list (pure). A worker that did not
+    answer, or whose answer does not parse, contributes nothing."""
+    merged: list[dict[str, object]] = []
+    for index, raw in reports:
+        if raw is None:
+            continue
+        try:
+            entries = json.loads(raw)
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise ValueError("not a list of objects")
+        except ValueError as exc:
+            log.warning("load of worker %d does not parse: %s", index, exc)
+            continue
+        for entry in entries:
+            merged.append({**entry, "dp_rank": len(merged), WORKER_LABEL: index})
+    return merged
 
 
 class _Fixed:

@@ -15,6 +15,7 @@ from smgd.worker_peers import (
     ask_all,
     bind_sockets,
     merge,
+    merge_load,
     merge_readiness,
     serve_own,
     worker_peers,
@@ -137,3 +138,15 @@ def test_a_worker_that_does_not_answer_or_drains_makes_the_daemon_not_ready() ->
     assert not ready
     assert report["status"] == "draining"
     assert report["workers"] == {"0": "draining", "1": "no_answer"}
+
+
+def test_load_lists_every_workers_engines_with_dp_rank_over_all_of_them() -> None:
+    def entries(*names: str) -> bytes:
+        return json.dumps([{"dp_rank": i, "engine": n} for i, n in enumerate(names)]).encode()
+
+    merged = merge_load([(0, entries("a", "c")), (1, None), (2, entries("b")), (3, b"[1]")])
+    assert merged == [
+        {"dp_rank": 0, "engine": "a", "worker": 0},
+        {"dp_rank": 1, "engine": "c", "worker": 0},
+        {"dp_rank": 2, "engine": "b", "worker": 2},
+    ]

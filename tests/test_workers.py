@@ -136,6 +136,12 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
         assert len(workers) == 2
 
         await _metrics_cover_both_workers(url)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            load = (await client.get("/get_load")).json()
+        assert [(e["dp_rank"], e["engine"], e["worker"]) for e in load] == [
+            (0, "e0", 0),
+            (1, "e1", 1),
+        ]
 
         # A worker that dies is replaced; the port keeps answering meanwhile.
         victim = workers[1]

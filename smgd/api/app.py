@@ -134,6 +134,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             answers = {
                 "metrics": partial(generate_latest, registry),
                 "readiness": partial(ops.readiness_answer, gateway),
+                "load": partial(ops.load_answer, gateway),
             }
             app.nursery.start_soon(_in_background, partial(serve_own, peers.own_fd, answers))
 

@@ -24,7 +24,7 @@ from smgd.api.prepare import api, encode, read_json, resolve_model
 from smgd.api.sse import encode_json
 from smgd.errors import InvalidRequest
 from smgd.metrics import REGISTRY_KEY
-from smgd.worker_peers import PEERS_KEY, ask_all, merge, merge_readiness
+from smgd.worker_peers import PEERS_KEY, ask_all, merge, merge_load, merge_readiness
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -202,6 +202,16 @@ def load_report(gateway: Gateway) -> list[dict[str, Any]]:
     return out
 
 
+def load_answer(gateway: Gateway) -> bytes:
+    """This worker's load report, as its peers ask for it (smgd.worker_peers)."""
+    return encode_json(load_report(gateway))
+
+
 @blueprint.get("/get_load")
 async def get_load() -> Response:
-    return _json(load_report(api().gateway))
+    gateway = api().gateway
+    peers = current_app.extensions.get(PEERS_KEY)
+    if peers is None:
+        return _json(load_report(gateway))
+    # With workers: every worker's engines, in worker order, dp_rank renumbered over them all.
+    return _json(merge_load(await ask_all(peers, "load", load_answer(gateway))))
