@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
 __all__ = [
     "METRICS_DIR_ENV",
@@ -150,7 +150,7 @@ async def ask_all(peers: WorkerPeers, what: str, own: bytes) -> list[tuple[int, 
     return sorted(answers.items())
 
 
-def merge(texts: list[tuple[int, bytes | None]], count: int) -> bytes:
+def merge(texts: Sequence[tuple[int, bytes | None]], count: int) -> bytes:
     """Join ``(worker index, exposition)`` pairs into one exposition (pure).
 
     Every sample gains a ``worker`` label; a family keeps the first worker's help text and
@@ -189,7 +189,7 @@ def merge(texts: list[tuple[int, bytes | None]], count: int) -> bytes:
     return generate_latest(registry)
 
 
-def merge_readiness(reports: list[tuple[int, bytes | None]]) -> tuple[bool, dict[str, object]]:
+def merge_readiness(reports: Sequence[tuple[int, bytes | None]]) -> tuple[bool, dict[str, object]]:
     """(ready, report) over every worker's ``{"ready": bool, "report": {...}}`` (pure).
 
     Ready only if every worker answered and is ready; the report holds every worker's engines
@@ -219,7 +219,7 @@ def merge_readiness(reports: list[tuple[int, bytes | None]]) -> tuple[bool, dict
     return ready, {"status": status, "draining": draining, "engines": engines, "workers": workers}
 
 
-def merge_load(reports: list[tuple[int, bytes | None]]) -> list[dict[str, object]]:
+def merge_load(reports: Sequence[tuple[int, bytes | None]]) -> list[dict[str, object]]:
     """Every worker's ``/get_load`` entries in worker order, each with its ``worker``, and
     ``dp_rank`` renumbered as the position in the whole list (pure). A worker that did not
     answer, or whose answer does not parse, contributes nothing."""
