@@ -15,6 +15,7 @@ launched engines are stopped) and the process exits 0.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -224,10 +225,27 @@ def _first_smgd_error(exc: BaseException) -> SmgdError | None:
     return None
 
 
+# The cyclic GC's generation thresholds for the daemon (CPython's default: 700, 10, 10). Under
+# load smgd allocates a few objects per token per stream, so the defaults run a young
+# collection every few hundred microseconds and a full one every few seconds, each full one
+# traversing every live stream's objects (~60 ms at 256 streams: a pause in every stream).
+# Measured with `smgd bench` at C=256, alternating runs: GC took 0.34-0.44 s of a 10 s point
+# with the defaults and 0.14-0.21 s with these, with no full collection in the point, ITL p99
+# 33-36 ms instead of 39-160, CPU per token 28.5-33.3 vs 30.1-35.8 µs and RSS per stream
+# unchanged (63-64 KiB). Young collections still catch short-lived cycles (trio's cancelled
+# tasks and their tracebacks) within 10,000 allocations.
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
+def tune_gc() -> None:
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def serve_main(
     config: Config, *, config_path: str | None = None, overrides: list[str] | None = None
 ) -> int:
     setup_logging(config.logging)
+    tune_gc()
     worker = current_worker()
     supervise = worker is None and config.server.workers > 1
     if worker is not None:
