@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -43,18 +44,36 @@ def _config() -> Config:
     return config
 
 
-async def _get(port: int, path: str) -> bytes:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-        data = bytearray()
-        while not data.endswith(b"\r\n0\r\n\r\n"):
-            chunk = await stream.receive_some(1 << 20)
-            assert chunk, "connection closed before the body ended"
-            data += chunk
+async def _serve(
+    nursery: trio.Nursery,
+    asgi_app: Any,
+    config: Config,
+    stop: trio.Event | None = None,
+) -> int:
+    """Start ``http_worker.serve`` in ``nursery`` (stopping on ``stop``, if given); its port."""
+    trigger = None if stop is None else stop.wait
+    binds = await nursery.start(
+        partial(http_worker.serve, asgi_app, config, shutdown_trigger=trigger)
+    )
+    return int(binds[0].rsplit(":", 1)[1])
+
+
+async def _request(stream: trio.SocketStream, path: str = "/stream", extra: str = "") -> bytes:
+    """One request on an open connection: a 200 response; its dechunked body."""
+    await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n{extra}\r\n".encode())
+    data = bytearray()
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        chunk = await stream.receive_some(1 << 20)
+        assert chunk, "connection closed before the body ended"
+        data += chunk
     head, _, chunked = bytes(data).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     return dechunk(chunked)
+
+
+async def _get(port: int, path: str) -> bytes:
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        return await _request(stream, path)
 
 
 async def test_chunks_arrive_whole_and_in_order_mostly_by_direct_write(
@@ -62,8 +81,7 @@ async def test_chunks_arrive_whole_and_in_order_mostly_by_direct_write(
 ) -> None:
     counts = SendPathCounter(monkeypatch)
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(http_worker.serve, app, _config())
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, app, _config())
         body = await _get(port, "/stream")
         nursery.cancel_scope.cancel()
     assert body == b"".join(b"%d;" % i for i in range(CHUNKS))
@@ -77,8 +95,7 @@ async def test_a_partial_write_is_finished_by_hypercorns_path(
 ) -> None:
     counts = SendPathCounter(monkeypatch)
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(http_worker.serve, app, _config())
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, app, _config())
         body = await _get(port, "/big")
         nursery.cancel_scope.cancel()
     assert body == bytes(range(256)) * (BIG // 256)
@@ -89,10 +106,7 @@ async def test_the_shutdown_trigger_stops_accepting_and_serve_returns() -> None:
     stop = trio.Event()
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                lambda **kw: http_worker.serve(app, _config(), shutdown_trigger=stop.wait, **kw)
-            )
-            port = int(binds[0].rsplit(":", 1)[1])
+            port = await _serve(nursery, app, _config(), stop)
             assert await _get(port, "/stream")
             stop.set()
         # serve() returned by itself (the nursery was not cancelled): the listener is closed.
@@ -107,17 +121,6 @@ def test_write_now_is_zero_for_a_stream_without_a_socket() -> None:
 # -- keep-alive: smgd's KeepAliveTimer in place of hypercorn's per-request idle task --------
 
 KEEP_ALIVE_S = 10.0
-
-
-async def _request(stream: trio.SocketStream, path: str = "/stream", extra: str = "") -> bytes:
-    """One request on an open connection; its dechunked body."""
-    await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n{extra}\r\n".encode())
-    data = bytearray()
-    while not data.endswith(b"\r\n0\r\n\r\n"):
-        chunk = await stream.receive_some(1 << 20)
-        assert chunk, "connection closed before the body ended"
-        data += chunk
-    return dechunk(bytes(data).partition(b"\r\n\r\n")[2])
 
 
 async def _closed_by_server(stream: trio.SocketStream) -> bool:
@@ -138,8 +141,7 @@ async def test_an_idle_connection_closes_after_keep_alive_timeout_counted_from_i
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(http_worker.serve, app, _keep_alive_config())
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, app, _keep_alive_config())
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
             await _request(stream)
             await trio.sleep(KEEP_ALIVE_S - 1)  # idle, but not long enough
@@ -168,8 +170,7 @@ async def test_a_request_longer_than_keep_alive_timeout_is_not_cut(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(http_worker.serve, slow_app, _keep_alive_config())
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, slow_app, _keep_alive_config())
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
             with trio.fail_after(10 * KEEP_ALIVE_S):
                 assert await _request(stream) == b"0;1;2;"  # the idle timer was armed first
@@ -182,12 +183,7 @@ async def test_shutdown_closes_an_idle_connection_at_once_and_a_busy_one_when_it
 ) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            lambda **kw: http_worker.serve(
-                slow_app, _keep_alive_config(), shutdown_trigger=stop.wait, **kw
-            )
-        )
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, slow_app, _keep_alive_config(), stop)
         idle = await trio.open_tcp_stream("127.0.0.1", port)
         async with idle:
             assert await _request(idle) == b"0;1;2;"  # then it waits for its next request
@@ -221,12 +217,7 @@ async def test_a_connection_the_server_closes_leaves_no_task_behind(
     # group open, and shutdown would wait out the whole graceful timeout for it.
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            lambda **kw: http_worker.serve(
-                app, _keep_alive_config(), shutdown_trigger=stop.wait, **kw
-            )
-        )
-        port = int(binds[0].rsplit(":", 1)[1])
+        port = await _serve(nursery, app, _keep_alive_config(), stop)
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
             assert await _request(stream, extra="connection: close\r\n")
             assert await _closed_by_server(stream)
