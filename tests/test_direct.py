@@ -38,6 +38,16 @@ async def serving(*engines: FakeEngine) -> AsyncIterator[int]:
             nursery.cancel_scope.cancel()
 
 
+def _post_bytes(path: str, body: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 POST of ``body`` as JSON."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    return head + payload
+
+
 async def post_sse(
     port: int,
     path: str,
@@ -53,13 +63,8 @@ async def post_sse(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     await sock.connect(("127.0.0.1", port))
     stream = trio.SocketStream(sock)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    ).encode()
     async with stream:
-        await stream.send_all(head + payload)
+        await stream.send_all(_post_bytes(path, body))
         if pause_s:
             await trio.sleep(pause_s)  # a client that does not read: the server's writes back up
         data = bytearray()
@@ -236,13 +241,10 @@ async def test_a_saturated_loop_never_holds_back_a_streams_first_token(
     async with serving(engine) as port:
         await trio.sleep(0.1)  # a few pacer ticks: it reads saturated from now on
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        payload = json.dumps(_completion(200)).encode()  # ~0.4 s of tokens, 2 ms apart
+        request = _post_bytes("/v1/completions", _completion(200))  # ~0.4 s of tokens
         async with stream:
             sent_at = trio.current_time()
-            await stream.send_all(
-                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
-                b"\r\ncontent-length: %d\r\n\r\n%b" % (len(payload), payload)
-            )
+            await stream.send_all(request)
             data = bytearray()
             while b'"text":"' not in data.replace(b'"text":""', b""):
                 chunk = await stream.receive_some(65536)
