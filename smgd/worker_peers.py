@@ -8,7 +8,7 @@ on it (:func:`serve_own`): the asker sends one line naming what it wants (``metr
 ``readiness`` or ``load``), the worker writes the answer and closes. The worker that gets
 the HTTP request reads its own state and asks every other worker (:func:`ask_all`):
 
-- :func:`merge` joins the metrics expositions, each sample labelled ``worker="k"``, one
+- :func:`merge_metrics` joins the metrics expositions, each sample labelled ``worker="k"``, one
   ``HELP``/``TYPE`` per family (``smgd_workers_scraped`` says how many answered);
 - :func:`merge_readiness` is ready only if every worker is (a worker that does not answer is
   not), with every worker's engines in one report;
@@ -44,8 +44,8 @@ __all__ = [
     "WorkerPeers",
     "ask_all",
     "bind_sockets",
-    "merge",
     "merge_load",
+    "merge_metrics",
     "merge_readiness",
     "serve_own",
     "socket_path",
@@ -150,7 +150,7 @@ async def ask_all(peers: WorkerPeers, what: str, own: bytes) -> list[tuple[int, 
     return sorted(answers.items())
 
 
-def merge(texts: Sequence[tuple[int, bytes | None]], count: int) -> bytes:
+def merge_metrics(texts: Sequence[tuple[int, bytes | None]], count: int) -> bytes:
     """Join ``(worker index, exposition)`` pairs into one exposition (pure).
 
     Every sample gains a ``worker`` label; a family keeps the first worker's help text and
@@ -200,19 +200,18 @@ def merge_readiness(reports: Sequence[tuple[int, bytes | None]]) -> tuple[bool, 
     engines: dict[str, object] = {}
     workers: dict[str, str] = {}
     for index, raw in reports:
-        try:
-            if raw is None:
-                raise ValueError("no answer")
-            answer = json.loads(raw)
-            report = answer["report"]
-            worker_ready = bool(answer["ready"])
-            status = str(report["status"])
-            engines.update(report["engines"])
-            draining = draining or bool(report["draining"])
-        except (ValueError, TypeError, KeyError) as exc:
-            if raw is not None:
+        worker_ready, status = False, "no_answer"
+        if raw is not None:
+            try:
+                answer = json.loads(raw)
+                report = answer["report"]
+                worker_ready = bool(answer["ready"])
+                status = str(report["status"])
+                engines.update(report["engines"])
+                draining = draining or bool(report["draining"])
+            except (ValueError, TypeError, KeyError) as exc:
                 log.warning("readiness of worker %d does not parse: %s", index, exc)
-            worker_ready, status = False, "no_answer"
+                worker_ready, status = False, "no_answer"
         ready = ready and worker_ready
         workers[str(index)] = status
     status = "ready" if ready else ("draining" if draining else "not_ready")

@@ -14,8 +14,8 @@ from smgd.worker_peers import (
     WorkerPeers,
     ask_all,
     bind_sockets,
-    merge,
     merge_load,
+    merge_metrics,
     merge_readiness,
     serve_own,
     worker_peers,
@@ -42,7 +42,7 @@ def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 def test_merge_labels_every_sample_with_its_worker_under_one_header_per_family() -> None:
     texts = [(0, generate_latest(_registry("e0", 3))), (1, generate_latest(_registry("e1", 5)))]
-    merged = merge(texts, 2)
+    merged = merge_metrics(texts, 2)
     samples = _samples(merged)
     assert samples[("smgd_requests_total", frozenset({("engine", "e0"), ("worker", "0")}))] == 3
     assert samples[("smgd_requests_total", frozenset({("engine", "e1"), ("worker", "1")}))] == 5
@@ -60,7 +60,7 @@ def test_merge_labels_every_sample_with_its_worker_under_one_header_per_family()
 
 
 def test_a_worker_whose_text_does_not_parse_is_left_out_not_the_scrape() -> None:
-    merged = merge([(0, generate_latest(_registry("e0", 1))), (1, b"not {{ prometheus")], 2)
+    merged = merge_metrics([(0, generate_latest(_registry("e0", 1))), (1, b"not {{ prometheus")], 2)
     samples = _samples(merged)
     assert samples[("smgd_workers_scraped", frozenset())] == 1
     assert ("smgd_requests_total", frozenset({("engine", "e0"), ("worker", "0")})) in samples
@@ -101,7 +101,7 @@ async def test_ask_all_reads_every_worker_and_skips_one_that_does_not_answer(
     assert [index for index, _ in got] == [0, 1, 2]
     assert got[2][1] is None
     assert unknown[1][1] is None  # a request it does not know gets no answer, not a crash
-    samples = _samples(merge(got, 3))
+    samples = _samples(merge_metrics(got, 3))
     assert samples[("smgd_workers_scraped", frozenset())] == 2
     assert samples[("smgd_requests_total", frozenset({("engine", "e0"), ("worker", "0")}))] == 1
     assert samples[("smgd_requests_total", frozenset({("engine", "e1"), ("worker", "1")}))] == 2

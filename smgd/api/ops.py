@@ -24,7 +24,7 @@ from smgd.api.prepare import api, encode, read_json, resolve_model
 from smgd.api.sse import encode_json
 from smgd.errors import InvalidRequest
 from smgd.metrics import REGISTRY_KEY
-from smgd.worker_peers import PEERS_KEY, ask_all, merge, merge_load, merge_readiness
+from smgd.worker_peers import PEERS_KEY, ask_all, merge_load, merge_metrics, merge_readiness
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -166,7 +166,7 @@ async def metrics() -> Response:
     body = generate_latest(current_app.extensions[REGISTRY_KEY])
     peers = current_app.extensions.get(PEERS_KEY)
     if peers is not None:  # with workers, one scrape covers them all (smgd.worker_peers)
-        body = merge(await ask_all(peers, "metrics", body), peers.count)
+        body = merge_metrics(await ask_all(peers, "metrics", body), peers.count)
     # The classic text format's content type: every Prometheus/agent version parses it (the
     # client's default advertises version=1.0.0, which older scrapers do not know).
     return Response(body, content_type=TEXT_0_0_4)
