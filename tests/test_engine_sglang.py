@@ -233,3 +233,46 @@ def test_a_launched_mock_engine_exits_when_its_daemon_is_killed(tmp_path: object
         time.sleep(0.05)
     os.kill(child_pid, signal.SIGKILL)
     raise AssertionError("the launched mock engine outlived its killed parent")
+
+
+class _TaskSteps(trio.abc.Instrument):
+    """Counts the scheduler passes of the tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_a_burst_of_submits_goes_to_the_engine_in_one_sender_pass() -> None:
+    # 64 requests submitted in the same scheduler pass: the sender must not need a pass per
+    # request (each pass waits for every other runnable task, which sets TTFT in a burst).
+    burst = 64
+    async with sglang_pair(step_s=0.01, max_batch=burst) as pair:
+        steps = _TaskSteps("._sender_task")
+        first_tokens = 0
+        all_started = trio.Event()
+
+        async def one(i: int) -> None:
+            nonlocal first_tokens
+            async with pair.client.open_stream(request(f"b{i:031x}", [5, 6, 7], 2)) as rs:
+                async for _ in rs:
+                    first_tokens += 1
+                    if first_tokens == burst:
+                        all_started.set()
+                    break
+
+        trio.lowlevel.add_instrument(steps)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(burst):
+                    nursery.start_soon(one, i)
+                with trio.fail_after(10):
+                    await all_started.wait()
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    # One pass for the burst, one or two more for the aborts of the streams left early.
+    assert 1 <= steps.steps <= 4, steps.steps

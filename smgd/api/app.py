@@ -33,6 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from smgd.api import native, openai, ops
+from smgd.api.asgi_connection import InlineHTTPConnection
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.execute import RECORDER_KEY
 from smgd.api.pacer import LoadPacer
@@ -102,6 +103,7 @@ def _error_response(err: SmgdError) -> Response:
 def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> QuartTrio:
     server = gateway.config.server
     app = QuartTrio("smgd")
+    app.asgi_http_class = InlineHTTPConnection  # fewer scheduler passes per request
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
     app.config["MAX_CONTENT_LENGTH"] = server.max_body_bytes

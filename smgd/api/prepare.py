@@ -17,6 +17,7 @@ import msgspec
 import trio
 from quart import current_app, g, request
 
+from smgd.api.asgi_connection import QUEUED_BODY_KEY
 from smgd.api.direct import direct_writer
 from smgd.api.execute import Job
 from smgd.api.pipeline import Choice, LogprobTrack, new_engine_rid
@@ -94,7 +95,9 @@ def request_id() -> str:
 
 
 async def read_json() -> dict[str, Any]:
-    data = await request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
+    data = request.scope.get(QUEUED_BODY_KEY)  # read before the handler ran, if it was
+    if data is None:
+        data = await request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
     assert isinstance(data, bytes)
     try:
         body = _decoder.decode(data)
