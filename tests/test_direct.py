@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -190,6 +191,55 @@ async def test_h11_carries_only_the_head_and_the_terminator_of_a_direct_stream(
         events = await post_sse(port, "/v1/completions", _completion(20))
     assert events[-1] == "[DONE]" and len(events) > 10
     assert sent == [h11.Response, h11.EndOfMessage]
+
+
+async def test_the_end_and_terminator_go_out_with_the_last_event_and_h11_adds_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The reader writes last event + usage + [DONE] + the body's terminator in one write; h11's
+    # own terminator is dropped, or the next response on the connection would be corrupt.
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def recording(fd: int, data: Any) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", recording)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    client = h11.Connection(h11.CLIENT)
+    bodies: list[bytes] = []
+    async with serving(engine) as port:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", port))
+        async with trio.SocketStream(sock) as stream:
+            for _ in range(3):  # one keep-alive connection
+                payload = json.dumps(_completion(6, stream_options={"include_usage": True}))
+                headers = [("host", "x"), ("content-type", "application/json")]
+                headers.append(("content-length", str(len(payload))))
+                request = h11.Request(method="POST", target="/v1/completions", headers=headers)
+                await stream.send_all(
+                    client.send(request)
+                    + client.send(h11.Data(data=payload.encode()))
+                    + client.send(h11.EndOfMessage())
+                )
+                body = b""
+                while True:
+                    event = client.next_event()
+                    if event is h11.NEED_DATA:
+                        client.receive_data(await stream.receive_some(65536))
+                    elif type(event) is h11.Response:
+                        assert event.status_code == 200
+                    elif type(event) is h11.Data:
+                        body += event.data
+                    elif type(event) is h11.EndOfMessage:
+                        break
+                bodies.append(body)
+                client.start_next_cycle()
+    assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"[DONE]") == 1 for b in bodies)
+    ends = [w for w in writes if w.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")]
+    assert len(ends) == 3, writes[-4:]
+    assert b"0\r\n\r\n" not in writes  # never a terminator on its own
 
 
 async def test_a_finished_direct_stream_leaves_no_reference_cycle_behind() -> None:

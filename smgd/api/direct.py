@@ -17,8 +17,9 @@ wakes only when the writer needs it:
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event
   joins the backlog until it is empty (order is kept; nothing is dropped);
-- the stream finished, or a stop string ended it: the task writes the last event and the
-  end (usage, ``[DONE]``) as one chunk, and h11 then ends the chunked body;
+- the stream finished, or a stop string ended it: the reader writes the last event, the
+  end (usage, ``[DONE]``) and the body's terminator in one write (:meth:`DirectWriter.finish`);
+  the task then completes the response through h11, whose own terminator the connection drops;
 - it failed: the task sends the error event the normal way, through h11;
 - the socket broke: the task ends the response, which aborts the engine request.
 
@@ -39,7 +40,10 @@ from hypercorn.trio.tcp_server import TCPServer
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["CONNECTION_KEY", "DirectWriter", "direct_writer"]
+__all__ = ["BODY_END", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
+
+# The end of a chunked HTTP/1.1 body without trailers, as h11 writes it.
+BODY_END = b"0\r\n\r\n"
 
 # Where smgd's worker loop puts its connection object in the ASGI scope's "state" (hypercorn
 # copies the connection's state dict into every request's scope).
@@ -65,7 +69,24 @@ class DirectWriter:
         """
         if self.broken:
             return False
-        frame = b"%x\r\n%b\r\n" % (len(payload), payload)
+        return self._send(b"%x\r\n%b\r\n" % (len(payload), payload))
+
+    def finish(self, payload: bytes) -> bool:
+        """Send ``payload`` as the body's last chunk followed by its terminator, in one write.
+
+        The client has the whole response at once, before the stream's task runs again (in a
+        burst of stream ends that is a scheduler pass of tens of ms sooner, and one write
+        fewer). h11 still ends the body when the response completes; the connection drops
+        the terminator h11 then writes (:meth:`DirectSendTCPServer.protocol_send`).
+        """
+        if self.broken:
+            return False
+        self._conn.body_end_written = True
+        if not payload:  # a zero-size chunk would itself be the terminator
+            return self._send(BODY_END)
+        return self._send(b"%x\r\n%b\r\n%b" % (len(payload), payload, BODY_END))
+
+    def _send(self, frame: bytes) -> bool:
         conn = self._conn
         if self.backlog or self._busy or conn.send_lock.locked():
             self.backlog += frame

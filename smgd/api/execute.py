@@ -216,20 +216,19 @@ async def _direct(
     writer: DirectWriter,
     keepalive_s: float,
     pacer: LoadPacer | None = None,
-) -> bytes:
+) -> None:
     """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
 
-    Returns the choice's last event, not yet written, once the choice is done and every
-    earlier byte is: the caller writes it and the end as one chunk (a write fewer per request).
-    Raises the engine's error, or :class:`_ClientGone`; the caller sends an error event the
-    normal way.
+    Returns once the choice is done and every byte is written: the reader wrote the last
+    event, the end and the body's terminator together (:meth:`DirectWriter.finish`), so the
+    client has the whole response before this task runs again. Raises the engine's error, or
+    :class:`_ClientGone`; the caller sends an error event the normal way.
 
     When the pacer's direct window is open (a saturated loop), output that arrives sooner than
     one window after this stream's last event is held and merged, and goes out as one event
     at the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
     """
     failures: list[Exception] = []
-    last: list[bytes] = []  # the final event, kept for the caller
     held: TokenDelta | None = None  # output merged while the window is open
     last_event = -math.inf  # of this stream's last event: none yet, so the first is never held
 
@@ -245,8 +244,13 @@ async def _direct(
             rs.notify()
             return
         if choice.done:
-            last.append(out)
-            rs.notify()  # the end: the task writes it
+            try:
+                end = out + render.end()
+            except Exception as exc:  # as above: the task raises it
+                failures.append(exc)
+            else:
+                writer.finish(end)  # a backlog is the task's to flush, as for any event
+            rs.notify()  # the end: the task completes the response
         elif out and not writer.write(out):
             rs.notify()  # a backlog to flush, or a broken socket: the task acts
 
@@ -286,7 +290,7 @@ async def _direct(
             if failures:
                 raise failures[0]
             if choice.done:
-                return b"".join(last)
+                return
             delta = rs.receive_nowait()  # output from before the sink, or the engine's error
             if delta is not None:
                 sink(delta)
@@ -312,7 +316,7 @@ async def _stream_one(
     writer: DirectWriter | None = None,
 ) -> AsyncIterator[bytes]:
     choice = job.choice
-    direct_last: bytes | None = None  # the last event, when the stream went direct
+    went_direct = False  # then the reader wrote the end too
     try:
         while True:
             try:
@@ -321,11 +325,10 @@ async def _stream_one(
                         # Quart sent the response head before it asked for the body: every
                         # event can go straight to the socket, the first one included.
                         try:
-                            direct_last = await _direct(
-                                rs, choice, state, render, writer, keepalive_s, pacer
-                            )
+                            await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
                         except _ClientGone:
                             return  # leaving open_stream aborts the engine request
+                        went_direct = True
                         break
                     while True:
                         delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
@@ -352,10 +355,8 @@ async def _stream_one(
             except _RETRYABLE:
                 if not reroute(job, state.model):
                     raise
-        if direct_last is None:
+        if not went_direct:
             yield render.end()
-        elif writer is not None and not writer.write(direct_last + render.end()):
-            await writer.flush()  # a slow client (a broken socket: flush does nothing)
     except trio.EndOfChannel:
         early = EngineDead(f"engine {job.engine.name} ended the request early")
         state.fail(early)

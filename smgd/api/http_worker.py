@@ -41,7 +41,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from smgd.api.direct import CONNECTION_KEY
+from smgd.api.direct import BODY_END, CONNECTION_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -62,11 +62,17 @@ class DirectSendTCPServer(TCPServer):
         super().__init__(
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
+        # A direct stream wrote its body's terminator itself (DirectWriter.finish): the one
+        # h11 writes when the response completes must not reach the client a second time.
+        self.body_end_written = False
         self._keep_alive = KeepAliveTimer(self)
         # TCPServer only calls restart() and stop() on it, which the timer has.
         self.idle_task = self._keep_alive  # type: ignore[assignment]
 
     async def protocol_send(self, event: Event) -> None:
+        if type(event) is RawData and self.body_end_written and event.data == BODY_END:
+            self.body_end_written = False
+            return
         if type(event) is RawData and not self.send_lock.locked():
             data = event.data
             sent = _write_now(self.stream, data)
