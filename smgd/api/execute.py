@@ -316,7 +316,6 @@ async def _stream_one(
     writer: DirectWriter | None = None,
 ) -> AsyncIterator[bytes]:
     choice = job.choice
-    went_direct = False  # then the reader wrote the end too
     try:
         while True:
             try:
@@ -328,7 +327,6 @@ async def _stream_one(
                             await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
                         except _ClientGone:
                             return  # leaving open_stream aborts the engine request
-                        went_direct = True
                         break
                     while True:
                         delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
@@ -355,7 +353,7 @@ async def _stream_one(
             except _RETRYABLE:
                 if not reroute(job, state.model):
                     raise
-        if not went_direct:
+        if writer is None:  # a direct stream's reader wrote the end with its last event
             yield render.end()
     except trio.EndOfChannel:
         early = EngineDead(f"engine {job.engine.name} ended the request early")

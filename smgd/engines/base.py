@@ -277,8 +277,7 @@ class EngineClient:
     async def _sender_task(self) -> None:
         sock = self._input_socket()
         send_s = self.config.timeouts.send_s
-        async for first in self._outbox_recv:
-            frames = first
+        async for frames in self._outbox_recv:
             try:
                 # Everything queued goes out in this one wakeup. Each awaited send is a
                 # scheduler pass, and in a burst of new requests a pass runs every other
