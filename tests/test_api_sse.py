@@ -61,6 +61,21 @@ def test_completion_chunk_is_openai_json(text: str, index: int, finish: str | No
     }
 
 
+@given(
+    text=st.text(),
+    model=st.text(min_size=1),
+    indexes=st.lists(st.integers(0, 8), min_size=1, max_size=6),
+    chat=st.booleans(),
+    usage=st.booleans(),
+)
+def test_text_event_is_the_plain_chunk(
+    text: str, model: str, indexes: list[int], chat: bool, usage: bool
+) -> None:
+    fmt = ChunkFormat(response_id="x-1", created=3, model=model, chat=chat, include_usage=usage)
+    for index in indexes:  # any order: the per-index pieces are built on first use
+        assert fmt.text_event(index, text) == fmt.chunk(index, text)
+
+
 def test_usage_chunk_has_no_choices() -> None:
     fmt = ChunkFormat(response_id="c", created=1, model="m", chat=True, include_usage=True)
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}

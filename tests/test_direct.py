@@ -115,13 +115,20 @@ async def _reference_text(port: int, tokens: int, http_timeout_s: float = 5.0) -
 
 
 def test_direct_writer_applies_only_to_http11_on_smgds_own_loop() -> None:
-    conn = object()
-    state = {"smgd.connection": conn}
-    assert direct_writer({"type": "http", "http_version": "1.1", "state": state}) is not None
-    assert direct_writer({"type": "http", "http_version": "1.0", "state": state}) is None
-    assert direct_writer({"type": "http", "http_version": "2", "state": state}) is None
-    assert direct_writer({"type": "http", "http_version": "1.1", "state": {}}) is None
-    assert direct_writer({"type": "http", "http_version": "1.1"}) is None
+    with socket.socket() as sock:
+
+        class Conn:
+            send_lock = trio.Lock()
+
+            class stream:
+                socket = sock
+
+        state = {"smgd.connection": Conn()}
+        assert direct_writer({"type": "http", "http_version": "1.1", "state": state}) is not None
+        assert direct_writer({"type": "http", "http_version": "1.0", "state": state}) is None
+        assert direct_writer({"type": "http", "http_version": "2", "state": state}) is None
+        assert direct_writer({"type": "http", "http_version": "1.1", "state": {}}) is None
+        assert direct_writer({"type": "http", "http_version": "1.1"}) is None
 
 
 def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from msgspec.msgpack import Ext
 
 from smgd.errors import InvalidRequest, WireError
 from smgd.wire import sglang as sg
@@ -378,6 +380,18 @@ def test_json_encode_rejects_bad_input() -> None:
 def test_ids_survive_int64_range() -> None:
     ids = [0, 1, 65536, (1 << 63) - 1, -(1 << 63)]
     assert sg.ext_to_ids(sg.ids_to_ext(ids)) == ids
+    for one in ids:  # a single id, the decode step's usual output, has a path of its own
+        assert sg.ext_to_ids(sg.ids_to_ext([one])) == [one]
+
+
+def test_a_single_id_array_in_any_typecode_decodes() -> None:
+    for typecode in "bBhHiIlLqQ":
+        arr = array(typecode, [7])
+        meta = msgspec.msgpack.encode(typecode)
+        ext = Ext(1, len(meta).to_bytes(4, "big") + meta + arr.tobytes())
+        assert sg.ext_to_ids(ext) == [7]
+    with pytest.raises(WireError):  # one int64 plus a stray byte
+        sg.ext_to_ids(Ext(1, bytes(sg.ids_to_ext([7]).data) + b"\x00"))
 
 
 @pytest.mark.parametrize(

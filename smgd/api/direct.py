@@ -53,10 +53,14 @@ CONNECTION_KEY = "smgd.connection"
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
-    __slots__ = ("_busy", "_conn", "backlog", "broken", "writes")
+    __slots__ = ("_busy", "_conn", "_fileno", "_send_lock", "backlog", "broken", "writes")
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        # Looked up once: the write of every event needs both. fileno() is still called per
+        # write, because after the connection closed it is -1 and the number may be reused.
+        self._fileno = conn.stream.socket.fileno
+        self._send_lock = conn.send_lock
         self._busy = False  # flush() is in hypercorn's send path right now
         self.backlog = bytearray()
         self.broken = False
@@ -87,11 +91,10 @@ class DirectWriter:
         return self._send(b"%x\r\n%b\r\n%b" % (len(payload), payload, BODY_END))
 
     def _send(self, frame: bytes) -> bool:
-        conn = self._conn
-        if self.backlog or self._busy or conn.send_lock.locked():
+        if self.backlog or self._busy or self._send_lock.locked():
             self.backlog += frame
             return False
-        fd = conn.stream.socket.fileno()
+        fd = self._fileno()
         try:
             sent = os.write(fd, frame) if fd >= 0 else 0
         except BlockingIOError:
@@ -117,7 +120,7 @@ class DirectWriter:
                 await TCPServer.protocol_send(self._conn, RawData(data=data))
             finally:
                 self._busy = False
-            if self._conn.stream.socket.fileno() < 0:
+            if self._fileno() < 0:
                 self.broken = True
 
 

@@ -172,6 +172,10 @@ class OpenAIRenderer:
         self.tokens = tokens  # set when the request asked for logprobs
 
     def delta(self, choice: Choice, text: str) -> bytes:
+        if choice.sent_role and choice.finish_reason is None and self.tokens is None:
+            # Mid-stream text, the event of nearly every token: no role, echo, finish or
+            # logprobs to add (the same bytes as the general path below).
+            return self.fmt.text_event(choice.index, text) if text else b""
         first = not choice.sent_role
         if first and self.echo is not None:
             text = self.echo[choice.index] + text

@@ -38,7 +38,7 @@ def event(obj: Any) -> bytes:
 class ChunkFormat:
     """Byte templates for one request's ``chat.completion.chunk`` / ``text_completion`` events."""
 
-    __slots__ = ("_delta_close", "_end", "_head", "_index", "_text_key", "chat")
+    __slots__ = ("_delta_close", "_end", "_head", "_index", "_text_events", "_text_key", "chat")
 
     def __init__(
         self,
@@ -68,11 +68,26 @@ class ChunkFormat:
         self._delta_close = b"}" if chat else b""
         self._end = b'}],"usage":null}\n\n' if include_usage else b"}]}\n\n"
         self._index: list[bytes] = []
+        # Per choice index: the bytes before and after the JSON text of a plain text event.
+        self._text_events: list[tuple[bytes, bytes]] = []
 
     def _index_bytes(self, index: int) -> bytes:
         while len(self._index) <= index:
             self._index.append(str(len(self._index)).encode())
         return self._index[index]
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """``chunk(index, text)``: an event with no role, finish reason or logprobs.
+
+        The event of nearly every token, so both sides of the text are built once per choice.
+        """
+        events = self._text_events
+        while len(events) <= index:  # the same bytes as chunk() builds, minus the text
+            before = self._head + self._index_bytes(len(events)) + self._text_key
+            after = self._delta_close + b',"logprobs":null,"finish_reason":null' + self._end
+            events.append((before, after))
+        before, after = events[index]
+        return before + _encoder.encode(text) + after
 
     def chunk(
         self,

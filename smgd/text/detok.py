@@ -90,7 +90,9 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         if self._stream is not None:
             try:
-                text = self._stream.step(self._hf, list(token_ids))
+                # The wire decoders give lists; anything else is copied into one.
+                ids = token_ids if type(token_ids) is list else list(token_ids)
+                text = self._stream.step(self._hf, ids)
             except Exception:  # DecodeStream's Rust errors are plain Exceptions
                 self._stream = None
                 self._prefix = max(self._base, self._emitted - _CONTEXT_IDS)

@@ -39,6 +39,9 @@ class TextStream:
         )
         self.stops = StopMatcher(stops, include_stop=include_stop)
         self._include_stop = include_stop
+        # No stop strings: the matcher would hand every text through as it is, so push()
+        # skips it (two calls per token fewer on the hot path).
+        self._no_stops = not self.stops.stops
 
     @property
     def stop_hit(self) -> str | None:
@@ -52,10 +55,12 @@ class TextStream:
         (``Finish.matched_token``); like vLLM, its text is not part of the output unless
         stop strings are included (``include_stop``).
         """
-        if self.stops.done:
-            return "", None
         if stop_token and token_ids and not self._include_stop:
             token_ids = token_ids[:-1]
+        if self._no_stops:
+            return self.detok.push(token_ids), None
+        if self.stops.hit is not None:
+            return "", None
         return self.stops.feed(self.detok.push(token_ids))
 
     def finish(self) -> str:

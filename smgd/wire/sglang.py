@@ -26,12 +26,14 @@ mirror of ``BatchTokenIDOutput`` and a pre-built decoder. The ``smgd wire`` JSON
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import uuid
 from array import array
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
+from msgspec import Raw
 from msgspec.msgpack import Ext
 
 from smgd.errors import InvalidRequest, WireError
@@ -54,6 +56,8 @@ GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperature below this means greedy
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # the scheduler special-cases rids starting with this
 EXT_ARRAY = 1  # msgpack ext code SGLang uses for array.array ("stable wire id")
 _Q_META = b"\x00\x00\x00\x02\xa1q"  # ext-1 header for typecode "q": u32 BE len 2 + msgpack "q"
+_ONE_Q_LEN = len(_Q_META) + 8  # the payload of an array of one int64
+_unpack_q = struct.Struct("<q").unpack_from  # SGLang's x86-64 hosts write little-endian
 _LITTLE = sys.byteorder == "little"  # SGLang writes raw native (x86-64: little-endian) int64
 
 Number = int | float  # SGLang types these float but writes whatever Python value it was given
@@ -329,28 +333,32 @@ class BatchStrOutput(BaseBatchReq, kw_only=True):
 class _OutputHead(
     msgspec.Struct, tag="BatchTokenIDOutput", kw_only=True, array_like=True, gc=False
 ):
-    """Hot-path view of BatchTokenIDOutput: the first 21 columns; the rest are skipped."""
+    """Hot-path view of BatchTokenIDOutput: the first 22 columns; the rest are skipped.
+
+    Columns smgd never reads are ``Raw``: any value is accepted and none is decoded (a
+    256-request frame decodes in ~26 instead of ~40 µs).
+    """
 
     rids: list[str] | None = None
-    http_worker_ipcs: Any = None
+    http_worker_ipcs: Raw = Raw()
     finished_reasons: list[dict[str, Any] | None]
-    decoded_texts: Any
-    decode_ids: Any
-    read_offsets: Any
+    decoded_texts: Raw
+    decode_ids: Raw
+    read_offsets: Raw
     output_ids: list[Ext] | None
-    skip_special_tokens: Any
-    spaces_between_special_tokens: Any
-    no_stop_trim: Any
+    skip_special_tokens: Raw
+    spaces_between_special_tokens: Raw
+    no_stop_trim: Raw
     prompt_tokens: list[int]
-    reasoning_tokens: Any
+    reasoning_tokens: Raw
     completion_tokens: list[int]
     cached_tokens: list[int]
-    input_token_logprobs_val: Any
-    input_token_logprobs_idx: Any
+    input_token_logprobs_val: Raw
+    input_token_logprobs_idx: Raw
     output_token_logprobs_val: list[list[Any] | None] | None
     output_token_logprobs_idx: list[list[Any] | None] | None
-    input_top_logprobs_val: Any
-    input_top_logprobs_idx: Any
+    input_top_logprobs_val: Raw
+    input_top_logprobs_idx: Raw
     output_top_logprobs_val: list[list[Any] | None] | None
     output_top_logprobs_idx: list[list[Any] | None] | None
 
@@ -473,7 +481,11 @@ def ext_to_ids(ext: Any) -> list[int]:
     """Decode an ext-1 ``array.array`` payload to a list of ints (any integer typecode)."""
     if type(ext) is not Ext or ext.code != EXT_ARRAY:
         raise WireError(f"expected an int64 array (msgpack ext 1), got {type(ext).__name__}")
-    data = memoryview(ext.data)
+    raw = ext.data
+    if type(raw) is bytes and len(raw) == _ONE_Q_LEN and raw.startswith(_Q_META):
+        # One int64, a decode step's usual output: half the time of the general path.
+        return [_unpack_q(raw, len(_Q_META))[0]]
+    data = memoryview(raw)
     try:
         if _LITTLE and data[:6] == _Q_META:
             result: list[int] = data[6:].cast("q").tolist()
@@ -748,7 +760,7 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
             rid=rid,
             token_ids=ext_to_ids(outs[i]) if outs is not None else [],
             logprobs=_logprobs(head, i, n) if want_logprobs else None,
-            finish=finish_from_wire(reasons[i]),
+            finish=None if reasons[i] is None else finish_from_wire(reasons[i]),
             prompt_tokens=prompt[i],
             completion_tokens=completion[i],
             cached_tokens=cached[i],
