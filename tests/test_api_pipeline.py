@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from smgd.api.pipeline import Choice, RequestState, check_request_id, new_engine_rid
+from smgd.api.pipeline import (
+    Choice,
+    RequestState,
+    check_request_id,
+    new_engine_rid,
+    new_request_id,
+)
 from smgd.errors import EngineDead, EngineRejected, InvalidRequest
 from smgd.text.stream import TextStream
 from smgd.text.tokenizer import load_tokenizer
@@ -111,6 +117,10 @@ def test_request_ids() -> None:
     for bad in ("", "a b", "x" * 129, "é"):
         with pytest.raises(InvalidRequest):
             check_request_id(bad, "X-Request-Id")
-    rids = {new_engine_rid() for _ in range(100)}
-    assert len(rids) == 100
-    assert {len(r) for r in rids} == {32}
+    for new_id in (new_engine_rid, new_request_id):
+        ids = {new_id() for _ in range(1000)}
+        assert len(ids) == 1000
+        # Fixed-length hex: no engine rid is a prefix of another (SGLang aborts by prefix).
+        assert {len(r) for r in ids} == {32}
+        assert all(int(r, 16) >= 0 for r in ids)
+        assert any(r.startswith("0") for r in ids)  # leading zeros are kept

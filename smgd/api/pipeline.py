@@ -13,8 +13,8 @@ the HTTP request in headers and logs; each engine request gets its own fixed-len
 
 from __future__ import annotations
 
+import random
 import re
-import uuid
 from array import array
 from typing import TYPE_CHECKING, Any
 
@@ -39,18 +39,25 @@ __all__ = [
 
 # A client id is echoed in headers and every log line: 128 visible characters is enough for
 # any UUID/ULID/trace-id scheme and keeps a hostile header from bloating logs (xLLM caps 256).
+_random_bits = random.getrandbits
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 _FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits, like ``uuid4().hex``.
+
+    Drawn from ``random`` (seeded from the OS at start and again after a fork) rather than
+    ``uuid4``: ``os.urandom`` is a system call, ~3 µs each on the 2-core test VM, and every
+    request takes two ids. Ids only have to be unique; nothing here is a secret.
+    """
+    return f"{_random_bits(128):032x}"
 
 
 def new_engine_rid() -> str:
     """Fixed-length hex: no engine rid is a prefix of another (SGLang aborts by prefix)."""
-    return uuid.uuid4().hex
+    return f"{_random_bits(128):032x}"
 
 
 def check_request_id(value: str, param: str) -> str:
