@@ -176,25 +176,20 @@ class EngineClient:
         async with self.admission.slot(req.rid):
             if self.state is not EngineState.READY:  # it may have died while we queued
                 raise EngineNotReady(f"engine {self.name} is {self.state.value}")
-            async with self._submitted(req) as stream:
+            stream = RequestStream(req.rid, self.name)
+            frames = self._encode_request(req)
+            self._streams[req.rid] = stream
+            self._requests_total += 1
+            self._outbox_send.send_nowait(frames)
+            try:
                 yield stream
-
-    @asynccontextmanager
-    async def _submitted(self, req: GenerateRequest) -> AsyncIterator[RequestStream]:
-        stream = RequestStream(req.rid, self.name)
-        frames = self._encode_request(req)
-        self._streams[req.rid] = stream
-        self._requests_total += 1
-        self._outbox_send.send_nowait(frames)
-        try:
-            yield stream
-        finally:
-            still_running = stream.state is StreamState.OPEN
-            self._streams.pop(req.rid, None)
-            if still_running:
-                stream.state = StreamState.CLOSED
-                if self.state is EngineState.READY:
-                    self._outbox_send.send_nowait(self._encode_abort(req.rid))
+            finally:
+                still_running = stream.state is StreamState.OPEN
+                self._streams.pop(req.rid, None)
+                if still_running:
+                    stream.state = StreamState.CLOSED
+                    if self.state is EngineState.READY:
+                        self._outbox_send.send_nowait(self._encode_abort(req.rid))
 
     # ------------------------------------------------------------------ lifecycle
 
