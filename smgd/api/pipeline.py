@@ -39,8 +39,9 @@ __all__ = [
 
 # A client id is echoed in headers and every log line: 128 visible characters is enough for
 # any UUID/ULID/trace-id scheme and keeps a hostile header from bloating logs (xLLM caps 256).
-_random_bits = random.getrandbits
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+_random_bits = random.getrandbits  # Mersenne Twister: no system call per id
 
 _FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
@@ -49,8 +50,8 @@ def new_request_id() -> str:
     """32 random hex digits, like ``uuid4().hex``.
 
     Drawn from ``random`` (seeded from the OS at start and again after a fork) rather than
-    ``uuid4``: ``os.urandom`` is a system call, ~3 µs each on the 2-core test VM, and every
-    request takes two ids. Ids only have to be unique; nothing here is a secret.
+    ``uuid4``, whose ``os.urandom`` is a system call (1.9 vs 0.3 µs per id on the 2-core test
+    VM), and every request takes two ids. Ids only have to be unique; none is a secret.
     """
     return f"{_random_bits(128):032x}"
 
