@@ -350,6 +350,33 @@ def test_ratios_and_table_compare_at_equal_concurrency() -> None:
     assert "16 | floor" in report.ratio_table(rows)
 
 
+def test_rounds_are_summarised_as_median_and_range_per_point_and_ratio() -> None:
+    w = Workload()
+    rounds = []
+    for smgd_cpu, vllm_cpu, lost in ((2.0, 5.0, 0), (3.0, 5.0, 2), (2.5, 4.0, 0)):
+        targets = {
+            "smgd": [report.derive(_point(server_cpu_s=smgd_cpu, lost_tokens=lost), w)],
+            "vllm": [report.derive(_point(server_cpu_s=vllm_cpu, ttft_p50_ms=50.0), w)],
+        }
+        rounds.append({"targets": targets, "ratios": report.ratios(targets)})
+    summary = report.round_summary(rounds)
+    smgd = next(p for p in summary["points"] if p["target"] == "smgd")
+    assert smgd["rounds"] == 3
+    # 2.0, 3.0 and 2.5 s of CPU for 10,000 tokens: 200, 300 and 250 µs per token.
+    assert smgd["cpu_us_per_token"] == {"median": 250.0, "min": 200.0, "max": 300.0, "n": 3}
+    assert smgd["lost_tokens"] == 2  # summed: a loss in any round shows
+    (ratio,) = summary["ratios"]
+    assert (ratio["target"], ratio["concurrency"], ratio["vs"]) == ("smgd", 16, "vllm")
+    # Per round 0.4, 0.6 and 0.625: the median of the ratios, not a ratio of medians.
+    assert ratio["cpu_per_token"] == {"median": 0.6, "min": 0.4, "max": 0.62, "n": 3}
+    assert ratio["ttft_p50_delta_ms"]["median"] == -20.0
+    text = report.summary_table(summary)
+    assert "| smgd | 16 | 3 |" in text
+    assert "0.60 (0.40-0.62)" in text
+    # Two rounds: the median is the mean of the middle two.
+    assert report.round_summary(rounds[:2])["ratios"][0]["cpu_per_token"]["median"] == 0.5
+
+
 # --- the real thing ---------------------------------------------------------------------
 
 

@@ -88,6 +88,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="~30 s smoke run: C=1,16,64, 3 s, M=32"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every target N times, alternating their order, and report medians (1)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
@@ -163,11 +169,24 @@ async def run_all(
 def bench_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     workload, conc = workload_from_args(args)
+    rounds = int(args.rounds)
+    if rounds < 1:
+        raise SystemExit("smgd bench: --rounds must be at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    run = trio.run(run_all, workload, conc, list(args.targets), out)
-    doc = {
+    runs = []
+    for i in range(rounds):
+        # Every other round in reverse order: a slow stretch of a noisy machine then falls on
+        # each target as often, instead of always on whichever runs second.
+        order = list(args.targets) if i % 2 == 0 else list(reversed(args.targets))
+        run = trio.run(
+            run_all, workload, conc, order, out if rounds == 1 else out / f"round-{i + 1}"
+        )
+        run["ratios"] = report.ratios(run["results"])
+        runs.append(run)
+    first = runs[0]
+    doc: dict[str, Any] = {
         "workload": dataclasses.asdict(workload),
         "concurrency": conc,
         "machine": {
@@ -177,27 +196,40 @@ def bench_main(args: argparse.Namespace) -> int:
         },
         "started_unix": round(started, 1),
         "duration_s": round(time.time() - started, 1),
-        "targets": run["results"],
-        "skipped": run["skipped"],
-        "failed": run["failed"],
-        "ratios": report.ratios(run["results"]),
+        "targets": first["results"],
+        "skipped": first["skipped"],
+        "failed": first["failed"],
+        "ratios": first["ratios"],
     }
+    if rounds > 1:
+        doc["rounds"] = [{"targets": r["results"], "ratios": r["ratios"]} for r in runs]
+        doc["summary"] = report.round_summary(doc["rounds"])
     (out / "bench.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))
-    print(report.table(run["results"]))
-    print()
-    print(report.ratio_table(doc["ratios"]))
-    for name, why in {**run["skipped"], **run["failed"]}.items():
+    for i, run in enumerate(runs):
+        if rounds > 1:
+            print(f"round {i + 1} of {rounds}")
+        print(report.table(run["results"]))
+        print()
+        print(report.ratio_table(run["ratios"]))
+        print()
+    if rounds > 1:
+        print(f"median (min-max) over {rounds} rounds")
+        print(report.summary_table(doc["summary"]))
+        print()
+    failed = {name: why for run in runs for name, why in run["failed"].items()}
+    for name, why in {**first["skipped"], **failed}.items():
         print(f"{name}: not measured: {why}")
     if not args.no_plot:
         png = out / "bench.png"
-        if report.plot(run["results"], workload, png):
+        if report.plot(first["results"], workload, png):
             print(f"plot: {png}")
         else:
             print("plot: skipped (matplotlib is not installed: pip install 'smgd[bench]')")
     print(f"json: {out / 'bench.json'}")
     bad = any(
         p["lost_tokens"] or p["duplicated_tokens"] or p["requests_failed"]
+        for run in runs
         for points in run["results"].values()
         for p in points
     )
-    return 1 if bad or run["failed"] else 0
+    return 1 if bad or failed else 0

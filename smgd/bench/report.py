@@ -137,6 +137,96 @@ _COLUMNS = (
 )
 
 
+# Figures summarised over rounds (--rounds): per point, the median and the range of each.
+_ROUND_FIGURES = ("delivered_fraction", "ttft_p50_ms", "itl_p99_ms", "cpu_us_per_token")
+_RATIO_FIGURES = ("cpu_per_token", "tokens_per_s", "ttft_p50_delta_ms")
+
+
+def _spread(values: Sequence[float | None]) -> dict[str, Any] | None:
+    """Median, min and max of the measured values (None where a round had none)."""
+    have = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not have:
+        return None
+    mid = len(have) // 2
+    median = have[mid] if len(have) % 2 else (have[mid - 1] + have[mid]) / 2
+    return {"median": round(median, 3), "min": have[0], "max": have[-1], "n": len(have)}
+
+
+def round_summary(
+    rounds: Sequence[Mapping[str, Any]],
+) -> dict[str, list[dict[str, Any]]]:
+    """Each point and each ratio over several rounds of the same run: median and range.
+
+    ``rounds`` holds each round's ``{"targets": ..., "ratios": ...}``. On a noisy machine one
+    round's ratio moves with whatever else ran at that moment; the median of rounds that
+    alternate the targets' order does much less. Lost, duplicated and failed are summed.
+    """
+    points: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for rnd in rounds:
+        for name, measured in rnd["targets"].items():
+            for p in measured:
+                points.setdefault((name, int(p["concurrency"])), []).append(p)
+    point_rows = []
+    for (name, c), seen in points.items():
+        row: dict[str, Any] = {"target": name, "concurrency": c, "rounds": len(seen)}
+        for key in _ROUND_FIGURES:
+            row[key] = _spread([p.get(key) for p in seen])
+        for key in ("lost_tokens", "duplicated_tokens", "requests_failed"):
+            row[key] = sum(int(p.get(key, 0)) for p in seen)
+        point_rows.append(row)
+    ratios_seen: dict[tuple[str, int, str], list[Mapping[str, Any]]] = {}
+    for rnd in rounds:
+        for r in rnd["ratios"]:
+            pair = (r.get("target", "smgd"), int(r["concurrency"]), r["vs"])
+            ratios_seen.setdefault(pair, []).append(r)
+    ratio_rows = []
+    for (name, c, vs), seen in ratios_seen.items():
+        ratio: dict[str, Any] = {"target": name, "concurrency": c, "vs": vs}
+        for key in _RATIO_FIGURES:
+            ratio[key] = _spread([r.get(key) for r in seen])
+        ratio_rows.append(ratio)
+    return {"points": point_rows, "ratios": ratio_rows}
+
+
+def _range_cell(fmt: str, spread: Mapping[str, Any] | None, scale: float = 1.0) -> str:
+    if spread is None:
+        return "-"
+    median, low, high = (spread[k] * scale for k in ("median", "min", "max"))
+    return f"{fmt.format(median)} ({fmt.format(low)}-{fmt.format(high)})"
+
+
+def summary_table(summary: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """Markdown tables of :func:`round_summary`: median (min-max) over the rounds."""
+    lines = [
+        "| target | C | rounds | delivered % | TTFT p50 ms | ITL p99 ms | CPU µs/tok | lost | dup "
+        "| failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in summary["points"]:
+        lines.append(
+            f"| {p['target']} | {p['concurrency']} | {p['rounds']} | "
+            f"{_range_cell('{:.1f}', p['delivered_fraction'], 100)} | "
+            f"{_range_cell('{:.0f}', p['ttft_p50_ms'])} | "
+            f"{_range_cell('{:.1f}', p['itl_p99_ms'])} | "
+            f"{_range_cell('{:.1f}', p['cpu_us_per_token'])} | {p['lost_tokens']} | "
+            f"{p['duplicated_tokens']} | {p['requests_failed']} |"
+        )
+    if summary["ratios"]:
+        lines += [
+            "",
+            "| target | C | vs | CPU per token | tok/s | TTFT p50 delta ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in summary["ratios"]:
+            lines.append(
+                f"| {r['target']} | {r['concurrency']} | {r['vs']} | "
+                f"{_range_cell('{:.2f}', r['cpu_per_token'])} | "
+                f"{_range_cell('{:.3f}', r['tokens_per_s'])} | "
+                f"{_range_cell('{:.0f}', r['ttft_p50_delta_ms'])} |"
+            )
+    return "\n".join(lines)
+
+
 def _cell(fmt: str, value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
