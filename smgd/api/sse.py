@@ -82,10 +82,12 @@ class ChunkFormat:
         The event of nearly every token, so both sides of the text are built once per choice.
         """
         events = self._text_events
-        while len(events) <= index:  # the same bytes as chunk() builds, minus the text
-            before = self._head + self._index_bytes(len(events)) + self._text_key
-            after = self._delta_close + b',"logprobs":null,"finish_reason":null' + self._end
-            events.append((before, after))
+        while len(events) <= index:
+            # chunk() itself, cut around its empty text: the layout has one source. Only
+            # constant keys follow the text, so its '""' is the last one in the event.
+            whole = self.chunk(len(events), "")
+            cut = whole.rindex(b'""')
+            events.append((whole[:cut], whole[cut + 2 :]))
         before, after = events[index]
         return before + _encoder.encode(text) + after
 
