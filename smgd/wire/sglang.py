@@ -760,7 +760,7 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
             rid=rid,
             token_ids=ext_to_ids(outs[i]) if outs is not None else [],
             logprobs=_logprobs(head, i, n) if want_logprobs else None,
-            finish=None if reasons[i] is None else finish_from_wire(reasons[i]),
+            finish=finish_from_wire(reasons[i]),
             prompt_tokens=prompt[i],
             completion_tokens=completion[i],
             cached_tokens=cached[i],
