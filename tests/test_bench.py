@@ -515,3 +515,17 @@ def test_the_flat_target_runs_smgd_with_coalescing_off(tmp_path: Path) -> None:
         path = tmp_path / f"smgd-{coalesce}.toml"
         path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), coalesce=coalesce))
         assert load_config(path, environ={}).server.coalesce_max_ms == expected
+
+
+def test_rounds_must_be_a_positive_integer() -> None:
+    import argparse
+
+    from smgd.bench.main import add_bench_args
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    assert parser.parse_args([]).rounds == 1
+    assert parser.parse_args(["--rounds", "3"]).rounds == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--rounds", bad])

@@ -52,6 +52,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError("expected a positive integer")
+    return value
+
+
 # `smgd-wN`: smgd with server.workers = N (2..8), one mock engine per worker.
 _WORKERS_TARGET = re.compile(r"smgd-w([2-8])")
 
@@ -90,7 +100,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_count,
         default=1,
         help="run every target N times, alternating their order, and report medians (1)",
     )
@@ -169,9 +179,7 @@ async def run_all(
 def bench_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     workload, conc = workload_from_args(args)
-    rounds = int(args.rounds)
-    if rounds < 1:
-        raise SystemExit("smgd bench: --rounds must be at least 1")
+    rounds: int = args.rounds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
