@@ -17,7 +17,6 @@ per id; streamed events carry them cumulatively, like the text. No prompt logpro
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -26,16 +25,16 @@ from quart import Blueprint, Response, g
 from smgd.api.errors import stream_error
 from smgd.api.execute import collect, stream
 from smgd.api.openai import TokenText
-from smgd.api.pipeline import MIN_LOGPROB, RequestState, check_request_id
+from smgd.api.pipeline import MIN_LOGPROB, check_request_id
 from smgd.api.prepare import (
-    api,
-    app_nursery,
+    JSON_HEADERS,
+    Reply,
     encode,
     plan_jobs,
+    quart_call,
     read_json,
-    request_id,
     resolve_model,
-    response_writer,
+    to_response,
 )
 from smgd.api.sse import DONE, SSE_HEADERS, encode_json, event
 from smgd.errors import InvalidRequest, SmgdError
@@ -43,11 +42,12 @@ from smgd.sampling import from_native
 
 if TYPE_CHECKING:
     from smgd.api.execute import Job
-    from smgd.api.pipeline import Choice, LogprobTrack
+    from smgd.api.pipeline import Choice, LogprobTrack, RequestState
+    from smgd.api.prepare import Call
     from smgd.sampling import TextOptions
     from smgd.wire.common import SamplingParams
 
-__all__ = ["NativeRenderer", "blueprint"]
+__all__ = ["NativeRenderer", "blueprint", "generate_reply"]
 
 blueprint = Blueprint("native", __name__)
 
@@ -142,9 +142,17 @@ class NativeRenderer:
 
 @blueprint.post("/generate")
 async def generate() -> Response:
-    ctx = api()
-    body = await read_json()
-    model, text = resolve_model(ctx.gateway, body)
+    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
+    call = quart_call()
+    try:
+        return to_response(await generate_reply(call, await read_json()))
+    finally:
+        g.request_id = call.request_id  # a valid `rid` is echoed, on errors too
+
+
+async def generate_reply(call: Call, body: dict[str, Any]) -> Reply:
+    """``POST /generate``: 4xx errors are raised before any engine sees the request."""
+    model, text = resolve_model(call.ctx.gateway, body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
             raise InvalidRequest(f"`{key}` is not supported by smgd", param=key)
@@ -157,7 +165,7 @@ async def generate() -> Response:
             "`rid` must be a string (batched requests are not supported)", param="rid"
         )
     if rid is not None:
-        g.request_id = check_request_id(rid, "rid")  # echoed in X-Request-Id and logs
+        call.request_id = check_request_id(rid, "rid")  # echoed in X-Request-Id and logs
     prompt_text, input_ids = body.get("text"), body.get("input_ids")
     if (prompt_text is None) == (input_ids is None):
         raise InvalidRequest("exactly one of `text` and `input_ids` is required", param="text")
@@ -166,7 +174,9 @@ async def generate() -> Response:
             raise InvalidRequest(
                 "`text` must be a string (batched requests are not supported)", param="text"
             )
-        ids = await encode(text.tokenizer, prompt_text, add_special_tokens=True)
+        ids = await encode(
+            text.tokenizer, prompt_text, add_special_tokens=True, limiter=call.ctx.tokenize_limiter
+        )
     else:
         if not isinstance(input_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in input_ids
@@ -190,15 +200,9 @@ async def generate() -> Response:
             logprobs=logprobs,
         )
 
-    state = RequestState(
-        request_id=request_id(),
-        kind="generate",
-        model=model,
-        created=int(time.time()),
-        t_start=trio.current_time(),
-    )
+    state = call.new_state("generate", model)
     jobs, options = plan_jobs(
-        ctx.gateway, model, text, [ids], sampling_for, state,
+        call.ctx.gateway, model, text, [ids], sampling_for, state,
         keep_ids=True, top_logprobs_param="top_logprobs_num", align_logprobs=False,
     )  # fmt: skip
     max_tokens = jobs[0].request.sampling.max_tokens
@@ -211,18 +215,16 @@ async def generate() -> Response:
             jobs,
             state,
             render,
-            keepalive_s=ctx.keepalive_s,
-            nursery=app_nursery(),
-            pacer=ctx.pacer,
-            writer=response_writer(),
+            keepalive_s=call.ctx.keepalive_s,
+            nursery=call.nursery,
+            pacer=call.ctx.pacer,
+            writer=call.writer,
         )
-        response = Response(body_iter, headers=SSE_HEADERS)
-        response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
-        return response
+        return Reply(body_iter, SSE_HEADERS)
     await collect(jobs, state)
     outs = [_final(state, job, max_tokens, lp) for job in jobs]
     payload: Any = outs[0] if len(outs) == 1 else outs
-    return Response(encode_json(payload), content_type="application/json")
+    return Reply(encode_json(payload), JSON_HEADERS)
 
 
 def _final(

@@ -15,24 +15,22 @@ carries the entries of the tokens whose text it carries (see
 from __future__ import annotations
 
 import re
-import time
 from typing import TYPE_CHECKING, Any
 
-import trio
 from quart import Blueprint, Response
 
 from smgd.api.errors import stream_error
 from smgd.api.execute import collect, stream
 from smgd.api.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.prepare import (
-    api,
-    app_nursery,
+    JSON_HEADERS,
+    Reply,
     encode,
     plan_jobs,
+    quart_call,
     read_json,
-    request_id,
     resolve_model,
-    response_writer,
+    to_response,
 )
 from smgd.api.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.errors import InvalidRequest, SmgdError
@@ -41,13 +39,21 @@ from smgd.sampling import from_openai
 if TYPE_CHECKING:
     from smgd.api.execute import Job
     from smgd.api.pipeline import Choice
-    from smgd.api.prepare import SamplingFor
+    from smgd.api.prepare import Call, SamplingFor
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
     from smgd.wire.common import SamplingParams, TokenLogprob
 
-__all__ = ["OpenAIRenderer", "TokenText", "blueprint", "chat_logprobs", "completion_logprobs"]
+__all__ = [
+    "OpenAIRenderer",
+    "TokenText",
+    "blueprint",
+    "chat_logprobs",
+    "chat_reply",
+    "completion_logprobs",
+    "completion_reply",
+]
 
 blueprint = Blueprint("openai", __name__)
 
@@ -236,17 +242,8 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return streaming, include
 
 
-def _new_state(kind: str, model: str) -> RequestState:
-    return RequestState(
-        request_id=request_id(),
-        kind=kind,
-        model=model,
-        created=int(time.time()),
-        t_start=trio.current_time(),
-    )
-
-
 async def _respond(
+    call: Call,
     jobs: list[Job],
     state: RequestState,
     *,
@@ -255,7 +252,7 @@ async def _respond(
     include_usage: bool,
     echo: dict[int, str] | None,
     tokenizer: Tokenizer,
-) -> Response:
+) -> Reply:
     prefix = "chatcmpl-" if chat else "cmpl-"
     wants_logprobs = jobs[0].request.sampling.logprobs is not None
     tokens = TokenText(tokenizer) if wants_logprobs else None
@@ -273,14 +270,12 @@ async def _respond(
             jobs,
             state,
             render,
-            keepalive_s=api().keepalive_s,
-            nursery=app_nursery(),
-            pacer=api().pacer,
-            writer=response_writer(),
+            keepalive_s=call.ctx.keepalive_s,
+            nursery=call.nursery,
+            pacer=call.ctx.pacer,
+            writer=call.writer,
         )
-        response = Response(body, headers=SSE_HEADERS)
-        response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
-        return response
+        return Reply(body, SSE_HEADERS)
     await collect(jobs, state)
     choices: list[dict[str, Any]] = []
     for job in jobs:
@@ -312,7 +307,7 @@ async def _respond(
         "choices": choices,
         "usage": state.usage(),
     }
-    return Response(encode_json(payload), content_type="application/json")
+    return Reply(encode_json(payload), JSON_HEADERS)
 
 
 def _sampler(body: dict[str, Any], text: ModelText, *, chat: bool) -> SamplingFor:
@@ -343,9 +338,13 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
-    ctx = api()
-    body = await read_json()
-    model, text = resolve_model(ctx.gateway, body)
+    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
+    return to_response(await chat_reply(quart_call(), await read_json()))
+
+
+async def chat_reply(call: Call, body: dict[str, Any]) -> Reply:
+    """``POST /v1/chat/completions``: 4xx errors are raised before any engine sees the request."""
+    model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     for key in _CHAT_UNSUPPORTED:
         if body.get(key) is not None:
@@ -374,17 +373,20 @@ async def chat_completions() -> Response:
     )
     # Chat templates render BOS themselves; vLLM also defaults to no special tokens here.
     ids = await encode(
-        text.tokenizer, prompt, add_special_tokens=_flag(body, "add_special_tokens", False)
+        text.tokenizer,
+        prompt,
+        add_special_tokens=_flag(body, "add_special_tokens", False),
+        limiter=call.ctx.tokenize_limiter,
     )
-    state = _new_state("chat", model)
+    state = call.new_state("chat", model)
     jobs, options = plan_jobs(
-        ctx.gateway, model, text, [ids], _sampler(body, text, chat=True), state,
+        call.ctx.gateway, model, text, [ids], _sampler(body, text, chat=True), state,
         top_logprobs_param="top_logprobs",
     )  # fmt: skip
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
     return await _respond(
-        jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None,
+        call, jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None,
         tokenizer=text.tokenizer,
     )  # fmt: skip
 
@@ -413,21 +415,32 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
 
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
-    ctx = api()
-    body = await read_json()
-    model, text = resolve_model(ctx.gateway, body)
+    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
+    return to_response(await completion_reply(quart_call(), await read_json()))
+
+
+async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
+    """``POST /v1/completions``: 4xx errors are raised before any engine sees the request."""
+    model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)
     add_special = _flag(body, "add_special_tokens", True)
     prompts: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):
-            prompts.append(await encode(text.tokenizer, item, add_special_tokens=add_special))
+            prompts.append(
+                await encode(
+                    text.tokenizer,
+                    item,
+                    add_special_tokens=add_special,
+                    limiter=call.ctx.tokenize_limiter,
+                )
+            )
         else:
             prompts.append(list(item))
-    state = _new_state("completion", model)
+    state = call.new_state("completion", model)
     jobs, options = plan_jobs(
-        ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
+        call.ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
         top_logprobs_param="logprobs",
     )  # fmt: skip
     echo: dict[int, str] | None = None
@@ -442,6 +455,6 @@ async def completions() -> Response:
                 item if isinstance(item, str) else text.tokenizer.decode(item, False)
             )
     return await _respond(
-        jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
+        call, jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
         tokenizer=text.tokenizer,
     )  # fmt: skip

@@ -9,18 +9,19 @@ client error is a real 4xx status rather than a mid-stream event.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
-from quart import current_app, g, request
+from quart import Response, current_app, g, request
 
 from smgd.api.asgi_connection import QUEUED_BODY_KEY
 from smgd.api.direct import direct_writer
-from smgd.api.execute import Job
-from smgd.api.pipeline import Choice, LogprobTrack, new_engine_rid
+from smgd.api.execute import RECORDER_KEY, Job
+from smgd.api.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
@@ -28,7 +29,6 @@ from smgd.wire.common import GenerateRequest
 if TYPE_CHECKING:
     from smgd.api.direct import DirectWriter
     from smgd.api.pacer import LoadPacer
-    from smgd.api.pipeline import RequestState
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
     from smgd.sampling import TextOptions
@@ -36,16 +36,22 @@ if TYPE_CHECKING:
     from smgd.wire.common import SamplingParams
 
 __all__ = [
+    "JSON_HEADERS",
     "MAX_CHOICES",
     "ApiContext",
+    "Call",
+    "Reply",
     "api",
     "app_nursery",
+    "decode_body",
     "encode",
     "plan_jobs",
+    "quart_call",
     "read_json",
     "request_id",
     "resolve_model",
     "response_writer",
+    "to_response",
 ]
 
 log = logging.getLogger("smgd.api")
@@ -71,6 +77,73 @@ class ApiContext:
     keepalive_s: float
     created: int  # unix time the app was built (the `created` of /v1/models)
     pacer: LoadPacer | None = None  # adaptive SSE coalescing under load
+
+
+Recorder = Callable[["RequestState", float], None]
+
+
+@dataclass(slots=True)
+class Call:
+    """What a generation handler needs beyond its body, passed explicitly.
+
+    The handlers (:mod:`smgd.api.openai`, :mod:`smgd.api.native`) take one instead of reading
+    Quart's context, so the same code serves Quart's routes (:func:`quart_call`) and the
+    hot-route path that bypasses Quart (:mod:`smgd.api.hot`).
+    """
+
+    ctx: ApiContext
+    request_id: str  # echoed in X-Request-Id (/generate's `rid` may replace it)
+    nursery: trio.Nursery  # the app-wide nursery: home of n > 1 pumps
+    writer: DirectWriter | None  # direct SSE writes for this connection, where they apply
+    recorder: Recorder | None = None  # the app's metrics recorder
+    recorded: bool = False  # the recorder saw this request (errors must not count it again)
+
+    def record(self, state: RequestState, now: float) -> None:
+        """``RequestState.sink``: hand the finished request to the metrics recorder once."""
+        self.recorded = True
+        if self.recorder is not None:
+            self.recorder(state, now)
+
+    def new_state(self, kind: str, model: str) -> RequestState:
+        state = RequestState(
+            request_id=self.request_id,
+            kind=kind,
+            model=model,
+            created=int(time.time()),
+            t_start=trio.current_time(),
+        )
+        state.sink = self.record
+        return state
+
+
+JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
+
+
+@dataclass(slots=True)
+class Reply:
+    """A handler's answer: a JSON document, or an SSE body (an async iterator of events)."""
+
+    body: bytes | AsyncIterator[bytes]
+    headers: Mapping[str, str]
+
+
+def to_response(reply: Reply) -> Response:
+    """A :class:`Reply` as Quart's response."""
+    response = Response(reply.body, headers=dict(reply.headers))
+    if not isinstance(reply.body, bytes):
+        response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
+    return response
+
+
+def quart_call() -> Call:
+    """The :class:`Call` of the Quart request being handled."""
+    return Call(
+        ctx=api(),
+        request_id=request_id(),
+        nursery=app_nursery(),
+        writer=response_writer(),
+        recorder=current_app.extensions.get(RECORDER_KEY),
+    )
 
 
 def api() -> ApiContext:
@@ -99,6 +172,11 @@ async def read_json() -> dict[str, Any]:
     if data is None:
         data = await request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
     assert isinstance(data, bytes)
+    return decode_body(data)
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (400 on anything else)."""
     try:
         body = _decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -120,11 +198,22 @@ def resolve_model(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelTex
     return model, gateway.text(model)
 
 
-async def encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+async def encode(
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    add_special_tokens: bool,
+    limiter: trio.CapacityLimiter | None = None,
+) -> list[int]:
+    """Token ids of ``text``; a big prompt in a worker thread under ``limiter`` (default: the
+    app's, from Quart's context)."""
     if len(text) < BIG_PROMPT_CHARS:
         return tokenizer.encode(text, add_special_tokens)
     ids = await trio.to_thread.run_sync(
-        tokenizer.encode_many, [text], add_special_tokens, limiter=api().tokenize_limiter
+        tokenizer.encode_many,
+        [text],
+        add_special_tokens,
+        limiter=api().tokenize_limiter if limiter is None else limiter,
     )
     return ids[0]
 
