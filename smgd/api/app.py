@@ -19,7 +19,6 @@ Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -29,18 +28,18 @@ from typing import TYPE_CHECKING
 import trio
 from prometheus_client import generate_latest
 from quart import Response, g, has_request_context, request
-from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from smgd.api import native, openai, ops
 from smgd.api.asgi_connection import InlineHTTPConnection
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.execute import RECORDER_KEY
+from smgd.api.hot import HotRoutes, SmgdApp, check_access
 from smgd.api.pacer import LoadPacer
 from smgd.api.pipeline import check_request_id, new_request_id
 from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
-from smgd.errors import ConfigError, Draining, InvalidRequest, SmgdError, Unauthorized
+from smgd.errors import ConfigError, InvalidRequest, SmgdError
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
 from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
 
@@ -62,9 +61,6 @@ BODY_TIMEOUT_S = 60
 # tokenization cannot starve the event loop's own core of CPU.
 TOKENIZE_THREADS = 2
 
-_AUTH_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
-_GENERATE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-
 
 def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
     """Bearer keys from the configured env var and/or file; () means no auth."""
@@ -85,24 +81,14 @@ def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> t
     return tuple(dict.fromkeys(k.encode() for k in keys if k))
 
 
-def _authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
-    if not header or not header.startswith("Bearer "):
-        return False
-    given = header[len("Bearer ") :].strip().encode()
-    ok = False
-    for key in keys:  # compare with every key: the time taken does not reveal which matched
-        ok |= hmac.compare_digest(given, key)
-    return ok
-
-
 def _error_response(err: SmgdError) -> Response:
     rid = g.get("request_id")
     return Response(error_body(err), status=err.status, headers=error_headers(err, rid))
 
 
-def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> QuartTrio:
+def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> SmgdApp:
     server = gateway.config.server
-    app = QuartTrio("smgd")
+    app = SmgdApp("smgd")
     app.asgi_http_class = InlineHTTPConnection  # fewer scheduler passes per request
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
@@ -170,6 +156,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             g.smgd_recorded = True  # the error handler must not count this request again
 
     app.extensions[RECORDER_KEY] = record
+    app.hot = HotRoutes(app, app.extensions["smgd"], metrics, record)
 
     @app.before_request
     async def _before() -> None:
@@ -178,13 +165,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         if header is not None:
             check_request_id(header, "X-Request-Id")
             g.request_id = header
-        path = request.path
-        if path.startswith(_AUTH_PATHS):
-            ctx = api()
-            if ctx.api_keys and not _authorized(ctx.api_keys, request.headers.get("Authorization")):
-                raise Unauthorized("Invalid or missing API key (Authorization: Bearer <key>)")
-            if path in _GENERATE_PATHS and ctx.gateway.draining:
-                raise Draining("smgd is shutting down; retry on another instance")
+        check_access(api(), request.path, request.headers.get("Authorization"))
 
     @app.after_request
     async def _after(response: Response) -> Response:

@@ -34,10 +34,18 @@ import trio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
     from quart.wrappers import Request
 
-__all__ = ["QUEUED_BODY_KEY", "InlineHTTPConnection", "read_body"]
+__all__ = [
+    "QUEUED_BODY_KEY",
+    "InlineHTTPConnection",
+    "next_message",
+    "nowait_receiver",
+    "read_body",
+]
 
 # Where a request's whole body, read before its handler, is kept in the ASGI scope.
 QUEUED_BODY_KEY = "smgd.body"
@@ -72,17 +80,11 @@ async def read_body(request: Request, receive: Any, limit: int | None) -> BodyOu
     :data:`QUEUED_BODY_KEY`; past ``limit`` reading stops ("too_large": Quart's body then
     raises 413 and the reader task takes the rest).
     """
-    channel = getattr(receive, "__self__", None)
-    nowait = channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+    nowait = nowait_receiver(receive)
     parts: list[bytes] = []
     size = 0
     while True:
-        message = None
-        if nowait is not None:
-            with contextlib.suppress(trio.WouldBlock):
-                message = nowait()
-        if message is None:
-            message = await receive()
+        message = await next_message(receive, nowait)
         kind = message["type"]
         if kind == "http.request":
             data = message.get("body", b"")
@@ -98,3 +100,17 @@ async def read_body(request: Request, receive: Any, limit: int | None) -> BodyOu
                 return "complete"
         elif kind == "http.disconnect":
             return "disconnected"
+
+
+def nowait_receiver(receive: Any) -> Callable[[], Any] | None:
+    """The ``receive_nowait`` of the trio memory channel behind hypercorn's ``receive``, if any."""
+    channel = getattr(receive, "__self__", None)
+    return channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+
+
+async def next_message(receive: Any, nowait: Callable[[], Any] | None) -> Any:
+    """The next ASGI message: taken without a scheduler pass when one is already queued."""
+    if nowait is not None:
+        with contextlib.suppress(trio.WouldBlock):
+            return nowait()
+    return await receive()

@@ -33,7 +33,7 @@ from smgd.errors import EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncGenerator
 
     from smgd.api.direct import DirectWriter
     from smgd.api.pacer import LoadPacer
@@ -195,7 +195,7 @@ def stream(
     nursery: trio.Nursery | None,
     pacer: LoadPacer | None = None,
     writer: DirectWriter | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack."""
     attach_sink(state)  # here, in the request context: the body runs after it is gone
     if len(jobs) == 1:
@@ -316,7 +316,7 @@ async def _stream_one(
     keepalive_s: float,
     pacer: LoadPacer | None = None,
     writer: DirectWriter | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     choice = job.choice
     try:
         while True:
@@ -412,7 +412,7 @@ async def _stream_many(
     render: Renderer,
     keepalive_s: float,
     nursery: trio.Nursery,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     send, recv = trio.open_memory_channel[_Item](math.inf)
     by_index = {job.choice.index: job.choice for job in jobs}
     scopes: dict[int, trio.CancelScope] = {}

@@ -65,6 +65,11 @@ class DirectSendTCPServer(TCPServer):
         # A direct stream wrote its body's terminator itself (DirectWriter.finish): the one
         # h11 writes when the response completes must not reach the client a second time.
         self.body_end_written = False
+        # The hot routes (smgd.api.hot) run with no task reading ASGI messages; a request
+        # that must stop when its client goes away sets this instead, and the read loop calls
+        # it when it ends.
+        self.on_disconnect: Callable[[], None] | None = None
+        self.disconnected = False
         self._keep_alive = KeepAliveTimer(self)
         # TCPServer only calls restart() and stop() on it, which the timer has.
         self.idle_task = self._keep_alive  # type: ignore[assignment]
@@ -92,6 +97,9 @@ class DirectSendTCPServer(TCPServer):
             # No request can arrive any more: the timer's task ends, so the connection's task
             # group can (hypercorn's idle task would linger until its timeout).
             self._keep_alive.close()
+            self.disconnected = True
+            if self.on_disconnect is not None:
+                self.on_disconnect()
 
     async def _read_until_closed(self) -> None:
         """hypercorn's read loop, without the per-receive ``fail_after(inf)`` when there is no

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,7 +123,7 @@ JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
 class Reply:
     """A handler's answer: a JSON document, or an SSE body (an async iterator of events)."""
 
-    body: bytes | AsyncIterator[bytes]
+    body: bytes | AsyncGenerator[bytes, None]
     headers: Mapping[str, str]
 
 
