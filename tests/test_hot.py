@@ -267,10 +267,30 @@ async def test_read_body_takes_a_queued_body_without_a_checkpoint() -> None:
         assert await read_body(receive, 100, 60) == ("complete", b'{"a": 1}')
 
 
-async def test_read_body_joins_parts_and_leaves_the_rest_queued() -> None:
-    _send, receive = _queue(_part(b"ab", True), _part(b"cd", False), {"type": "http.disconnect"})
-    assert await read_body(receive, 100, 60) == ("complete", b"abcd")
+async def test_read_body_joins_queued_parts_without_a_checkpoint_and_leaves_the_rest() -> None:
+    # hypercorn queues a body as its data, then an empty end message.
+    _send, receive = _queue(
+        _part(b"ab", True), _part(b"cd", True), _part(b"", False), {"type": "http.disconnect"}
+    )
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        assert await read_body(receive, 100, 60) == ("complete", b"abcd")
     assert (await receive())["type"] == "http.disconnect"
+
+
+async def test_read_body_waits_for_a_body_still_on_its_way(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    send, receive = _queue(_part(b"ab", True))
+
+    async def rest() -> None:
+        await trio.sleep(5)
+        send.send_nowait(_part(b"cd", False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rest)
+        assert await read_body(receive, 100, 60) == ("complete", b"abcd")
+    assert trio.current_time() == pytest.approx(5)
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestTimeout
 
 from smgd.api import native, openai
-from smgd.api.asgi_connection import next_message, nowait_receiver
+from smgd.api.asgi_connection import nowait_receiver
 from smgd.api.direct import CONNECTION_KEY, direct_writer
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.pipeline import check_request_id, new_request_id
@@ -263,50 +263,57 @@ async def read_body(
 ) -> tuple[BodyOutcome, bytes]:
     """The request's whole body, read up to its end, ``limit`` bytes or ``wait_s`` seconds.
 
-    A body that is already queued in one message (a small request arrives in the same read as
-    its head) is taken without a scheduler pass or a cancel scope.
+    Messages already queued (hypercorn queues a small request's body and its end as two
+    messages before the request's task first runs) are taken without a scheduler pass or a
+    cancel scope; only a body still on its way is awaited, under the timeout.
     """
+    body = _Body(limit)
     nowait = nowait_receiver(receive)
     if nowait is not None:
-        try:
-            first = nowait()
-        except trio.WouldBlock:
-            pass
-        else:
-            if first["type"] == "http.request" and not first.get("more_body", False):
-                data = first.get("body", b"")
-                if limit is None or len(data) <= limit:
-                    return "complete", data
-                return "too_large", b""
-            return await _read_rest(receive, nowait, limit, wait_s, first)
-    return await _read_rest(receive, nowait, limit, wait_s, None)
-
-
-async def _read_rest(
-    receive: ASGIReceiveCallable,
-    nowait: Callable[[], Any] | None,
-    limit: int | None,
-    wait_s: float | None,
-    message: Any,
-) -> tuple[BodyOutcome, bytes]:
-    parts: list[bytes] = []
-    size = 0
+        while True:
+            try:
+                message = nowait()
+            except trio.WouldBlock:
+                break
+            if (outcome := body.add(message)) is not None:
+                return outcome, body.data(outcome)
     with trio.move_on_after(math.inf if wait_s is None else wait_s):
         while True:
-            if message is None:
-                message = await next_message(receive, nowait)
-            if message["type"] == "http.disconnect":
-                return "disconnected", b""
-            if message["type"] == "http.request":
-                data = message.get("body", b"")
-                parts.append(data)
-                size += len(data)
-                if limit is not None and size > limit:
-                    return "too_large", b""
-                if not message.get("more_body", False):
-                    return "complete", b"".join(parts)
-            message = None
+            if (outcome := body.add(await receive())) is not None:
+                return outcome, body.data(outcome)
     return "timeout", b""
+
+
+class _Body:
+    """A request body as its ASGI messages arrive."""
+
+    __slots__ = ("_limit", "_parts", "_size")
+
+    def __init__(self, limit: int | None) -> None:
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, message: Any) -> BodyOutcome | None:
+        """Take one message; the outcome once the body is settled, else None."""
+        if message["type"] == "http.disconnect":
+            return "disconnected"
+        if message["type"] != "http.request":
+            return None
+        data = message.get("body", b"")
+        if data:
+            self._parts.append(data)
+            self._size += len(data)
+        if self._limit is not None and self._size > self._limit:
+            return "too_large"
+        return None if message.get("more_body", False) else "complete"
+
+    def data(self, outcome: BodyOutcome) -> bytes:
+        """The whole body once ``complete``; nothing for any other outcome."""
+        if outcome != "complete":
+            return b""
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
