@@ -177,10 +177,35 @@ async def test_call_at_runs_callbacks_at_the_first_tick_after_their_time(
 
 def test_direct_streams_coalesce_only_once_the_loop_is_saturated() -> None:
     pacer = LoadPacer(max_window_s=0.1)
-    for _ in range(200):
+    for _ in range(1000):
         pacer.observe((LAG_LOW_S + DIRECT_LAG_S) / 2)  # loaded, not saturated
     assert pacer.window_s > 0
     assert pacer.direct_window_s == 0
-    for _ in range(200):
+    for _ in range(1000):
         pacer.observe(DIRECT_LAG_S * 2)
     assert pacer.direct_window_s == pacer.window_s == pytest.approx(0.1)
+
+
+def test_a_burst_opens_the_window_but_not_the_direct_one() -> None:
+    """256 requests arriving together lag the loop for ~200 ms (here five 40 ms iterations):
+    ordinary streams coalesce, direct ones keep one event per token."""
+    pacer = LoadPacer(max_window_s=0.15)
+    for _ in range(5):
+        pacer.observe(0.040)
+    assert pacer.lag_s >= DIRECT_LAG_S  # the 200 ms average alone would open direct windows
+    assert pacer.window_s == pytest.approx(0.15)
+    assert pacer.direct_window_s == 0
+    for _ in range(60):  # the burst is over: the gate never opened and the window closes
+        pacer.observe(0.0)
+        assert pacer.direct_window_s == 0
+    assert pacer.window_s == 0
+
+
+def test_sustained_overload_opens_the_direct_window_within_a_second() -> None:
+    pacer = LoadPacer(max_window_s=0.15)
+    elapsed = 0.0
+    while pacer.direct_window_s == 0:
+        pacer.observe(0.030)  # a loop that cannot keep up: every 10 ms sleep wakes 30 ms late
+        elapsed += PROBE_S + 0.030
+        assert elapsed < 1.0
+    assert pacer.direct_window_s == pytest.approx(0.15)
