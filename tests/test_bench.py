@@ -195,17 +195,19 @@ def _spec(port: int, m: int, concurrency: int) -> Spec:
     )
 
 
+# The loadgen is a blocking epoll loop on the real clock: it runs in a thread beside the fake
+# server, and the fake's 20 ms "steps" are real (each test takes about a second).
+
+
 @pytest.mark.parametrize(("drop", "lost"), [(False, 0), (True, 1)])
-async def test_loadgen_counts_streams_and_lost_tokens(
-    drop: bool, lost: int, autojump_clock: trio.abc.Clock
-) -> None:
+async def test_loadgen_counts_streams_and_lost_tokens(drop: bool, lost: int) -> None:
     m = 8
     pieces = [PIECES[i % len(PIECES)] for i in range(m)]
     sent = pieces[:3] + pieces[4:] if drop else pieces
     listeners: list[trio.SocketListener] = []
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_fake_server, sent, m, listeners)
-        summary = await loadgen.run(_spec(port, m, 2))
+        summary = await trio.to_thread.run_sync(loadgen.run, _spec(port, m, 2))
         nursery.cancel_scope.cancel()
     assert summary["requests_completed"] == summary["requests_started"] >= 2
     assert summary["requests_failed"] == 0
@@ -216,15 +218,60 @@ async def test_loadgen_counts_streams_and_lost_tokens(
     assert 15.0 <= summary["itl_p50_ms"] <= 200.0
 
 
-async def test_loadgen_reports_short_usage_as_lost(autojump_clock: trio.abc.Clock) -> None:
+async def test_loadgen_reports_short_usage_as_lost() -> None:
     m = 8
     pieces = [PIECES[i % len(PIECES)] for i in range(m)]
     listeners: list[trio.SocketListener] = []
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_fake_server, pieces, m - 2, listeners)
-        summary = await loadgen.run(_spec(port, m, 1))
+        summary = await trio.to_thread.run_sync(loadgen.run, _spec(port, m, 1))
         nursery.cancel_scope.cancel()
     assert summary["lost_tokens"] == 2 * summary["requests_completed"]
+
+
+async def _silent_server(
+    hang_up: bool, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Reads each request; then hangs up after a partial head, or never answers."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        if hang_up:
+            await stream.send_all(b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\n")
+            await stream.aclose()
+            return
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        got = await nursery.start(trio.serve_tcp, handle, 0)
+        task_status.started(got[0].socket.getsockname()[1])
+
+
+async def test_loadgen_counts_a_hang_up_as_failed_and_connects_again() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_silent_server, True)
+        spec = _spec(port, 4, 1)
+        spec.duration_s, spec.max_requests = 5.0, 3
+        summary = await trio.to_thread.run_sync(loadgen.run, spec)
+        nursery.cancel_scope.cancel()
+    # Each of the 3 requests went out on a new connection and failed; none hung the loop.
+    assert summary["requests_started"] == summary["requests_failed"] == 3
+    assert summary["requests_completed"] == 0
+    assert "connection closed mid-response" in summary["errors"][0]
+
+
+async def test_loadgen_fails_what_is_open_at_the_hard_time_limit() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_silent_server, False)
+        spec = _spec(port, 4, 3)
+        spec.duration_s, spec.time_limit_s = 0.1, 0.5
+        start = trio.current_time()
+        summary = await trio.to_thread.run_sync(loadgen.run, spec)
+        elapsed = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    assert summary["requests_started"] == summary["requests_failed"] == 3
+    assert "hard time limit" in summary["errors"][0]
+    assert elapsed < 5.0
 
 
 # --- floor accounting ------------------------------------------------------------------
