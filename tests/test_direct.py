@@ -295,7 +295,7 @@ async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
 ) -> None:
     # Keep the pacer saturated, its window at 30 ms between events, while the engine makes a
     # token every 2 ms: each direct event must carry several tokens.
-    def saturated(pacer: LoadPacer, lag_s: float, samples: int = 1) -> float:
+    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
         pacer.lag_s = pacer.sustained_lag_s = 1.0
         pacer.window_s = 0.03
         return pacer.window_s
@@ -323,7 +323,7 @@ async def test_a_saturated_loop_never_holds_back_a_streams_first_token(
     # there is nothing to follow, and holding the first token would only add to TTFT.
     window_s = 1.0
 
-    def saturated(pacer: LoadPacer, lag_s: float, samples: int = 1) -> float:
+    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
         pacer.lag_s = pacer.sustained_lag_s = 1.0
         pacer.window_s = window_s
         return pacer.window_s

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import trio
 import trio.lowlevel
@@ -11,10 +9,10 @@ import trio.testing
 
 from smgd.api.pacer import (
     DIRECT_LAG_S,
-    IDLE_PROBE_S,
     LAG_HIGH_S,
     LAG_LOW_S,
     PROBE_S,
+    QUIET_PROBE_S,
     LoadPacer,
 )
 
@@ -76,9 +74,9 @@ async def test_run_measures_lag_from_a_busy_loop(autojump_clock: trio.testing.Mo
     assert pacer.window_s == pytest.approx(0.1)
 
 
-def _loaded(max_window_s: float, busy: Callable[[], bool] | None = None) -> LoadPacer:
+def _loaded(max_window_s: float) -> LoadPacer:
     """A pacer whose window is fully open (as after a long lag)."""
-    pacer = LoadPacer(max_window_s=max_window_s, busy=busy)
+    pacer = LoadPacer(max_window_s=max_window_s)
     for _ in range(200):
         pacer.observe(LAG_HIGH_S * 2)
     assert pacer.window_s == pytest.approx(max_window_s)
@@ -98,7 +96,7 @@ async def test_holders_wake_together_at_the_first_tick_after_their_window(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     pacer = _loaded(0.05)
-    pacer.observe = lambda lag_s, samples=1: pacer.window_s  # type: ignore[method-assign]  # keep it open
+    pacer.observe = lambda lag_s, periods=1: pacer.window_s  # type: ignore[method-assign]  # keep it open
     woke: list[float] = []
     all_woke = trio.Event()
 
@@ -127,7 +125,7 @@ async def test_a_stopped_pacer_releases_every_holder(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     pacer = _loaded(0.15)
-    pacer.observe = lambda lag_s, samples=1: pacer.window_s  # type: ignore[method-assign]
+    pacer.observe = lambda lag_s, periods=1: pacer.window_s  # type: ignore[method-assign]
     released = 0
 
     async def holder() -> None:
@@ -220,84 +218,94 @@ def test_sustained_overload_opens_the_direct_window_within_a_second() -> None:
     assert pacer.direct_window_s == pytest.approx(0.15)
 
 
-def test_a_long_sample_weighs_as_many_short_ones() -> None:
+def test_a_long_probe_weighs_as_periods_on_time_and_one_late_wakeup() -> None:
     once, stepwise = LoadPacer(max_window_s=0.15), LoadPacer(max_window_s=0.15)
     for pacer in (once, stepwise):
         for _ in range(300):
             pacer.observe(0.030)  # both saturated, direct gate open
-    once.observe(0.0, samples=10)
-    for _ in range(10):
+    once.observe(0.002, periods=10)
+    for _ in range(9):
         stepwise.observe(0.0)
+    stepwise.observe(0.002)
     assert once.lag_s == pytest.approx(stepwise.lag_s)
     assert once.sustained_lag_s == pytest.approx(stepwise.sustained_lag_s)
     assert once.window_s == pytest.approx(stepwise.window_s)
-    assert once.lag_s < 0.030 * 0.6  # and it did decay
+    assert once.lag_s < 0.030 * 0.7  # and it did decay (0.95 ** 10 = 0.6)
+    # One late wakeup weighs the same at the end of a long probe as of a short one.
+    idle_long, idle_short = LoadPacer(max_window_s=0.15), LoadPacer(max_window_s=0.15)
+    idle_long.observe(0.030, periods=10)
+    idle_short.observe(0.030)
+    assert idle_long.lag_s == pytest.approx(idle_short.lag_s)
 
 
 class _ProbeCounter:
-    """Wraps a pacer's observe to record when each probe ended and what it weighed."""
+    """Wraps a pacer's observe to record when each probe ended and how long it was."""
 
     def __init__(self, pacer: LoadPacer) -> None:
         self.at: list[float] = []
-        self.samples: list[int] = []
+        self.periods: list[int] = []
         real = pacer.observe
 
-        def counted(lag_s: float, samples: int = 1) -> float:
+        def counted(lag_s: float, periods: int = 1) -> float:
             self.at.append(trio.current_time())
-            self.samples.append(samples)
-            return real(lag_s, samples)
+            self.periods.append(periods)
+            return real(lag_s, periods)
 
         pacer.observe = counted  # type: ignore[method-assign]
 
 
-async def test_an_idle_pacer_probes_ten_times_less_often(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    in_flight = 0
-    pacer = LoadPacer(max_window_s=0.15, busy=lambda: in_flight > 0)
-    probes = _ProbeCounter(pacer)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pacer.run)
-        await trio.sleep(1.0 + PROBE_S / 2)
-        assert len(probes.at) == round(1.0 / IDLE_PROBE_S)
-        assert set(probes.samples) == {round(IDLE_PROBE_S / PROBE_S)}
-        in_flight = 1  # a request arrives: the next probe is short again
-        await trio.sleep(IDLE_PROBE_S)
-        probes.at.clear()
-        await trio.sleep(1.0)
-        assert len(probes.at) == pytest.approx(1.0 / PROBE_S, abs=1)
-        in_flight = 0
-        await trio.sleep(PROBE_S)
-        probes.at.clear()
-        await trio.sleep(1.0)
-        assert len(probes.at) == pytest.approx(1.0 / IDLE_PROBE_S, abs=1)
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_pacer_without_busy_always_probes_at_the_short_period(
+async def test_a_quiet_loop_is_probed_ten_times_less_often(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     pacer = LoadPacer(max_window_s=0.15)
     probes = _ProbeCounter(pacer)
+    hogging = trio.Event()
+    stop_hogging = trio.Event()
+
+    async def hog() -> None:
+        await hogging.wait()
+        # Each iteration keeps the loop busy 4.3 ms: a wakeup comes 0-8.6 ms late, depending on
+        # where its deadline falls (not a divisor of the probe, so that varies) and on trio's
+        # order within the batch; on average far above LAG_LOW_S.
+        while not stop_hogging.is_set():
+            autojump_clock.jump(0.0043)
+            await trio.lowlevel.checkpoint()
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
+        nursery.start_soon(hog)
         await trio.sleep(1.0 + PROBE_S / 2)
+        assert len(probes.at) == round(1.0 / QUIET_PROBE_S)
+        assert set(probes.periods) == {round(QUIET_PROBE_S / PROBE_S)}
+        hogging.set()  # load: a late wakeup switches to the short probe
+        await trio.sleep(0.5)
+        probes.at.clear()
+        await trio.sleep(1.0)
+        assert len(probes.at) >= 1.0 / (PROBE_S + 0.0086)  # short probes, however late
+        assert pacer.window_s > 0
+        stop_hogging.set()  # the lag decays under LAG_LOW_S, then the probes grow long again
+        await trio.sleep(2.0)
+        probes.at.clear()
+        await trio.sleep(1.0)
+        assert len(probes.at) == pytest.approx(1.0 / QUIET_PROBE_S, abs=1)
+        assert pacer.window_s == 0
         nursery.cancel_scope.cancel()
-    assert len(probes.at) == round(1.0 / PROBE_S)
 
 
-async def test_a_hold_or_callback_during_an_idle_probe_is_not_late(
+async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # The pacer went idle with its window still open (load just stopped); a stream that holds
-    # now must wake at its window's tick, not at the end of the idle probe.
-    pacer = _loaded(0.03, busy=lambda: False)
-    pacer.observe = lambda lag_s, samples=1: pacer.window_s  # type: ignore[method-assign]
-    fired: list[float] = []
+    # A stream that holds while the pacer sleeps a long quiet probe must wake at its window's
+    # tick, not at the end of the probe. (The window is forced open, the loop kept quiet.)
+    pacer = LoadPacer(max_window_s=0.03)
+    probes = _ProbeCounter(pacer)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
-        await trio.sleep(IDLE_PROBE_S + 0.001)  # inside the second idle probe
+        await trio.sleep(QUIET_PROBE_S + 0.001)  # inside the second quiet probe
+        assert probes.periods == [round(QUIET_PROBE_S / PROBE_S)]
+        pacer.window_s = 0.03
         start = trio.current_time()
+        fired: list[float] = []
         assert pacer.call_at(start + 0.015, lambda: fired.append(trio.current_time()))
         await pacer.hold()
         held = trio.current_time() - start

@@ -99,10 +99,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         tokenize_limiter=trio.CapacityLimiter(TOKENIZE_THREADS),
         keepalive_s=server.keepalive_interval_s,
         created=int(time.time()),
-        pacer=LoadPacer(
-            max_window_s=server.coalesce_max_ms / 1000,
-            busy=lambda: any(engine.in_flight for engine in gateway.router.engines()),
-        ),
+        pacer=LoadPacer(max_window_s=server.coalesce_max_ms / 1000),
     )
 
     background: list[trio.CancelScope] = []

@@ -22,8 +22,9 @@ Streams written directly by the engine's reader task (:mod:`smgd.api.direct`) ha
 park: they hold output themselves and ask for a callback at a tick (:meth:`LoadPacer.call_at`),
 and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 
-With no request in flight the pacer probes ten times less often (``IDLE_PROBE_S``): an idle
-daemon should not wake 100 times a second.
+While the loop keeps up (its lag within the noise of an idle loop, nothing waiting on a tick)
+the pacer probes ten times less often (``QUIET_PROBE_S``): an idle or lightly loaded daemon
+should not wake 100 times a second for a measurement that says "no window".
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ import trio
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-# How often the loop's lag is sampled while requests are in flight. 10 ms resolves the 20 ms
-# engine steps we care about; one wakeup per 10 ms is nothing next to the streams' own work.
+# How often the loop's lag is sampled while it lags. 10 ms resolves the 20 ms engine steps we
+# care about; one wakeup per 10 ms is nothing next to the work of a loaded loop.
 PROBE_S = 0.010
-# How often it is sampled while no request is in flight. Measured on this 2-core machine, an
-# idle daemon probing every 10 ms spent 2-3 % of a core on those wakeups alone (0.1 % with the
-# pacer off). At 100 ms the first probe of a burst comes at most 100 ms late, and the window
-# needs ~200 ms of loaded samples to open anyway (SMOOTHING), the direct gate ~1 s.
-IDLE_PROBE_S = 0.100
+# How often it is sampled while it keeps up. Measured on this 2-core machine, probing every
+# 10 ms cost an idle daemon 2-3 % of a core (0.1 % with the pacer off, 0.5 % at 100 ms), and
+# a third of its CPU per token at one stream (C = 1 in `smgd bench`: 880-1250 -> 680-720 µs;
+# C = 16: 103-109 -> 84-87 µs). At 100 ms, load that arrives is seen at most 100 ms late; the
+# window needs ~200 ms of lagging samples to open anyway (SMOOTHING), the direct gate ~1 s
+# (SUSTAINED_SMOOTHING).
+QUIET_PROBE_S = 0.100
 # Below this lag the loop is keeping up: no coalescing. 1 ms is above the scheduling noise of an
 # idle or lightly loaded loop (16 streams stay at one token per event) and far below one step.
 LAG_LOW_S = 0.001
@@ -74,13 +77,9 @@ SUSTAINED_SMOOTHING = 0.01
 
 
 class LoadPacer:
-    """``busy`` says whether any request is in flight (None: always); while it says no and
-    nothing waits on a tick, the pacer samples every ``IDLE_PROBE_S`` instead of ``PROBE_S``.
-    """
-
-    def __init__(self, *, max_window_s: float, busy: Callable[[], bool] | None = None) -> None:
+    def __init__(self, *, max_window_s: float) -> None:
         self.max_window_s = max_window_s
-        self._busy = busy
+        self._last_lag_s = 0.0  # of the latest probe
         self.lag_s = 0.0
         self.sustained_lag_s = 0.0  # the slow average (SUSTAINED_SMOOTHING)
         self.window_s = 0.0
@@ -91,8 +90,8 @@ class LoadPacer:
         # :meth:`call_at`); run by the pacer task, synchronously, at that tick.
         self._due: dict[int, list[Callable[[], None]]] = {}
         self._ticking = False
-        # The cancel scope of the pacer task's current probe while it is a long (idle) one.
-        self._idle_probe: trio.CancelScope | None = None
+        # The cancel scope of the pacer task's current probe while it is a quiet (long) one.
+        self._quiet_probe: trio.CancelScope | None = None
 
     @property
     def direct_window_s(self) -> float:
@@ -162,26 +161,39 @@ class LoadPacer:
         return sum(len(lot) for lot in self._buckets.values()) + sum(map(len, self._due.values()))
 
     def _tick_by(self, tick: int) -> None:
-        """Make sure the pacer task wakes by ``tick`` (it may be in a long idle probe)."""
-        probe = self._idle_probe
+        """Make sure the pacer task wakes by ``tick`` (it may be in a quiet, long probe)."""
+        probe = self._quiet_probe
         if probe is not None and tick * PROBE_S < probe.deadline:
             probe.deadline = tick * PROBE_S
 
-    def _needs_ticks(self) -> bool:
-        """Requests in flight, or streams and callbacks waiting on a tick."""
-        return self._busy is None or self._busy() or bool(self._buckets or self._due)
+    def _quiet(self) -> bool:
+        """The loop keeps up (no window, its last wakeup on time) and nothing waits on a tick.
 
-    def observe(self, lag_s: float, samples: int = 1) -> float:
-        """Fold in ``samples`` lag samples of ``lag_s`` each; return the new window (pure).
+        An idle trio loop wakes a sleeper ~0.5 ms late here (timer granularity), so "on time"
+        is the window's own threshold, LAG_LOW_S.
+        """
+        return (
+            self.lag_s <= LAG_LOW_S
+            and self._last_lag_s <= LAG_LOW_S
+            and not self._buckets
+            and not self._due
+        )
 
-        One sample per ``PROBE_S``: an idle probe ``IDLE_PROBE_S`` long counts as that many,
-        so the averages decay in time, not in probes.
+    def observe(self, lag_s: float, periods: int = 1) -> float:
+        """Fold in a probe ``periods`` x ``PROBE_S`` long that woke ``lag_s`` late; return the
+        new window (pure, for tests).
+
+        A long probe sees only its own end: it counts as ``periods - 1`` samples on time and
+        one of ``lag_s``, so the averages decay with time, not with the number of probes, and
+        one late wakeup weighs the same whatever the probe's length.
         """
         lag_s = max(lag_s, 0.0)
-        weight = 1.0 - (1.0 - SMOOTHING) ** samples
-        sustained_weight = 1.0 - (1.0 - SUSTAINED_SMOOTHING) ** samples
-        self.lag_s += weight * (lag_s - self.lag_s)
-        self.sustained_lag_s += sustained_weight * (lag_s - self.sustained_lag_s)
+        self._last_lag_s = lag_s
+        if periods > 1:
+            self.lag_s *= (1.0 - SMOOTHING) ** (periods - 1)
+            self.sustained_lag_s *= (1.0 - SUSTAINED_SMOOTHING) ** (periods - 1)
+        self.lag_s += SMOOTHING * (lag_s - self.lag_s)
+        self.sustained_lag_s += SUSTAINED_SMOOTHING * (lag_s - self.sustained_lag_s)
         fraction = (self.lag_s - LAG_LOW_S) / (LAG_HIGH_S - LAG_LOW_S)
         self.window_s = self.max_window_s * min(max(fraction, 0.0), 1.0)
         return self.window_s
@@ -193,21 +205,21 @@ class LoadPacer:
         try:
             while True:
                 start = trio.current_time()
-                idle = not self._needs_ticks()
+                quiet = self._quiet()
                 with trio.CancelScope(
-                    deadline=start + (IDLE_PROBE_S if idle else PROBE_S)
+                    deadline=start + (QUIET_PROBE_S if quiet else PROBE_S)
                 ) as probe:
-                    # A stream that parks or asks for a callback during an idle probe pulls
+                    # A stream that parks or asks for a callback during a quiet probe pulls
                     # its deadline in (_tick_by), so no tick is ever late.
-                    self._idle_probe = probe if idle else None
+                    self._quiet_probe = probe if quiet else None
                     await trio.sleep_forever()
-                self._idle_probe = None
+                self._quiet_probe = None
                 now = trio.current_time()
-                samples = max(1, round((probe.deadline - start) / PROBE_S))
-                self.observe(now - probe.deadline, samples)
+                periods = max(1, round((probe.deadline - start) / PROBE_S))
+                self.observe(now - probe.deadline, periods)
                 self._release(now)
         finally:
             # Nobody may stay parked on a pacer that stopped ticking.
             self._ticking = False
-            self._idle_probe = None
+            self._quiet_probe = None
             self._release(math.inf)
