@@ -58,7 +58,18 @@ def frame(i: int) -> bytes:
 # -- soak / throughput ------------------------------------------------------------------------
 
 
-async def _soak(push: TrioSocket, pull: TrioSocket, n: int, *, batch: bool, limit_s: float) -> None:
+async def _soak(
+    push: TrioSocket,
+    pull: TrioSocket,
+    n: int,
+    *,
+    batch: bool,
+    limit_s: float,
+    consumer_turns: int = 0,
+) -> None:
+    """Send n messages and check them in order; ``consumer_turns`` checkpoints per received
+    batch make the consumer the slower side, so the sender is the one that parks."""
+
     async def sender() -> None:
         for i in range(n):
             await push.send_multipart([frame(i), b"payload"])
@@ -73,6 +84,8 @@ async def _soak(push: TrioSocket, pull: TrioSocket, n: int, *, batch: bool, limi
                     assert len(msg) == 2
                     assert num(msg[0]) == expected  # no loss, no duplicate, in order
                     expected += 1
+                for _ in range(consumer_turns):
+                    await trio.lowlevel.checkpoint()
     with pytest.raises(trio.WouldBlock):
         pull.recv_multipart_nowait()
 
@@ -104,7 +117,9 @@ async def test_soak_tiny_hwm_parks_on_every_few_messages(
         push.socket.connect(ep)
         # ~1.5 s normally. A lost edge usually stalls until some unrelated mailbox command
         # wakes the FD (observed: 25-36 s), so a 15 s bound turns that into a failure.
-        await _soak(push, pull, 20_000, batch=batch, limit_s=15)
+        # Which side parks depends on which is faster; without turns for the sender the
+        # consumer sometimes was, and the sender parked only 77 times in 20,000 (1 run in 5).
+        await _soak(push, pull, 20_000, batch=batch, limit_s=15, consumer_turns=3)
         assert push.statistics().waits > 100
 
 
