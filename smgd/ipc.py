@@ -17,6 +17,7 @@ import errno
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 from smgd.errors import TransportError
@@ -26,6 +27,7 @@ __all__ = [
     "check_ipc_path",
     "clear_stale_socket",
     "ipc_endpoint",
+    "peer_pid",
     "prepare_ipc_dir",
     "prepare_ipc_endpoint",
 ]
@@ -131,6 +133,33 @@ def _has_listener(path: str) -> bool:
         # unlink that follows then treats the missing file as success.
         return False
     raise TransportError(f"cannot probe ipc socket {path!r}: {os.strerror(code)}", code=code)
+
+
+# struct ucred {pid_t pid; uid_t uid; gid_t gid;}: what SO_PEERCRED returns.
+_UCRED = struct.Struct("3i")
+
+
+def peer_pid(fd: int) -> int | None:
+    """The process at the other end of the unix socket connection ``fd`` (a zmq socket
+    monitor's ``accepted`` value), or None: not a unix socket, already closed, or unknown.
+
+    The kernel records the peer when it connects (``SO_PEERCRED``). Best effort: by the time
+    a monitor event is read, the fd may have been closed, or even reused.
+    """
+    try:
+        # A duplicate: closing our socket object must leave zmq's fd alone.
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with sock:
+        if sock.family != socket.AF_UNIX:
+            return None
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        except OSError:
+            return None
+    pid = _UCRED.unpack(raw)[0]
+    return pid if pid > 0 else None
 
 
 def prepare_ipc_endpoint(path: str | os.PathLike[str]) -> str:

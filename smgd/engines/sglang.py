@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -77,6 +78,9 @@ class SglangEngineClient(EngineClient):
     # ------------------------------------------------------------------ hooks
 
     async def _open(self, nursery: trio.Nursery) -> None:
+        # Before binding: a scheduler an earlier smgd left running would connect at once.
+        ipc_dir = Path(self.input_path).parent
+        await launch.reap_orphans(ipc_dir, self.name)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctx = ctx
         push = ctx.socket(zmq.PUSH)
@@ -99,8 +103,13 @@ class SglangEngineClient(EngineClient):
                 ) from None
         await nursery.start(self._watch_peer)
         if self.launch_argv is not None:
+            ipc.prepare_ipc_dir(ipc_dir)  # holds the pid file, even with tcp addresses
             self.child = await launch.spawn(
-                nursery, self.name, self.launch_argv, env=self.launch_env
+                nursery,
+                self.name,
+                self.launch_argv,
+                env=self.launch_env,
+                pid_file=ipc_dir / launch.PID_FILE,
             )
             nursery.start_soon(self._watch_child, self.child)
 
