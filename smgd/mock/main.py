@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import argparse
 
 
-# How often the mock checks that its parent is alive: an orphan lingers at most this long.
+# How often the mock checks that its parent is alive: an orphan not started by smgd (which
+# ties it with a death signal) lingers at most this long.
 PARENT_CHECK_S = 1.0
 
 
@@ -120,8 +121,9 @@ def mock_engine_main(args: argparse.Namespace) -> int:
 async def _exit_with_parent(parent: int) -> None:
     """Exit when the process that launched us is gone (smgd SIGKILLed or crashed).
 
-    The mock runs in its own session, so nothing else would stop it. (prctl's PDEATHSIG is no
-    help: trio starts children from a worker thread, and it fires when that thread exits.)
+    A mock smgd launched already has the kernel's death signal (smgd.launch starts every
+    engine through launchers/lifeline.py); this covers one started any other way (by a
+    test, from a shell), which runs in its own session too, so nothing else would stop it.
     """
     while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for "parent died"
         await trio.sleep(PARENT_CHECK_S)
