@@ -7,13 +7,16 @@ request is sent: a PUSH with no peer would queue or block it.
 
 Death: the launched process exits (any code: a scheduler that exits is gone), our PUSH's peer
 disconnects, a send misses its deadline, a decode-error streak, or silence with requests in
-flight (all handled by :class:`~smgd.engines.base.EngineClient`).
+flight (all handled by :class:`~smgd.engines.base.EngineClient`). For a launched engine, also a
+peer on the request socket that is not part of it (``SO_PEERCRED``): a scheduler left running by
+an earlier smgd would take a share of the requests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +67,8 @@ class SglangEngineClient(EngineClient):
         self._push: TrioSocket | None = None
         self._pull: TrioSocket | None = None
         self._attached = trio.Event()
+        self._foreign: int | None = None  # a peer pid that is not part of the launched engine
+        self._opened = False  # past _open: a death now is a relaunch, not a start-up failure
         self._health_rid: str | None = None
         self._health_done = trio.Event()
 
@@ -124,6 +129,8 @@ class SglangEngineClient(EngineClient):
             task_status.started()
             async for event in events:
                 if event.kind == "accepted":
+                    if self._is_foreign(ipc.peer_pid(event.value)):
+                        continue  # reported by _become_ready (or now, if it is already past)
                     peers.add(event.value)
                     self._attached.set()
                 elif event.kind == "disconnected":
@@ -132,11 +139,34 @@ class SglangEngineClient(EngineClient):
                         self.die("the scheduler disconnected from the request socket")
                         return
 
+    def _is_foreign(self, pid: int | None) -> bool:
+        """A launched engine's request socket is for its scheduler alone: another peer (an
+        engine left by an earlier smgd) would take a share of the requests and their aborts."""
+        if self.launch_argv is None or pid is None or pid == os.getpid():
+            return False  # an external scheduler may be any process; our own probes are not
+        if self.child is not None and self.child.owns(pid):
+            return False
+        self._foreign = pid
+        if self._opened:
+            self.die(self._foreign_message(pid))
+        return True
+
+    def _foreign_message(self, pid: int) -> str:
+        return (
+            f"a process smgd did not launch (pid {pid}: {launch.command_line(pid) or 'gone'}) "
+            f"is connected to the request socket {self.input_endpoint} and would take a share "
+            "of the requests (an engine left running by an earlier smgd?); stop it"
+        )
+
     async def _watch_child(self, child: launch.Child) -> None:
         code = await child.wait()
         self.die(f"engine process exited with code {code}")
 
     async def _become_ready(self) -> EngineInfo:
+        self._opened = True
+        if self._foreign is not None:  # it connected while the sockets were being set up
+            self.die(self._foreign_message(self._foreign))
+            raise EngineDead(self.last_error or "not ready")
         with trio.move_on_after(self.config.timeouts.ready_s) as scope:
             await self._attached.wait()
             if self.child is not None:

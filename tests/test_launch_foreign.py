@@ -1,20 +1,26 @@
-"""The vLLM/TokenSpeed handshake when an engine left running by an earlier smgd is still
-connected: never a silent wait, always an error that says what holds the socket."""
+"""A launched engine whose sockets a process smgd did not launch is connected to (an engine
+left running by an earlier smgd): never a silent wait or a split of the requests, always an
+error that says which process it is. The vLLM/TokenSpeed handshake, and SGLang's request
+socket."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from smgd.engines.base import EngineState
 from smgd.engines.handshake import HandshakeTracker
+from smgd.engines.sglang import SglangEngineClient
 from smgd.errors import EngineDead
 from smgd.launch import mock_argv
 from smgd.wire.common import EngineInfo
 
-from .engine_harness import short_ipc_dir
+from .engine_harness import engine_config, short_ipc_dir
 from .test_engine_vllm import CONTEXT, make_client, start_rank
 
 R0, R1 = b"\x00\x00", b"\x01\x00"
@@ -137,3 +143,67 @@ async def test_a_handshake_timeout_says_where_the_ranks_stand() -> None:
     assert client.last_error == (
         "the engine did not complete the handshake within 0.5 s (no engine rank said HELLO)"
     )
+
+
+def _foreign_scheduler(ipc_dir: Path) -> subprocess.Popen[bytes]:
+    """A mock SGLang scheduler smgd did not launch, dialling the engine's socket paths."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "smgd", "mock-engine", "--wire", "sglang",
+         "--input", f"ipc://{ipc_dir}/in.sock", "--output", f"ipc://{ipc_dir}/out.sock"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+async def test_a_foreign_scheduler_on_a_launched_engines_request_socket_is_an_error() -> None:
+    # Before: both schedulers attached and the PUSH socket split the requests between them.
+    ipc_dir = short_ipc_dir()
+    foreign = _foreign_scheduler(ipc_dir)
+    try:
+        argv = mock_argv("sglang", f"ipc://{ipc_dir}/in.sock", f"ipc://{ipc_dir}/out.sock", [])
+        client = SglangEngineClient(
+            engine_config(),
+            fallback_info=EngineInfo(max_model_len=4096, vocab_size=1024),
+            input_path=str(ipc_dir / "in.sock"),
+            output_path=str(ipc_dir / "out.sock"),
+            launch_argv=argv,
+        )
+        with trio.fail_after(30):
+            try:
+                await client.run()
+            except* EngineDead:
+                pass
+        assert client.state is EngineState.DEAD
+        assert client.last_error is not None
+        assert client.last_error.startswith(f"a process smgd did not launch (pid {foreign.pid}: ")
+        assert client.last_error.endswith(
+            f"is connected to the request socket ipc://{ipc_dir}/in.sock and would take a share "
+            "of the requests (an engine left running by an earlier smgd?); stop it"
+        )
+        assert foreign.poll() is None, (
+            "smgd reports a process it did not launch; it does not kill it"
+        )
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+async def test_an_external_engine_may_be_any_process() -> None:
+    # Without [engines.launch], whatever attaches is the engine.
+    ipc_dir = short_ipc_dir()
+    scheduler = _foreign_scheduler(ipc_dir)
+    try:
+        client = SglangEngineClient(
+            engine_config(),
+            fallback_info=EngineInfo(max_model_len=4096, vocab_size=1024),
+            input_path=str(ipc_dir / "in.sock"),
+            output_path=str(ipc_dir / "out.sock"),
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            with trio.fail_after(30):
+                await client.wait_ready()
+            nursery.cancel_scope.cancel()
+    finally:
+        scheduler.kill()
+        scheduler.wait()
