@@ -78,6 +78,17 @@ def test_describe_says_where_each_rank_stands() -> None:
     assert tracker.describe() == "rank 0: registered; rank 1: registered"
 
 
+def _after(flag: Path, argv: list[str]) -> list[str]:
+    """``argv``, started only once ``flag`` exists."""
+    code = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(flag)!r}):\n"
+        "    time.sleep(0.01)\n"
+        "os.execv(sys.argv[1], sys.argv[1:])\n"
+    )
+    return [sys.executable, "-c", code, *argv]
+
+
 async def test_a_launched_engine_whose_identity_a_leftover_engine_holds_fails_fast() -> None:
     # An engine core left running by an earlier smgd reconnects to the new input socket with
     # rank 0's identity; ZMQ then refuses the newly launched rank 0's connection, so its
@@ -102,14 +113,27 @@ async def test_a_launched_engine_whose_identity_a_leftover_engine_holds_fails_fa
         scope.cancel()  # the earlier smgd is gone; its engine is not
         await earlier_gone.wait()
 
-        argv = mock_argv(
-            "vllm",
-            f"ipc://{ipc_dir}/in.sock",
-            f"ipc://{ipc_dir}/out.sock",
-            ["--context-len", str(CONTEXT), "--handshake", "{handshake}"],
+        # The launched engine dials in only once the leftover is back on the input socket
+        # (ZMQ reconnects every ~100 ms; on a busy machine the launched engine can win).
+        go = ipc_dir / "go"
+        argv = _after(
+            go,
+            mock_argv(
+                "vllm",
+                f"ipc://{ipc_dir}/in.sock",
+                f"ipc://{ipc_dir}/out.sock",
+                ["--context-len", str(CONTEXT), "--handshake", "{handshake}"],
+            ),
         )
         client = make_client(ipc_dir, launch_argv=argv)
         client.registration_grace_s = 1.0  # 10 s in production; the mechanism is the same
+
+        async def leftover_is_back() -> None:
+            while os.getpid() not in client._peer_pids.values():  # noqa: ASYNC110
+                await trio.sleep(0.01)  # a socket monitor's state: nothing to wait on
+            go.touch()
+
+        outer.start_soon(leftover_is_back)
         started = trio.current_time()
         with trio.fail_after(30):
             try:
