@@ -110,7 +110,10 @@ def clear_stale_socket(path: str | os.PathLike[str]) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise TransportError(f"{text!r} exists and is not a socket, refusing to remove it")
     if _has_listener(text):
-        raise TransportError(f"ipc socket {text!r} is in use by a live process")
+        holders = ", ".join(f"pid {pid} ({_command(pid)})" for pid in socket_holders(text))
+        raise TransportError(
+            f"ipc socket {text!r} is in use by a live process" + (f": {holders}" if holders else "")
+        )
     # FileNotFoundError: a concurrent cleaner won the race; the path is free either way.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(text)
@@ -133,6 +136,48 @@ def _has_listener(path: str) -> bool:
         # unlink that follows then treats the missing file as success.
         return False
     raise TransportError(f"cannot probe ipc socket {path!r}: {os.strerror(code)}", code=code)
+
+
+def socket_holders(path: str) -> list[int]:
+    """Pids of the processes holding a unix socket bound at ``path`` (for an error message).
+
+    From ``/proc/net/unix`` (the socket's inode) and ``/proc/*/fd`` (who has it open); a
+    process whose fds we may not read is missing from the answer.
+    """
+    try:
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    # Num RefCount Protocol Flags Type St Inode [Path]; the path (8th) may hold spaces.
+    rows = (line.split(None, 7) for line in table)
+    inodes = {f"socket:[{row[6]}]" for row in rows if len(row) == 8 and row[7] == path}
+    if not inodes:
+        return []
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and inodes.intersection(_fd_links(proc)):
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def _fd_links(proc: Path) -> set[str]:
+    links: set[str] = set()
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:
+        return links  # gone, or not ours to look at
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed while we looked
+            links.add(os.readlink(fd))
+    return links
+
+
+def _command(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "gone"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 # struct ucred {pid_t pid; uid_t uid; gid_t gid;}: what SO_PEERCRED returns.

@@ -178,3 +178,49 @@ async def test_an_engine_another_live_smgd_runs_in_the_run_dir_is_refused(
         for proc in (other_smgd, its_engine):
             proc.kill()
             proc.wait()
+
+
+_HOLDER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1]); s.listen(1)
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+def _socket_holder(path: Path) -> subprocess.Popen[str]:
+    """A live process bound to ``path`` (no pid file: not an engine smgd launched)."""
+    path.parent.mkdir(mode=0o700, parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "up\n"
+    return holder
+
+
+async def test_a_live_process_bound_to_an_engine_socket_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    config = daemon_toml(mock_engine_toml("e0", "m"))
+    sock = Path(_run_dir(config)) / "e0" / "in.sock"
+    with _socket_holder(sock) as holder:
+        try:
+            path = tmp_path / "smgd.toml"
+            path.write_text(config)
+            with trio.fail_after(30):
+                done = await trio.run_process(
+                    [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
+                    capture_stderr=True,
+                    check=False,
+                )
+            assert done.returncode == 1
+            assert (
+                f"ipc socket '{sock}' is in use by a live process: pid {holder.pid} ("
+            ) in done.stderr.decode()
+            assert holder.poll() is None, "smgd never steals or kills a live socket's owner"
+        finally:
+            holder.kill()
