@@ -74,7 +74,7 @@ async def test_engine_death_n2_is_error_event(autojump_clock: trio.abc.Clock) ->
     async with open_app(fake) as (app, _):
         reply = await post_stream(app, "/v1/completions", {**BODY, "n": 2})
     assert reply.events[-1] == "[DONE]"
-    assert reply.chunks()[-1]["error"]["code"] == 502
+    assert reply.chunks()[-1]["error"]["type"] == "engine_error"
 
 
 async def test_engine_death_non_stream_is_502(autojump_clock: trio.abc.Clock) -> None:

@@ -126,3 +126,14 @@ def test_builder_is_byte_identical_and_small(tmp_path: Path) -> None:
     for name in shipped:
         assert (tmp_path / name).read_bytes() == (TINY_MODEL_DIR / name).read_bytes(), name
     assert sum((TINY_MODEL_DIR / n).stat().st_size for n in shipped) < 200_000
+
+
+def test_a_chat_too_deeply_nested_to_render_is_a_client_error() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    deep: object = 1
+    for _ in range(5000):  # far past the recursion limit of the template's `tojson`
+        deep = {"a": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(InvalidRequest, match="nested too deeply") as info:
+        tok.render_chat([{"role": "user", "content": "hi"}], tools=[tool])
+    assert info.value.param == "messages"

@@ -42,9 +42,7 @@ def _json(body: Any, status: int = 200) -> Response:
 
 
 def _error(message: str, status: int, kind: str) -> Response:
-    return _json(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
-    )
+    return _json({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
 def create_admin_app(gateway: Gateway) -> QuartTrio:

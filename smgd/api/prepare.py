@@ -181,6 +181,10 @@ def decode_body(data: bytes) -> dict[str, Any]:
         body = _decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec decodes nested arrays and objects recursively, within Python's recursion
+        # limit (1000 frames by default, less what the server's own stack already uses).
+        raise InvalidRequest("the request body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body

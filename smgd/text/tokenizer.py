@@ -177,9 +177,17 @@ class Tokenizer:
                 "chat_template for the engine",
                 param="messages",
             )
-        return self.chat.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
-        )
+        try:
+            return self.chat.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+            )
+        except RecursionError:
+            # A template's `tojson` (or its own loops) walks nested values recursively: a body
+            # nested just shallowly enough to be decoded can still be too deep to render.
+            raise InvalidRequest(
+                "the request's JSON is nested too deeply to render the chat template",
+                param="messages",
+            ) from None
 
 
 def load_tokenizer(
