@@ -147,7 +147,18 @@ async def test_request_id_minted_when_absent(autojump_clock: trio.abc.Clock) -> 
     assert a.json()["id"] == "cmpl-" + a.headers["x-request-id"]
 
 
-@pytest.mark.parametrize("bad", ["x" * 129, "has space", "semi;colon"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])  # hot path, Quart's
+async def test_a_merged_request_id_header_uses_its_first_value(
+    autojump_clock: trio.abc.Clock, path: str
+) -> None:
+    headers = {"X-Request-Id": "client-a, proxy-b"}  # how proxies merge a repeated header
+    async with open_app(FakeEngine()) as (app, _):
+        reply = await post(app, path, {**CHAT, "max_tokens": 1}, headers)
+    assert reply.status == 200, reply.body
+    assert reply.headers["x-request-id"] == "client-a"
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "semi;colon", ", second"])
 async def test_bad_request_id_header_is_400(autojump_clock: trio.abc.Clock, bad: str) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _):

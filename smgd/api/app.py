@@ -3,8 +3,9 @@
 Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai`,
 :mod:`~smgd.api.native` and :mod:`~smgd.api.ops`.
 
-- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400) or
-  minted, echoed on every response, and used in the request's log line.
+- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400; of a
+  list ``a, b``, as proxies merge repeated headers, the first) or minted, echoed on every
+  response, and used in the request's log line.
 - API keys (``Authorization: Bearer``) guard the inference endpoints only; keys come from the
   env var named by ``server.api_keys_env`` (comma-separated) and/or ``server.api_keys_file``
   (one per line). Keys are never logged.
@@ -34,9 +35,9 @@ from smgd.api import native, openai, ops
 from smgd.api.asgi_connection import InlineHTTPConnection
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.execute import RECORDER_KEY
-from smgd.api.hot import HotRoutes, SmgdApp, check_access
+from smgd.api.hot import HotRoutes, SmgdApp, check_access, client_request_id
 from smgd.api.pacer import LoadPacer
-from smgd.api.pipeline import check_request_id, new_request_id
+from smgd.api.pipeline import new_request_id
 from smgd.api.prepare import ApiContext, api
 from smgd.config import resolve_path
 from smgd.errors import ConfigError, InvalidRequest, SmgdError
@@ -163,8 +164,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         header = request.headers.get("X-Request-Id")
         g.request_id = new_request_id()
         if header is not None:
-            check_request_id(header, "X-Request-Id")
-            g.request_id = header
+            g.request_id = client_request_id(header)
         check_access(api(), request.path, request.headers.get("Authorization"))
 
     @app.after_request

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     Handler = Callable[[Call, dict[str, Any]], Awaitable[Reply]]
 
-__all__ = ["AUTH_PATHS", "HOT_ROUTES", "HotRoutes", "SmgdApp", "check_access"]
+__all__ = ["AUTH_PATHS", "HOT_ROUTES", "HotRoutes", "SmgdApp", "check_access", "client_request_id"]
 
 log = logging.getLogger("smgd.api")
 
@@ -82,6 +82,15 @@ def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
     for key in keys:  # compare with every key: the time taken does not reveal which matched
         ok |= hmac.compare_digest(given, key)
     return ok
+
+
+def client_request_id(header: str) -> str:
+    """The client's request id from an ``X-Request-Id`` header value (400 if malformed).
+
+    A proxy that receives the header twice may merge the two into one list, ``a, b``
+    (RFC 9110 §5.3): the first value is the original client's, and the one used.
+    """
+    return check_request_id(header.split(",", 1)[0].strip(), "X-Request-Id")
 
 
 def check_access(ctx: ApiContext, path: str, authorization: str | None) -> None:
@@ -173,7 +182,7 @@ class HotRoutes:
         try:
             header = _header(scope, b"x-request-id")
             if header is not None:
-                request_id = check_request_id(header, "X-Request-Id")
+                request_id = client_request_id(header)
             check_access(self._ctx, path, _header(scope, b"authorization"))
             if outcome == "too_large":
                 limit = self._app.config["MAX_CONTENT_LENGTH"]
