@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -224,3 +225,54 @@ async def test_a_connection_the_server_closes_leaves_no_task_behind(
         start = trio.current_time()
         stop.set()
     assert trio.current_time() - start < 1  # serve() returned without waiting
+
+
+# -- requests h11 refuses: the error envelope as the body, then the connection closes -------
+
+
+async def _raw_answer(port: int, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` bytes; (status line and headers, body) of the answer, read to EOF."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        data = bytearray()
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(1 << 16):  # EOF: the server closed it
+                data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    return head, body
+
+
+BIG_HEADER = b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (1 << 17) + b"\r\n\r\n"
+BOTH_LENGTHS = (
+    b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+    b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "message"),
+    [
+        (b"NOT AN HTTP REQUEST\r\n\r\n", 400, "malformed HTTP/1.1 request"),
+        (BIG_HEADER, 431, "larger than 65536 bytes"),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 501, "only chunked"),
+        (BOTH_LENGTHS, 400, "both Content-Length and Transfer-Encoding"),
+    ],
+)
+async def test_a_request_h11_refuses_gets_the_error_envelope_and_the_connection_closes(
+    request_bytes: bytes, status: int, message: str
+) -> None:
+    config = _config()
+    config.h11_max_incomplete_size = 1 << 16
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, config)
+        head, body = await _raw_answer(port, request_bytes)
+        nursery.cancel_scope.cancel()
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    assert headers[b"content-type"] == b"application/json"
+    assert headers[b"connection"] == b"close"
+    error = json.loads(body)["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None
+    assert error["code"] is None

@@ -25,7 +25,8 @@ __all__ = [
     "stream_error",
 ]
 
-# werkzeug HTTPExceptions Quart raises itself (routing, body limits) → OpenAI error types.
+# werkzeug HTTPExceptions Quart raises itself (routing, body limits) and the requests h11
+# refuses (smgd.api.http_worker) → OpenAI error types.
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
     404: "not_found_error",
@@ -33,6 +34,8 @@ HTTP_ERRORS: Mapping[int, str] = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    431: "invalid_request_error",
+    501: "invalid_request_error",  # h11: a transfer coding it does not implement; the client's
 }
 
 
