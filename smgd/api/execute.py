@@ -102,6 +102,12 @@ def attach_sink(state: RequestState) -> None:
 
 
 def log_request(state: RequestState) -> None:
+    """Hand the ended request to the metrics recorder and write its one log line.
+
+    The line is at info, or at warning when smgd or an engine failed the request (a 5xx-class
+    error: the engine died, went silent, the drain ran out): that one asks an operator to look.
+    A client error or a client that went away stays at info.
+    """
     now = trio.current_time()
     if state.sink is not None:
         try:
@@ -109,11 +115,15 @@ def log_request(state: RequestState) -> None:
         except Exception:  # metrics must never break a response
             log.exception("%s: recording metrics failed", state.request_id)
     fields = state.log_fields(now)
-    log.info(
-        "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s",
+    failure = state.failure
+    level = logging.WARNING if failure is not None and failure.status >= 500 else logging.INFO
+    error = "" if state.error is None else f", error: {state.error}"
+    log.log(
+        level,
+        "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s%s",
         fields["request_id"], fields["endpoint"], fields["prompt_tokens"],
         fields["completion_tokens"], fields["ttft_ms"], fields["e2e_ms"],
-        fields["finish_reason"], extra=fields,
+        fields["finish_reason"], error, extra=fields,
     )  # fmt: skip
 
 
