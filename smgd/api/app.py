@@ -58,9 +58,10 @@ log = logging.getLogger("smgd.api")
 # Time to receive a whole request body. The largest allowed body (max_body_bytes, 8 MiB by
 # default) arrives in milliseconds on a local socket; 60 s only cuts stalled uploads.
 BODY_TIMEOUT_S = 60
-# Worker threads tokenizing big prompts at once: one per core on the 2-core target, so
-# tokenization cannot starve the event loop's own core of CPU.
-TOKENIZE_THREADS = 2
+# Worker threads tokenizing big prompts at once: every core but one (at least one thread), so
+# tokenization never takes the core the event loop streams every response from. Two threads
+# on the 2-core target left the loop competing with them for CPU.
+TOKENIZE_THREADS = max(1, (os.cpu_count() or 1) - 1)
 
 
 def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:

@@ -25,6 +25,7 @@ from smgd.api.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.prepare import (
     JSON_HEADERS,
     Reply,
+    context_len,
     encode,
     plan_jobs,
     quart_call,
@@ -377,6 +378,8 @@ async def chat_reply(call: Call, body: dict[str, Any]) -> Reply:
         prompt,
         add_special_tokens=_flag(body, "add_special_tokens", False),
         limiter=call.ctx.tokenize_limiter,
+        context=context_len(call.ctx.gateway, model),
+        param="messages",
     )
     state = call.new_state("chat", model)
     jobs, options = plan_jobs(
@@ -430,6 +433,7 @@ async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)
     add_special = _flag(body, "add_special_tokens", True)
+    context = context_len(call.ctx.gateway, model)
     prompts: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):
@@ -439,6 +443,7 @@ async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
                     item,
                     add_special_tokens=add_special,
                     limiter=call.ctx.tokenize_limiter,
+                    context=context,
                 )
             )
         else:
