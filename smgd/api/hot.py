@@ -107,6 +107,21 @@ class SmgdApp(QuartTrio):
 
     hot: HotRoutes | None = None  # set by create_app once the metrics exist
 
+    def end_responses(self) -> None:
+        """The drain's deadline passed: end every request still running, each properly.
+
+        Streams send their error event (``code: "drain_timeout"``) and ``[DONE]``; the HTTP
+        server (:func:`smgd.api.http_worker.serve`) lets them write it before it closes.
+        """
+        ctx: ApiContext = self.extensions["smgd"]
+        timeout = ctx.gateway.config.server.drain_timeout_s
+        ended = ctx.cutoff.cut(
+            "smgd is shutting down: the request was still running when the drain timeout "
+            f"({timeout:g} s) ran out"
+        )
+        if ended:
+            log.warning("drain timeout: ending %d request(s) with an error", ended)
+
     async def __call__(
         self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:

@@ -19,6 +19,11 @@ TLS), graceful shutdown on ``shutdown_trigger`` within ``config.graceful_timeout
 built from hypercorn's own parts (``Lifespan``, ``WorkerContext``, ``TCPServer``), so request
 parsing and the ASGI interface are hypercorn's, unchanged.
 
+Graceful shutdown ends responses properly even when they outlast it: at the graceful
+deadline ``end_responses`` asks the app to end what still runs (smgd's streams send their
+error event and ``[DONE]``), and only :data:`END_GRACE_S` later are the connections that are
+still busy cancelled, which cuts their bodies.
+
 Keep-alive is the one part done differently (:class:`KeepAliveTimer`): hypercorn starts a new
 idle-timeout task, through ``nursery.start`` and two lock round-trips, every time a
 connection goes idle, i.e. once per request. In a profile of short requests (C=256, 8 tokens
@@ -58,10 +63,16 @@ if TYPE_CHECKING:
     from hypercorn.events import Event
     from hypercorn.protocol import ProtocolWrapper
 
-__all__ = ["DirectSendTCPServer", "H11Protocol", "KeepAliveTimer", "serve"]
+__all__ = ["END_GRACE_S", "DirectSendTCPServer", "H11Protocol", "KeepAliveTimer", "serve"]
 
 # hypercorn's TCPServer reads at most this much per receive (its own MAX_RECV).
 _MAX_RECV = 1 << 16
+# From the graceful deadline (end_responses) to the cancel of connections still busy: the
+# time the responses just ended have to write their last bytes (an SSE error event, [DONE],
+# the chunk terminator: a few hundred bytes, milliseconds on any live connection). A client
+# that reads nothing for a whole second loses its end. smgd's daemon waits for the server
+# DRAIN_MARGIN_S past the graceful deadline, which must stay larger (tests check it).
+END_GRACE_S = 1.0
 
 
 class H11Protocol(HypercornH11Protocol):
@@ -265,17 +276,25 @@ class _Shutdown(Exception):
     """Raised inside the serving nursery to stop accepting (never escapes :func:`serve`)."""
 
 
+async def _end_at(deadline: float, end_responses: Callable[[], None]) -> None:
+    await trio.sleep_until(deadline)
+    end_responses()
+
+
 async def serve(
     app: Any,
     config: Config,
     *,
     sockets: Sockets | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    end_responses: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI ``app`` until ``shutdown_trigger`` returns; started with nursery.start.
 
     ``sockets``: already-bound listening sockets (else ``config.create_sockets()``).
+    ``end_responses``: called at the graceful deadline, to end the app's responses still
+    running (a connection still busy :data:`END_GRACE_S` later is cancelled).
     ``task_status.started`` gets the ``http://host:port`` of every listener.
     """
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
@@ -314,6 +333,12 @@ async def serve(
             finally:
                 # Stop accepting; connections in flight get the graceful timeout to finish.
                 await context.terminated.set()
-                handlers.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+                deadline = trio.current_time() + config.graceful_timeout
+                if end_responses is not None:
+                    # In the outer nursery, cancelled once the handlers are done: it must
+                    # not keep them waiting for a deadline they have all beaten.
+                    lifespan_nursery.start_soon(_end_at, deadline, end_responses)
+                    deadline += END_GRACE_S
+                handlers.cancel_scope.deadline = deadline
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()

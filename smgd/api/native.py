@@ -225,9 +225,10 @@ async def generate_reply(call: Call, body: dict[str, Any]) -> Reply:
             nursery=call.nursery,
             pacer=call.ctx.pacer,
             writer=call.writer,
+            cutoff=call.ctx.cutoff,
         )
         return Reply(body_iter, SSE_HEADERS)
-    await collect(jobs, state)
+    await collect(jobs, state, call.ctx.cutoff)
     outs = [_final(state, job, max_tokens, lp) for job in jobs]
     payload: Any = outs[0] if len(outs) == 1 else outs
     return Reply(encode_json(payload), JSON_HEADERS)

@@ -275,9 +275,10 @@ async def _respond(
             nursery=call.nursery,
             pacer=call.ctx.pacer,
             writer=call.writer,
+            cutoff=call.ctx.cutoff,
         )
         return Reply(body, SSE_HEADERS)
-    await collect(jobs, state)
+    await collect(jobs, state, call.ctx.cutoff)
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice

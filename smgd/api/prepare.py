@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,7 +20,7 @@ from quart import Response, current_app, g, request
 
 from smgd.api.asgi_connection import QUEUED_BODY_KEY
 from smgd.api.direct import direct_writer
-from smgd.api.execute import RECORDER_KEY, Job
+from smgd.api.execute import RECORDER_KEY, Cutoff, Job
 from smgd.api.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.text.stream import TextStream
@@ -79,6 +79,7 @@ class ApiContext:
     keepalive_s: float
     created: int  # unix time the app was built (the `created` of /v1/models)
     pacer: LoadPacer | None = None  # adaptive SSE coalescing under load
+    cutoff: Cutoff = field(default_factory=Cutoff)  # ends running requests at a drain's deadline
 
 
 Recorder = Callable[["RequestState", float], None]

@@ -82,6 +82,7 @@ async def serve_http(
             app,
             hypercorn_config(gateway, fds),
             shutdown_trigger=partial(_stop_accepting, gateway),
+            end_responses=app.end_responses,
             task_status=task_status,
         )
     finally:
