@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
 from hypercorn.config import Config as HypercornConfig
 
 from smgd.admission import Admission
 from smgd.api import http_worker
 from smgd.api.app import create_app
+from smgd.api.execute import Cutoff, _StreamWatch
 from smgd.api.hot import SmgdApp
+from smgd.errors import Draining
 from tests.fake_engine import (
     MODEL,
     Behaviour,
@@ -90,6 +94,7 @@ async def test_a_stream_waiting_for_admission_ends_without_reaching_the_engine(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     fake = FakeEngine()
+    fake.config.max_inflight = 1  # the engine takes one request at a time
     fake.admission = Admission(max_inflight=1, max_queue=10, queue_timeout_s=100)
     replies: list[Any] = []
 
@@ -162,3 +167,27 @@ async def test_a_direct_stream_ends_with_the_error_event_and_a_whole_chunked_bod
     assert_drain_error(events[-2]["error"])
     assert len(events) > 3
     assert fake.aborts == [fake.requests[0].rid]
+
+
+async def test_a_stream_cut_just_as_it_got_its_slot_leaves_open_stream_at_once() -> None:
+    # The slot is granted, and before the task runs again the cut comes: open_stream was
+    # entered with no checkpoint left to deliver the cancel, so it must be left explicitly.
+    cutoff = Cutoff()
+    exits: list[type[BaseException] | None] = []
+
+    @asynccontextmanager
+    async def open_stream(request: Any) -> AsyncIterator[str]:
+        cutoff.cut("drain timeout")  # as if the cut ran while the slot was being granted
+        try:
+            yield "rs"
+        except BaseException as exc:
+            exits.append(type(exc))
+            raise
+
+    engine = SimpleNamespace(open_stream=open_stream, config=SimpleNamespace(max_inflight=1))
+    job = SimpleNamespace(engine=engine, request=None)
+    watch = _StreamWatch(cutoff)
+    with pytest.raises(Draining):
+        async with watch.opening(job):  # type: ignore[arg-type]
+            raise AssertionError("the body must not run")
+    assert exits == [Draining]  # open_stream was left (its finally sends the abort)
