@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a config and print it resolved")
-    check.add_argument("path", nargs="?", default=None)
+    check.add_argument("path", nargs="?", default=None, help="config file (same as --config)")
     _add_config_args(check)
     check.set_defaults(func=_cmd_check_config)
 
