@@ -238,19 +238,20 @@ def _struct_in(typ: Any) -> type[msgspec.Struct] | None:
 def _type_at(path: str) -> msgspec.inspect.Type | None:
     """The schema's type at a msgspec path like ``$.engines[0].mock.step_ms`` (None: unknown)."""
     node: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
-    for part in re.findall(r"\.(\w+)|\[\d+\]", path):
+    for part in re.findall(r"\.(\w+)|\[(?:\d+|\.\.\.)\]", path):
         node = _unwrap(node)
-        if part == "":  # a list index
-            if not isinstance(node, msgspec.inspect.ListType):
+        if part == "":  # a list index, or msgspec's [...] for any key of a table
+            if isinstance(node, msgspec.inspect.ListType):
+                node = node.item_type
+            elif isinstance(node, msgspec.inspect.DictType):
+                node = node.value_type
+            else:
                 return None
-            node = node.item_type
         elif isinstance(node, msgspec.inspect.StructType):
             fields = {f.name: f.type for f in node.fields}
             if part not in fields:
                 return None
             node = fields[part]
-        elif isinstance(node, msgspec.inspect.DictType):
-            node = node.value_type
         else:
             return None
     return _unwrap(node)
