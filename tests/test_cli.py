@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,3 +141,12 @@ def test_announce_is_a_plain_line_in_human_mode(
     setup_logging(LoggingConfig(format="human"))
     announce("smgd listening on http://127.0.0.1:1", url="http://127.0.0.1:1")
     assert capsys.readouterr().err == "smgd listening on http://127.0.0.1:1\n"
+
+
+def test_license_file_matches_pyproject() -> None:
+    root = Path(__file__).resolve().parent.parent
+    meta = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0"
+    text = (root / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
