@@ -71,7 +71,7 @@ PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=DAY_S)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]  # 0 allowed (unlimited / none)
 PositiveCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 ContextLen = Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)]
-Millis = Annotated[float, msgspec.Meta(ge=0, le=DAY_S * 1000)]
+Millis = Annotated[float, msgspec.Meta(ge=0, le=DAY_S * 1000)]  # durations in ms, as Seconds
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -274,8 +274,8 @@ def _choices(node: msgspec.inspect.Type | None) -> list[str]:
     return []
 
 
-def describe_range(node: msgspec.inspect.Type | None) -> str | None:
-    """``"a number in 0 .. 86400"``-style text for a bounded int/float type, else None."""
+def _describe_range(node: msgspec.inspect.Type | None) -> str | None:
+    """``a finite number >= 0 and <= 86400.0`` for a bounded int/float type, else None."""
     if not isinstance(node, msgspec.inspect.IntType | msgspec.inspect.FloatType):
         return None
     kind = "an integer" if isinstance(node, msgspec.inspect.IntType) else "a finite number"
@@ -303,7 +303,7 @@ def _translate(err: msgspec.ValidationError) -> ConfigError:
         field = msg.split("`")[1]
         path = f"{path}.{field}"
         msg = f"missing required key `{field}`"
-    elif (wanted := describe_range(_type_at(path))) is not None:
+    elif (wanted := _describe_range(_type_at(path))) is not None:
         # msgspec says "Expected `float` >= 0.0" for a NaN as for -1: say the whole range.
         hint = f"{path.rsplit('.', 1)[-1]} is {wanted}"
     return ConfigError(msg, path=path, hint=hint)
