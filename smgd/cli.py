@@ -90,14 +90,18 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from smgd.daemon import serve_main
-    from smgd.logs import setup_logging
+    from smgd.logs import announce, setup_logging
 
     path, builtin = _config_path(args)
     overrides = _overrides(args)
     config = load_config(path, overrides=overrides)
-    check_secrets(config)  # before anything starts or listens
+    setup_logging(config.logging)  # the config is valid: from here on, lines in its format
+    try:
+        check_secrets(config)  # before anything starts or listens
+    except ConfigError as exc:
+        announce(f"smgd: {exc.one_line()}", level=logging.ERROR)
+        return EXIT_CONFIG
     if builtin:
-        setup_logging(config.logging)
         logging.getLogger("smgd").info(_BUILTIN_NOTE, path)
     return serve_main(config, config_path=path, overrides=overrides)
 

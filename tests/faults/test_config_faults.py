@@ -75,6 +75,15 @@ async def test_api_keys_env_flag_unset_is_refused(tmp_path: Path) -> None:
     assert "$.server.api_keys_env" in err
 
 
+async def test_refusal_is_a_json_line_in_json_mode(tmp_path: Path) -> None:
+    config = daemon_toml(mock_engine_toml("e0", "m"), extra_server=f'api_keys_env = "{UNSET}"\n')
+    err = await refused(tmp_path, config, "--logging-format", "json")
+    (line,) = err.strip().splitlines()
+    record = json.loads(line)
+    assert record["level"] == "error"
+    assert f"$.server.api_keys_env: {UNSET} is unset or empty" in record["msg"]
+
+
 async def test_api_keys_file_with_only_a_comment_is_refused(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# keys go here\n")
