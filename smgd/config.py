@@ -500,30 +500,42 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
 
 
 # The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,
-# and hs.sock for a vLLM handshake), and admin.sock in run_dir (smgd.api.admin, admin.port 0).
-# The longest name decides whether a directory is short enough.
+# and hs.sock for a vLLM handshake) unless [engines.addresses] names them, and admin.sock in
+# run_dir (smgd.api.admin, admin.port 0). The longest name decides whether a directory fits.
 ENGINE_SOCKET = "out.sock"
 ADMIN_SOCKET = "admin.sock"
 
 
-def _check_socket_paths(config: Config) -> None:
-    """Refuse at load a directory whose sockets could not be bound (serve would fail later)."""
-    places: list[tuple[Path, int, EngineConfig | None]] = [
-        (engine_ipc_dir(config, e) / ENGINE_SOCKET, i, e) for i, e in enumerate(config.engines)
-    ]
+def _sockets(config: Config) -> Iterator[tuple[str, str]]:
+    """(unix socket path, the key that decides it) for every ipc socket smgd will bind."""
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        addresses = engine.addresses
+        named = [addresses.input, addresses.output]
+        if engine.wire is WireFamily.VLLM:
+            named.append(addresses.handshake)
+        if not all(named):  # some socket lives in the engine's ipc dir
+            key = f"{at}.ipc_dir" if engine.ipc_dir else "$.run_dir"
+            yield str(engine_ipc_dir(config, engine) / ENGINE_SOCKET), key
+        for name in ("input", "output", "handshake"):
+            address = getattr(addresses, name)
+            if address is not None and address.startswith("ipc://"):
+                yield address[len("ipc://") :], f"{at}.addresses.{name}"
     if config.admin.port == 0:
-        places.append((run_dir(config) / ADMIN_SOCKET, -1, None))
-    for sock, i, engine in places:
+        yield str(run_dir(config) / ADMIN_SOCKET), "$.run_dir"
+
+
+def _check_socket_paths(config: Config) -> None:
+    """Refuse at load a socket path that could not be bound (serve would fail later)."""
+    for sock, key in _sockets(config):
         size = len(os.fsencode(sock))
         if size <= SUN_PATH_MAX:
             continue
-        own = engine is not None and engine.ipc_dir
-        where = f"$.engines[{i}].ipc_dir" if own else "$.run_dir"
-        default = "" if own or config.run_dir else " (the default, from $XDG_RUNTIME_DIR)"
+        default = " (default run_dir)" if key == "$.run_dir" and not config.run_dir else ""
         raise ConfigError(
-            f"socket path {str(sock)!r}{default} is {size} bytes, over the {SUN_PATH_MAX}-byte "
+            f"socket path {sock!r}{default} is {size} bytes, over the {SUN_PATH_MAX}-byte "
             "unix socket limit",
-            path=where,
+            path=key,
             hint="use a shorter directory, e.g. under /run or /tmp",
         )
 

@@ -310,7 +310,7 @@ def test_default_run_dir_from_a_long_xdg_runtime_dir(
     monkeypatch.setenv("XDG_RUNTIME_DIR", _dir_of_length(tmp_path, 100))
     err = error_of(write(tmp_path, engine()))
     assert err.path == "$.run_dir"
-    assert "XDG_RUNTIME_DIR" in err.message
+    assert "(default run_dir)" in err.message
 
 
 def test_ipc_dir_too_long_names_the_engine(tmp_path: Path) -> None:
@@ -326,6 +326,19 @@ def test_admin_socket_counts_only_when_it_is_a_socket(tmp_path: Path) -> None:
     path = write(tmp_path, f'run_dir = "{run}"\n' + text)
     assert error_of(path).path == "$.run_dir"
     load_config(path, environ={}, overrides=["admin.port=9000"])  # TCP admin: no socket
+
+
+def test_explicit_addresses_move_the_engine_sockets(tmp_path: Path) -> None:
+    long = _dir_of_length(tmp_path, 100)
+    tcp = 'input = "tcp://127.0.0.1:5001"\noutput = "tcp://127.0.0.1:5002"\n'
+    text = f'run_dir = "{long}"\n[admin]\nport = 9000\n' + engine() + "[engines.addresses]\n"
+    load_config(write(tmp_path, text + tcp), environ={})  # nothing is bound in run_dir
+    err = error_of(
+        write(tmp_path, text + tcp.replace("tcp://127.0.0.1:5002", f"ipc://{long}/out.sock"))
+    )
+    assert err.path == "$.engines[0].addresses.output"
+    vllm = text.replace('wire = "mock"', 'wire = "vllm"') + tcp
+    assert error_of(write(tmp_path, vllm)).path == "$.run_dir"  # hs.sock is still there
 
 
 def test_check_config_refuses_a_long_run_dir(
