@@ -83,6 +83,25 @@ async def test_stop_string_ends_and_aborts(autojump_clock: trio.abc.Clock) -> No
     assert choice["stop_reason"] == " you"
 
 
+async def test_stop_in_a_multi_token_step_counts_up_to_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The engine sends 50 tokens per step (and reports 50 generated): the stop " you" is
+    # completed by the 10th, and usage says 10, streamed or not.
+    done = next(i for i in range(len(IDS)) if " you" in TOK.decode(IDS[: i + 1]))
+    for streaming in (False, True):
+        fake = engine(tokens_per_step=50)
+        async with open_app(fake) as (app, _):
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stop": [" you"],
+                    "stream": streaming}  # fmt: skip
+            if streaming:
+                body["stream_options"] = {"include_usage": True}
+                usage = (await post_stream(app, "/v1/completions", body)).chunks()[-1]["usage"]
+            else:
+                usage = (await post(app, "/v1/completions", body)).json()["usage"]
+        assert usage["completion_tokens"] == done + 1
+
+
 async def test_stop_string_streamed_with_holdback(autojump_clock: trio.abc.Clock) -> None:
     fake = engine()
     async with open_app(fake) as (app, _):

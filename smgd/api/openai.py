@@ -139,20 +139,23 @@ def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    tt: TokenText, entries: list[TokenLogprob], offsets: list[int]
+    tt: TokenText, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
 ) -> dict[str, Any]:
-    """Legacy completions' ``choices[i].logprobs``; ``top_logprobs`` also holds the sampled
-    token (OpenAI: "up to logprobs+1 elements")."""
-    tokens, values, tops = [], [], []
+    """Legacy completions' ``choices[i].logprobs``.
+
+    ``tokens`` are the tokens' contributions to the returned text (they concatenate to it and
+    ``text_offset`` indexes it; see :class:`~smgd.api.pipeline.LogprobTrack`); the keys of
+    ``top_logprobs`` are tokens' own texts, and also hold the sampled token (OpenAI: "up to
+    logprobs+1 elements").
+    """
+    values, tops = [], []
     for e in entries:
-        token = tt.get(e.token_id)[0]
         top = {tt.get(t.token_id)[0]: _lp(t.logprob) for t in e.top or ()}
-        top.setdefault(token, _lp(e.logprob))
-        tokens.append(token)
+        top.setdefault(tt.get(e.token_id)[0], _lp(e.logprob))
         values.append(_lp(e.logprob))
         tops.append(top)
     return {
-        "tokens": tokens,
+        "tokens": texts,
         "token_logprobs": values,
         "top_logprobs": tops,
         "text_offset": offsets,
@@ -190,9 +193,9 @@ class OpenAIRenderer:
         choice.sent_role = True
         logprobs = b"null"
         if self.tokens is not None and choice.logprobs is not None:
-            entries, offsets = choice.logprobs.unsent()
+            entries, offsets, texts = choice.logprobs.unsent()
             if entries:
-                logprobs = encode_json(self._logprobs(entries, offsets))
+                logprobs = encode_json(self._logprobs(entries, offsets, texts))
         return self.fmt.chunk(
             choice.index,
             text,
@@ -201,11 +204,13 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
-    def _logprobs(self, entries: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+    def _logprobs(
+        self, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
+    ) -> dict[str, Any]:
         assert self.tokens is not None
         if self.fmt.chat:
             return chat_logprobs(self.tokens, entries)
-        return completion_logprobs(self.tokens, entries, offsets)
+        return completion_logprobs(self.tokens, entries, offsets, texts)
 
     def end(self) -> bytes:
         if self.include_usage:
@@ -294,7 +299,7 @@ async def _respond(
             entry["logprobs"] = (
                 chat_logprobs(tokens, track.entries)
                 if chat
-                else completion_logprobs(tokens, track.entries, track.offsets)
+                else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
         entry["finish_reason"] = choice.finish_reason
         entry["stop_reason"] = choice.matched  # vLLM extension: the stop string / token
