@@ -130,6 +130,25 @@ def test_decode_stream_error_switches_to_fallback(fail_after: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
+@given(ids=IDS, skip=st.booleans(), fast=st.booleans(), fail_after=st.integers(0, 45))
+def test_push_each_equals_push_of_one_id_at_a_time(
+    ids: list[int], skip: bool, fast: bool, fail_after: int
+) -> None:
+    # Also when DecodeStream fails partway (on its first step, in the middle, or never).
+    one = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    each = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    if fast:
+        one._stream = _BrokenStream(one._stream, fail_after)  # type: ignore[assignment]
+        each._stream = _BrokenStream(each._stream, fail_after)  # type: ignore[assignment]
+    half = len(ids) // 2
+    want = [one.push([i]) for i in ids] + [one.flush()]
+    got = [*each.push_each(ids[:half]), *each.push_each(ids[half:]), each.flush()]
+    assert got == want
+    assert "".join(got) == tok().decode(ids, skip_special_tokens=skip)
+    assert each.using_fallback == one.using_fallback
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     text=TEXT,
     sizes=SIZES,

@@ -342,8 +342,8 @@ class LogprobTrack:
                 self._last = entries[len(ids) - 1]
             ids = ids[:-1]
         out: list[str] = []
-        for k, token_id in enumerate(ids):
-            piece = text.detok.push([token_id])
+        # Past a stop the detokenizer's state no longer matters: all ids go in at once.
+        for k, piece in enumerate(text.detok.push_each(ids)):
             if k < len(entries):
                 self._pending.append((self._chars, piece, entries[k]))
             self._chars += len(piece)
