@@ -288,3 +288,36 @@ async def test_engine_abort_finish_is_an_error(autojump_clock: trio.abc.Clock) -
         reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi"})
     assert reply.status == 400
     assert reply.json()["error"]["message"] == "prompt rejected"
+
+
+async def test_n_choices_get_seed_plus_index(autojump_clock: trio.abc.Clock) -> None:
+    fake = engine()
+    async with open_app(fake) as (app, _):
+        reply = await post(
+            app, "/v1/completions",
+            {"model": MODEL, "prompt": ["a", "b"], "n": 3, "seed": 100, "max_tokens": 1},
+        )  # fmt: skip
+        assert reply.status == 200, reply.body
+        native = await post(
+            app, "/generate",
+            {"text": "a", "sampling_params": {"n": 2, "sampling_seed": 5, "max_new_tokens": 1}},
+        )  # fmt: skip
+        assert native.status == 200, native.body
+    # Each prompt's choices get seed + j, j = 0..n-1 (as vLLM's parallel sampling does).
+    seeds = sorted(r.sampling.seed for r in fake.requests if r.sampling.seed is not None)
+    assert seeds == [5, 6, 100, 100, 101, 101, 102, 102]
+
+
+async def test_n_above_1_with_greedy_sampling_is_a_400(autojump_clock: trio.abc.Clock) -> None:
+    fake = engine()
+    async with open_app(fake) as (app, _):
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "temperature": 0}),
+            ("/v1/chat/completions", {**CHAT, "n": 2, "temperature": 0, "stream": True}),
+        ):
+            reply = await post(app, path, body)
+            assert reply.status == 400
+            error = reply.json()["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", "n")
+            assert error["message"] == "n must be 1 when using greedy sampling, got 2."
+    assert fake.requests == []
