@@ -7,8 +7,9 @@ from typing import Any
 import trio
 
 from smgd.text.tokenizer import load_tokenizer
-from smgd.wire.common import FinishReason
+from smgd.wire.common import Finish, FinishReason, TokenDelta
 from tests.fake_engine import (
+    EOS,
     MODEL,
     TINY_MODEL,
     Behaviour,
@@ -321,3 +322,54 @@ async def test_n_above_1_with_greedy_sampling_is_a_400(autojump_clock: trio.abc.
             assert (error["type"], error["param"]) == ("invalid_request_error", "n")
             assert error["message"] == "n must be 1 when using greedy sampling, got 2."
     assert fake.requests == []
+
+
+class StopTokenEngine(FakeEngine):
+    """Finishes a request on the first id of its ``stop_token_ids`` it emits, as engines do."""
+
+    def deliver(self, delta: TokenDelta) -> None:
+        req = next((r for r in self.requests if r.rid == delta.rid), None)
+        stops = () if req is None else req.sampling.stop_token_ids
+        hit = next((i for i, t in enumerate(delta.token_ids) if t in stops), None)
+        if hit is not None:
+            del delta.token_ids[hit + 1 :]
+            delta.finish = Finish(reason=FinishReason.STOP, matched_token=delta.token_ids[hit])
+        super().deliver(delta)
+
+
+async def test_stop_reason_is_null_for_eos_and_length(autojump_clock: trio.abc.Clock) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5}
+    chat = {**CHAT, "max_tokens": 5}
+    async with open_app(engine(eos_after=3)) as (app, _):
+        for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            choice = (await post(app, path, req)).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+        # /generate keeps SGLang's shape: the EOS id is the match.
+        native = await post(app, "/generate", {"text": "hi", "sampling_params": {}})
+        assert native.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+    async with open_app(engine()) as (app, _):
+        for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            choice = (await post(app, path, req)).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+
+
+async def test_stop_reason_names_the_stop_token_id(autojump_clock: trio.abc.Clock) -> None:
+    stop_id = IDS[4]
+    fake = StopTokenEngine(behaviour=Behaviour(output=IDS))
+    async with open_app(fake) as (app, _):
+        for path, req in (
+            ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+            ("/v1/chat/completions", CHAT),
+        ):
+            reply = await post(app, path, {**req, "stop_token_ids": [stop_id]})
+            choice = reply.json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+            assert reply.json()["usage"]["completion_tokens"] == 5
+        # An EOS id listed in stop_token_ids is still EOS (vLLM checks EOS first)...
+        fake.behaviour = Behaviour(output=IDS, eos_after=2)
+        body = {"model": MODEL, "prompt": "hi", "stop_token_ids": [EOS]}
+        reply = await post(app, "/v1/completions", body)
+        assert reply.json()["choices"][0]["stop_reason"] is None
+        # ...unless ignore_eos: then it is one of the client's stop tokens.
+        reply = await post(app, "/v1/completions", {**body, "ignore_eos": True})
+        assert reply.json()["choices"][0]["stop_reason"] == EOS

@@ -53,6 +53,7 @@ __all__ = [
     "chat_reply",
     "completion_logprobs",
     "completion_reply",
+    "stop_reason",
 ]
 
 blueprint = Blueprint("openai", __name__)
@@ -160,6 +161,24 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def stop_reason(choice: Choice, sampling: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string, or the id of the client's ``stop_token_ids``,
+    that ended the choice; None for EOS and length. (Engines name the EOS id a finish hit,
+    which native ``/generate`` reports as SGLang does.)"""
+    matched = choice.matched
+    if choice.finish_reason != "stop":
+        return None
+    if isinstance(matched, str):
+        return matched
+    if (
+        matched is not None
+        and matched in sampling.stop_token_ids
+        and (sampling.ignore_eos or matched not in sampling.eos_token_ids)
+    ):
+        return matched
+    return None
 
 
 class OpenAIRenderer:
@@ -302,7 +321,7 @@ async def _respond(
                 else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
         entry["finish_reason"] = choice.finish_reason
-        entry["stop_reason"] = choice.matched  # vLLM extension: the stop string / token
+        entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
     payload = {
         "id": response_id,
