@@ -3,9 +3,10 @@
 Two engines: the in-process :class:`FakeEngine` with deterministic logprobs attached to its
 deltas (:func:`smgd.mock.scheduler.mock_logprob`, the mock engine's own formula), and the mock
 engine speaking SGLang's wire over real ipc sockets, read with the OpenAI SDK. What is checked:
-values, token strings and bytes (against :class:`TokenText` and the tokenizer), and alignment
-(each streamed chunk's entries are exactly the tokens of its text; stop-string cuts drop the
-tokens past the cut; the EOS entry goes with its text).
+values, token strings and bytes (against :class:`TokenText` and the tokenizer), and alignment:
+one entry per counted token (through the token completing a stop string, the EOS last);
+completions ``tokens`` concatenate to the text and ``text_offset`` indexes it (checked against
+one-shot decodes of prefixes); a streamed entry goes out once its text has.
 """
 
 from __future__ import annotations

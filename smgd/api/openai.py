@@ -7,9 +7,11 @@ prompts become one engine request per choice, with ``index = prompt_index * n + 
 
 Logprobs (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs: k``) come in OpenAI's
 two shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions
-``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. A streamed chunk
-carries the entries of the tokens whose text it carries (see
-:class:`~smgd.api.pipeline.LogprobTrack`). Token strings come from :class:`TokenText`.
+``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, one entry per
+token counted in ``usage``. A streamed chunk carries the entries of the tokens whose text it
+completes (see :class:`~smgd.api.pipeline.LogprobTrack`). Completions ``tokens`` are each
+token's contribution to the returned text, which ``text_offset`` indexes; every other token
+string comes from :class:`TokenText`.
 """
 
 from __future__ import annotations
