@@ -73,7 +73,8 @@ class TextStream:
             return "", None
         if len(token_ids) < 2:
             text, hit = self.stops.feed(self.detok.push(token_ids))
-            self.kept = len(token_ids)
+            if hit is not None:
+                self.kept = 1
             return text, hit
         # Several ids: detokenized one at a time to know where each one's text ends, so a
         # stop can be traced to the id that completed it.
