@@ -1,0 +1,102 @@
+"""Fault suite: an engine dies or hangs under load; what the clients see, and the recovery."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+import trio
+
+from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream, until
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.slow
+
+STREAMS = 20
+# 20 ms steps x 2,000 tokens: every stream is still running when the fault strikes, however
+# slow the machine is at starting them.
+STEP_MS = 20.0
+LONG = 2000
+
+
+def start_streams(client: httpx.AsyncClient, nursery: trio.Nursery, n: int) -> list[StreamOutcome]:
+    """``n`` long streams in ``nursery``; their outcomes fill in as events arrive."""
+    outcomes = [StreamOutcome(status=0) for _ in range(n)]
+    for outcome in outcomes:
+        nursery.start_soon(partial_stream, client, outcome)
+    return outcomes
+
+
+async def partial_stream(client: httpx.AsyncClient, outcome: StreamOutcome) -> None:
+    await stream(client, "m", "the quick brown fox", LONG, into=outcome)
+
+
+async def all_under_way(outcomes: list[StreamOutcome]) -> None:
+    """Every stream has its first tokens: a fault now strikes mid-stream."""
+
+    async def under_way() -> bool:
+        return all(len(o.chunks) >= 3 for o in outcomes)
+
+    await until(under_way, 30)
+
+
+async def test_engine_kill9_under_load_ends_every_stream_then_recovers(tmp_path: Path) -> None:
+    config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                results = start_streams(client, nursery, STREAMS)
+                await all_under_way(results)
+                (engine,) = daemon.engine_pids()
+                os.kill(engine, signal.SIGKILL)
+                killed_at = trio.current_time()
+        # Every stream ended within a second of the kill, each with an error event and [DONE].
+        for outcome in results:
+            assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
+            assert outcome.status == 200
+            assert outcome.error is not None, outcome
+            assert outcome.error["type"] == "engine_error"
+            assert outcome.done and outcome.body_complete
+            assert 0 < len(outcome.chunks) < LONG
+        # Not ready while the engine is down; ready again (a new process) after relaunch.
+        assert (await client.get("/readiness")).status_code == 503
+        await daemon.wait_ready()
+        (relaunched,) = daemon.engine_pids()
+        assert relaunched != engine
+        after = await stream(client, "m", "hello again", 8)
+        assert after.error is None and after.done and len(after.chunks) == 8
+
+
+async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
+    tmp_path: Path,
+) -> None:
+    silence_s = 1.5
+    engine = mock_engine_toml(
+        "e0",
+        "m",
+        step_ms=STEP_MS,
+        extra=f"[engines.timeouts]\nsilence_s = {silence_s}\nhealth_interval_s = 0\n",
+    )
+    async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                results = start_streams(client, nursery, 4)
+                await all_under_way(results)
+                (stopped,) = daemon.engine_pids()
+                os.kill(stopped, signal.SIGSTOP)
+                stopped_at = trio.current_time()
+        for outcome in results:
+            # Not before the engine has been silent for silence_s, not much after it.
+            assert outcome.ended_at is not None
+            assert silence_s <= outcome.ended_at - stopped_at < silence_s + 3
+            assert outcome.error is not None and outcome.done and outcome.body_complete
+        await daemon.wait_ready()
+        (replacement,) = daemon.engine_pids()
+        assert replacement != stopped
+        after = await stream(client, "m", "still there", 5)
+        assert after.error is None and len(after.chunks) == 5
