@@ -289,6 +289,12 @@ class EngineSet:
             apply()
         for engine in changed:
             if engine not in replaced:
+                keys = [
+                    k
+                    for k in sorted(IN_PLACE)
+                    if getattr(before[engine.name], k) != getattr(engine, k)
+                ]
+                log.info("reload: engine %s: %s applied in place", engine.name, ", ".join(keys))
                 self.reconfigure(engine)
         for engine in replaced:
             log.info(
