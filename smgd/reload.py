@@ -105,13 +105,18 @@ class ReloadResult(msgspec.Struct, kw_only=True):
     needs_restart: list[str] = msgspec.field(default_factory=list)
 
 
-def replace_keys(old: EngineConfig, new: EngineConfig) -> list[str]:
-    """The changed keys of an engine that need a new engine (empty: apply in place)."""
+def changed_keys(old: EngineConfig, new: EngineConfig) -> list[str]:
+    """The keys of an ``[[engines]]`` entry that differ (a table counts as one key)."""
     return [
         f.name
         for f in msgspec.structs.fields(EngineConfig)
-        if f.name not in IN_PLACE and getattr(old, f.name) != getattr(new, f.name)
+        if getattr(old, f.name) != getattr(new, f.name)
     ]
+
+
+def replace_keys(old: EngineConfig, new: EngineConfig) -> list[str]:
+    """The changed keys of an engine that need a new engine (empty: apply in place)."""
+    return [key for key in changed_keys(old, new) if key not in IN_PLACE]
 
 
 @dataclass(eq=False)
@@ -289,12 +294,8 @@ class EngineSet:
             apply()
         for engine in changed:
             if engine not in replaced:
-                keys = [
-                    k
-                    for k in sorted(IN_PLACE)
-                    if getattr(before[engine.name], k) != getattr(engine, k)
-                ]
-                log.info("reload: engine %s: %s applied in place", engine.name, ", ".join(keys))
+                keys = ", ".join(changed_keys(before[engine.name], engine))
+                log.info("reload: engine %s: %s applied in place", engine.name, keys)
                 self.reconfigure(engine)
         for engine in replaced:
             log.info(

@@ -301,12 +301,12 @@ async def _status_loop(
 
 
 async def run_reload(
-    target: Target, *, out: TextIO, err: TextIO, timeout: float = RELOAD_TIMEOUT_S
+    target: Target, *, out: TextIO, err: TextIO, answer_within_s: float = RELOAD_TIMEOUT_S
 ) -> int:
     """POST /admin/reload; 0 applied, 1 rejected or an engine did not start (reason printed),
-    2 daemon unreachable. ``timeout``: a reload waits for the drain of the engines it replaces."""
+    2 daemon unreachable. A reload answers after the drain of the engines it replaces."""
     try:
-        async with _admin_client(target, timeout) as client:
+        async with _admin_client(target, answer_within_s) as client:
             response = await client.post("/admin/reload")
     except (httpx.HTTPError, OSError) as exc:
         err.write(f"smgd: cannot reach {target.describe()}: {exc} (is smgd running?)\n")
@@ -344,5 +344,7 @@ def status_main(config: Config, *, watch: float | None, url: str | None) -> int:
 def reload_main(config: Config) -> int:
     target = target_from_config(config)
     # A reload that replaces an engine answers after its streams drained (drain_timeout_s).
-    timeout = RELOAD_TIMEOUT_S + config.server.drain_timeout_s
-    return trio.run(lambda: run_reload(target, out=sys.stdout, err=sys.stderr, timeout=timeout))
+    within = RELOAD_TIMEOUT_S + config.server.drain_timeout_s
+    return trio.run(
+        lambda: run_reload(target, out=sys.stdout, err=sys.stderr, answer_within_s=within)
+    )
