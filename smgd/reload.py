@@ -250,7 +250,8 @@ class EngineSet:
                 log.warning("engine %s: %d stream(s) cut by reload", name, client.in_flight)
         slot.scope.cancel()
         await slot.stopped.wait()
-        if slot.client is not None and self.gateway.router.get(name) is slot.client:
+        # A replaced engine stays listed (stopped: 503) until its successor takes its place.
+        if not replacing and self.gateway.router.get(name) is slot.client:
             self.gateway.router.remove(name)
 
     def reconfigure(self, engine: EngineConfig) -> None:
