@@ -146,7 +146,7 @@ async def run_daemon(
     gateway.config_path = config_path
     gateway.overrides = list(overrides or [])
     gateway.started_at = trio.current_time()
-    # The public port before any engine: a port that is taken must not launch one for nothing.
+    # The ports before any engine: a port that is taken must not launch one for nothing.
     listener = bind_public(gateway)
     try:
         async with trio.open_nursery() as nursery:
@@ -154,12 +154,13 @@ async def run_daemon(
             gateway.reload = partial(reload_now, gateway, engines)
             if install_signals:
                 await nursery.start(_signal_task, gateway, engines, nursery.cancel_scope.cancel)
-            for engine_config in config.engines:
-                await engines.start(engine_config)
-            binds: list[str] = await nursery.start(serve_http, gateway, listener)
             worker = current_worker()
             if worker is None or worker.index == 0:  # one admin listener for all workers
                 gateway.admin_binds = await nursery.start(serve_admin, gateway)
+            async with engines.lock:  # a reload asked for meanwhile waits for these
+                for engine_config in config.engines:
+                    await engines.start(engine_config)
+            binds: list[str] = await nursery.start(serve_http, gateway, listener)
             if worker is not None:
                 nursery.start_soon(watch_supervisor, os.getppid())
                 if worker.index == 0:

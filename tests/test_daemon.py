@@ -136,13 +136,20 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> N
         proc.communicate()
 
 
-async def test_port_in_use_names_the_address_and_launches_no_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("listener", ["server", "admin"])
+async def test_port_in_use_names_the_address_and_launches_no_engine(
+    tmp_path: Path, listener: str
+) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         path = tmp_path / "smgd.toml"
-        text = config_text(engine_toml("a", "m-a")).replace("port = 0", f"port = {port}")
+        text = config_text(engine_toml("a", "m-a"))
+        if listener == "server":
+            text = text.replace("port = 0", f"port = {port}")
+        else:
+            text = text.replace("[logging]", f"[admin]\nport = {port}\n[logging]")
         path.write_text(text.replace('level = "warning"', 'level = "info"'))
         proc = serve_process(path)
         _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))

@@ -6,6 +6,7 @@ Each case streams on every engine while the reload runs and counts every token.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from smgd.gateway import Gateway
 from smgd.launch import mock_argv
 from smgd.reload import Supervised, _keep_running, replace_keys, supervise_engine
 from smgd.router import Router
+from smgd.status import run_reload, target_from_config
 from smgd.wire.common import EngineInfo
 
 from .daemon_harness import (
@@ -424,13 +426,19 @@ async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
         '[engines.launch]\nkind = "command"\ncommand = ["/nonexistent/engine"]\n'
     )
     async with running_daemon(path) as (gateway, client):
+        target = target_from_config(load_config(path, environ={}))
+        out, err = io.StringIO(), io.StringIO()
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (16, 60)})
             await _streaming(gateway, {"keep": 16})
             rewrite_config(path, keep, broken)
-            result = await _reload(gateway)
-        assert result.ok and result.replaced == ["other"]
-        assert "cannot launch '/nonexistent/engine'" in result.failed["other"]
+            code = await run_reload(target, out=out, err=err)  # what `smgd reload` does
+        # Applied, but an engine is not up: said so, exit 1.
+        assert code == 1
+        assert out.getvalue() == "reload applied: changed other; replaced other\n"
+        assert err.getvalue().startswith(
+            "smgd: engine other did not start: engine other: cannot launch '/nonexistent/engine'"
+        )
         assert results == {"m-keep": [(60, None)] * 16}
         ready = (await client.get("/readiness")).json()["engines"]
         assert ready["other"]["ready"] is False

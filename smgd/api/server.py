@@ -94,13 +94,14 @@ def bind_public(gateway: Gateway) -> PublicListener:
         sockets = [socket.socket(fileno=fd) for fd in fds]
     else:
         server = gateway.config.server
-        sockets = [_listen(server.host, server.port, cfg.backlog)]
+        sockets = [listen_tcp(server.host, server.port, cfg.backlog)]
     for sock in sockets:
         sock.setblocking(False)
     return PublicListener(cfg, sockets)
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; TransportError naming the address if not."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
