@@ -21,17 +21,19 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
+from smgd.admission import Admission
 from smgd.assets import TINY_MODEL_DIR
 from smgd.config import Config, EngineConfig, TimeoutsConfig, WireFamily, load_config
 from smgd.engines.base import EngineClient, EngineState
-from smgd.errors import EngineDead
+from smgd.errors import EngineDead, Overloaded
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv
 from smgd.reload import Supervised, _keep_running, replace_keys, supervise_engine
 from smgd.router import Router
 from smgd.status import run_reload, target_from_config
-from smgd.wire.common import EngineInfo
+from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams
 
 from .daemon_harness import (
     config_text,
@@ -96,14 +98,111 @@ def test_restart_keys_keep_their_running_values(tmp_path: Path) -> None:
     assert kept.server.max_body_bytes == 20  # applies live: the new value
 
 
+# --------------------------------------------------------------------------- in place
+
+
+async def test_a_raised_inflight_cap_admits_waiters_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    admission = Admission(max_inflight=1, max_queue=10, queue_timeout_s=60.0)
+    admitted: list[int] = []
+
+    async def request(i: int) -> None:
+        async with admission.slot(i):
+            admitted.append(i)
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(request, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (len(admitted), admission.queue_depth) == (1, 2)
+        admission.reconfigure(max_inflight=0, max_queue=10, queue_timeout_s=60.0)  # unlimited
+        await trio.testing.wait_all_tasks_blocked()
+        assert (sorted(admitted), admission.queue_depth) == ([0, 1, 2], 0)
+        admission.reconfigure(max_inflight=1, max_queue=0, queue_timeout_s=60.0)
+        with pytest.raises(Overloaded, match="queue is full"):  # 3 running, none may wait
+            await request(3)
+        nursery.cancel_scope.cancel()
+
+
+class _Quiet(EngineClient):
+    """A ready engine that never says anything (a wedged one), for the watchdogs."""
+
+    wire = "fake"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, fallback_info=None)
+        self.probes: list[float] = []
+
+    def _input_socket(self) -> TrioSocket:
+        return cast("TrioSocket", _Silent())
+
+    def _output_socket(self) -> TrioSocket:
+        return cast("TrioSocket", _Silent())
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def _become_ready(self) -> EngineInfo:
+        await trio.lowlevel.checkpoint()
+        return EngineInfo(max_model_len=100, vocab_size=10)
+
+    async def _close(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+        return [b"req"]
+
+    def _encode_abort(self, rid: str) -> list[bytes]:
+        return [b"abort"]
+
+    async def probe_health(self, limit_s: float) -> None:
+        self.probes.append(trio.current_time())
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_lowered_silence_limit_applies_at_once(autojump_clock: trio.abc.Clock) -> None:
+    engine = _Quiet(_engine(timeouts=TimeoutsConfig(silence_s=60.0, health_interval_s=0.0)))
+    request = GenerateRequest(rid="r", prompt_ids=[1], sampling=SamplingParams(max_tokens=5))
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            await engine.wait_ready()
+            async with engine.open_stream(request) as stream:
+                await trio.sleep(20)  # silent for 20 s: fine under a 60 s limit
+                assert engine.state is EngineState.READY
+                engine.reconfigure(_engine(timeouts=TimeoutsConfig(silence_s=5.0)))
+                changed_at = trio.current_time()
+                with pytest.raises(EngineDead, match="no output for 5 s"):
+                    await stream.receive()
+                assert trio.current_time() - changed_at < 1.0
+
+
+async def test_a_health_probe_turned_on_by_a_reload_runs(autojump_clock: trio.abc.Clock) -> None:
+    engine = _Quiet(_engine(timeouts=TimeoutsConfig(health_interval_s=0.0)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await engine.wait_ready()
+        await trio.sleep(100)
+        assert engine.probes == []  # 0: no probe
+        engine.reconfigure(_engine(timeouts=TimeoutsConfig(health_interval_s=10.0)))
+        await trio.sleep(25)
+        assert [round(t - 100) for t in engine.probes] == [10, 20]
+        nursery.cancel_scope.cancel()
+
+
 # --------------------------------------------------------------------------- supervision
 
 
 class _Silent:
-    """A socket nothing ever arrives on."""
+    """A socket nothing ever arrives on, that takes whatever is sent."""
 
     async def recv_multipart_batch(self, limit: int) -> list[list[bytes]]:
         await trio.sleep_forever()
+
+    def send_multipart_nowait(self, frames: list[bytes]) -> None:
+        pass
 
 
 class _NeverReady(EngineClient):

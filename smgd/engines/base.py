@@ -341,9 +341,9 @@ class EngineClient:
 
     async def _silence_watchdog(self) -> None:
         while True:
-            silence = self.config.timeouts.silence_s
             # Check at a fraction of the limit so detection lags the limit by at most 25 %.
-            await self._sleep_unless_reconfigured(silence / 4)
+            await self._sleep_unless_reconfigured(self.config.timeouts.silence_s / 4)
+            silence = self.config.timeouts.silence_s  # after the sleep: a reload may change it
             if self._streams and trio.current_time() - self._last_frame > silence:
                 self.die(
                     f"no output for {silence:g} s with {len(self._streams)} request(s) in flight"
