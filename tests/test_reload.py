@@ -278,11 +278,15 @@ def _spawn_streams(
     return results
 
 
-async def _streaming(gateway: Gateway, counts: dict[str, int]) -> None:
-    """Until each engine named in ``counts`` has that many streams in flight."""
+async def _streaming(
+    gateway: Gateway, counts: dict[str, int], results: dict[str, list[tuple[int, Any]]]
+) -> None:
+    """Until each engine named in ``counts`` has had that many streams (engine ``x`` serves
+    model ``m-x``): in flight, or already done on a machine slow to start the others."""
     with trio.fail_after(30):
         while not all(  # noqa: ASYNC110 - counts change on the engines' reader tasks
-            (e := gateway.router.get(name)) is not None and e.in_flight >= n
+            (e := gateway.router.get(name)) is not None
+            and e.in_flight + len(results[f"m-{name}"]) >= n
             for name, n in counts.items()
         ):
             await trio.sleep(0.01)
@@ -326,8 +330,8 @@ async def test_admission_limits_and_timeouts_apply_in_place_under_load(tmp_path:
     async with running_daemon(path) as (gateway, client):
         before, pid = gateway.router.get("other"), _pid(gateway, "other")
         async with trio.open_nursery() as nursery:
-            results = _spawn_streams(nursery, client, {"m-keep": (32, 60), "m-other": (32, 60)})
-            await _streaming(gateway, {"keep": 32, "other": 32})
+            results = _spawn_streams(nursery, client, {"m-keep": (32, 100), "m-other": (32, 100)})
+            await _streaming(gateway, {"keep": 32, "other": 32}, results)
             changed = engine_toml(
                 "other",
                 "m-other",
@@ -339,7 +343,7 @@ async def test_admission_limits_and_timeouts_apply_in_place_under_load(tmp_path:
             result = await _reload(gateway)
         assert result.ok and result.changed == ["other"] and result.replaced == []
         # Nothing was interrupted: every token of every stream, the same client and process.
-        assert results == {"m-keep": [(60, None)] * 32, "m-other": [(60, None)] * 32}
+        assert results == {"m-keep": [(100, None)] * 32, "m-other": [(100, None)] * 32}
         engine = gateway.router.get("other")
         assert engine is before and _pid(gateway, "other") == pid
         assert engine is not None and engine.config.timeouts.silence_s == 30.0
@@ -367,7 +371,7 @@ async def test_a_changed_launched_engine_drains_then_is_replaced_under_load(
         refused: list[httpx.Response] = []
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (32, 100), "m-other": (32, 80)})
-            await _streaming(gateway, {"keep": 32, "other": 32})
+            await _streaming(gateway, {"keep": 32, "other": 32}, results)
             rewrite_config(path, keep, engine_toml("other", "m-other", step_ms=4), drain_s=20)
             done: list[ReloadResult] = []
 
@@ -402,7 +406,7 @@ async def test_streams_past_the_drain_timeout_end_with_an_error_event(tmp_path: 
     async with running_daemon(path) as (gateway, client):
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (16, 150), "m-other": (16, 1000)})
-            await _streaming(gateway, {"keep": 16, "other": 16})
+            await _streaming(gateway, {"keep": 16, "other": 16}, results)
             rewrite_config(path, keep, engine_toml("other", "m-other", step_ms=5), drain_s=0.5)
             with trio.fail_after(15):
                 result = await _reload(gateway)
@@ -441,7 +445,7 @@ async def test_a_changed_external_engine_is_replaced_and_reattaches(tmp_path: Pa
             old = gateway.router.get("ext")
             async with trio.open_nursery() as nursery:
                 results = _spawn_streams(nursery, client, {"m-keep": (32, 100), "m-ext": (32, 60)})
-                await _streaming(gateway, {"keep": 32, "ext": 32})
+                await _streaming(gateway, {"keep": 32, "ext": 32}, results)
                 rewrite_config(path, keep, external.format(len=2048))
                 result = await _reload(gateway)
             assert result.ok and result.replaced == ["ext"], result
@@ -465,9 +469,9 @@ async def test_every_engine_changed_at_once_under_load(tmp_path: Path) -> None:
     async with running_daemon(path) as (gateway, client):
         old = {n: gateway.router.get(n) for n in names}
         async with trio.open_nursery() as nursery:
-            plan = {f"m-{n}": (21 + (n == "a"), 60) for n in names}  # 64 streams
+            plan = {f"m-{n}": (21 + (n == "a"), 100) for n in names}  # 64 streams
             results = _spawn_streams(nursery, client, plan)
-            await _streaming(gateway, dict.fromkeys(names, 21))
+            await _streaming(gateway, dict.fromkeys(names, 21), results)
             rewrite_config(
                 path,
                 engine_toml("a", "m-a", step_ms=5),  # replaced
@@ -476,7 +480,7 @@ async def test_every_engine_changed_at_once_under_load(tmp_path: Path) -> None:
             )
             result = await _reload(gateway)
         assert result.ok and result.changed == ["a", "b", "c"] and result.replaced == ["a", "b"]
-        assert results == {f"m-{n}": [(60, None)] * (21 + (n == "a")) for n in names}
+        assert results == {f"m-{n}": [(100, None)] * (21 + (n == "a")) for n in names}
         assert gateway.router.get("c") is old["c"]
         for n in names:
             await _serves(gateway, client, n, f"m-{n}")
@@ -529,7 +533,7 @@ async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
         out, err = io.StringIO(), io.StringIO()
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (16, 60)})
-            await _streaming(gateway, {"keep": 16})
+            await _streaming(gateway, {"keep": 16}, results)
             rewrite_config(path, keep, broken)
             code = await run_reload(target, out=out, err=err)  # what `smgd reload` does
         # Applied, but an engine is not up: said so, exit 1.
