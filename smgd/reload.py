@@ -43,6 +43,7 @@ import trio
 
 from smgd.config import Config, EngineConfig, diff_engines, load_config
 from smgd.engines import build_engine_client
+from smgd.engines.base import EngineState
 from smgd.errors import SmgdError, TransportError
 from smgd.workers import for_worker
 
@@ -177,8 +178,12 @@ async def supervise_engine(
                     first = False
             return
         except* SmgdError as group:
-            # A group nests one level per nursery: name the real error, not the group.
-            reason = client.last_error or _describe(_innermost(group))
+            # die() recorded why; anything else (a bind or launch failure) is the group's
+            # innermost error: a group nests one level per nursery and says nothing itself.
+            if client.state is EngineState.DEAD and client.last_error:
+                reason = client.last_error
+            else:
+                reason = _describe(_innermost(group))
         slot.last_error = client.last_error = reason
         if not bound and first:
             if not retry_start:

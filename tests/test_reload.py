@@ -27,7 +27,7 @@ from smgd.admission import Admission
 from smgd.assets import TINY_MODEL_DIR
 from smgd.config import Config, EngineConfig, TimeoutsConfig, WireFamily, load_config
 from smgd.engines.base import EngineClient, EngineState
-from smgd.errors import EngineDead, Overloaded
+from smgd.errors import EngineDead, Overloaded, TransportError
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv
 from smgd.reload import Supervised, _keep_running, replace_keys, supervise_engine
@@ -252,6 +252,40 @@ async def test_a_handshake_loop_names_its_cause_in_the_log_and_in_last_error(
         nursery.cancel_scope.cancel()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"engine e failed: {cause}; restarting in 1.0 s"]
+
+
+class _CannotBind(_NeverReady):
+    async def _open(self, nursery: trio.Nursery) -> None:
+        await trio.lowlevel.checkpoint()
+        raise TransportError("engine e: cannot bind ipc:///x: Address already in use")
+
+
+async def test_last_error_is_the_newest_cause_not_the_carried_one(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
+    gateway = Gateway(config=Config(), router=Router(Config().routing))
+    kinds = iter([_NeverReady, _CannotBind, _NeverReady])
+    monkeypatch.setattr(
+        "smgd.reload.build_engine_client",
+        lambda engine, _: next(kinds)(engine, fallback_info=None),
+    )
+    caplog.set_level(logging.WARNING, logger="smgd.reload")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
+        await trio.sleep(6.5)  # attempt 1 failed at t=5; attempt 2 failed to bind at t=6
+        client = gateway.router.get("e")
+        assert client is not None
+        assert client.last_error == "engine e: cannot bind ipc:///x: Address already in use"
+        nursery.cancel_scope.cancel()
+    assert [r.getMessage() for r in caplog.records if r.name == "smgd.reload"] == [
+        "engine e failed: the engine did not complete the handshake within 5 s;"
+        " restarting in 1.0 s",
+        "engine e failed: engine e: cannot bind ipc:///x: Address already in use;"
+        " restarting in 2.0 s",
+    ]
 
 
 # --------------------------------------------------------------------------- the whole daemon
