@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from smgd.engines.base import EngineClient, EngineState
 from smgd.errors import EngineDead, Overloaded, TransportError
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv
-from smgd.reload import Supervised, _keep_running, replace_keys, supervise_engine
+from smgd.reload import IN_PLACE, Supervised, _keep_running, replace_keys, supervise_engine
 from smgd.router import Router
 from smgd.status import run_reload, target_from_config
 from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams
@@ -86,6 +87,21 @@ def test_smgd_side_keys_apply_in_place(changes: dict[str, Any]) -> None:
 )
 def test_engine_side_keys_replace_the_engine(changes: dict[str, Any], key: str) -> None:
     assert replace_keys(_engine(), _engine(**changes, max_queue=5)) == [key]
+
+
+def test_the_reload_guide_lists_exactly_the_in_place_and_replacing_keys() -> None:
+    guide = (Path(__file__).parent.parent / "docs" / "how-to" / "reload.md").read_text()
+
+    def keys(row_start: str) -> set[str]:
+        (row,) = [line for line in guide.splitlines() if line.startswith(row_start)]
+        cell = row.split("|")[1]
+        return {key.removesuffix(".*") for key in re.findall(r"`([^`]+)`", cell)}
+
+    in_place = keys("| an engine changed only in")
+    replacing = keys("| an engine changed in any other key")
+    assert in_place == IN_PLACE
+    every = {f.name for f in msgspec.structs.fields(EngineConfig)} - {"name"}
+    assert replacing == every - IN_PLACE
 
 
 def test_restart_keys_keep_their_running_values(tmp_path: Path) -> None:
