@@ -19,7 +19,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ import trio
 from smgd.api.server import bind_public, serve_http
 from smgd.errors import SmgdError, TransportError
 from smgd.gateway import Gateway
-from smgd.logs import setup_logging
+from smgd.logs import announce, setup_logging
 from smgd.reload import EngineSet, ReloadResult
 from smgd.workers import current_worker, for_worker, reload_others, watch_supervisor
 
@@ -238,14 +237,13 @@ def serve_main(
                 )
             for bind in binds:
                 url = bind.replace("http://", "http://", 1)
-                print(f"smgd listening on {url}", file=sys.stderr)
+                announce(f"smgd listening on {url}", url=url)
             model = config.engines[0].models[0] if config.engines else "MODEL"
             base = binds[0] if binds else f"http://{config.server.host}:{config.server.port}"
-            print(
+            announce(
                 "try: curl -N " + base + "/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{model}", "prompt": "Hello, smgd!", '
-                '"max_tokens": 32, "stream": true}\'',
-                file=sys.stderr,
+                '"max_tokens": 32, "stream": true}\''
             )
 
     try:
@@ -256,7 +254,7 @@ def serve_main(
             if isinstance(exc, KeyboardInterrupt):
                 return 0
             raise
-        print(f"smgd: {_describe(error)}", file=sys.stderr)
+        announce(f"smgd: {_describe(error)}", level=logging.ERROR)
         return 2 if error.__class__.__name__ == "ConfigError" else 1
     return 0
 

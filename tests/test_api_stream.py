@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from smgd.config import ServerConfig
@@ -52,6 +53,17 @@ async def test_keepalive_for_n2(autojump_clock: trio.abc.Clock) -> None:
     async with open_app(fake, server=server) as (app, _):
         reply = await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 2, "n": 2})
     assert reply.comments == 2
+    assert reply.events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_no_keepalive_comments_by_default(autojump_clock: trio.abc.Clock, n: int) -> None:
+    # SGLang's bench_serving json-decodes every line: a comment line breaks it. Off unless set.
+    fake = FakeEngine(behaviour=Behaviour(first_step_s=60.0))
+    async with open_app(fake) as (app, _):
+        reply = await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 2, "n": n})
+    assert reply.comments == 0
+    assert b": keep-alive" not in reply.raw
     assert reply.events[-1] == "[DONE]"
 
 

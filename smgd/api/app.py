@@ -5,9 +5,10 @@ Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai
 
 - Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400) or
   minted, echoed on every response, and used in the request's log line.
-- API keys (``Authorization: Bearer``) guard the inference endpoints only; keys come from the
-  env var named by ``server.api_keys_env`` (comma-separated) and/or ``server.api_keys_file``
-  (one per line). Keys are never logged.
+- API keys (``Authorization: Bearer``, the scheme name in any case) guard the inference
+  endpoints only; keys come from the env var named by ``server.api_keys_env`` (comma-separated)
+  and/or ``server.api_keys_file`` (one per line). A configured source without a key is a
+  config error at start and a refused reload, never "no auth". Keys are never logged.
 - While draining, new inference requests get 503 + ``Retry-After``.
 - Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
   (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
@@ -38,8 +39,8 @@ from smgd.api.hot import HotRoutes, SmgdApp, check_access
 from smgd.api.pacer import LoadPacer
 from smgd.api.pipeline import check_request_id, new_request_id
 from smgd.api.prepare import ApiContext, api
-from smgd.config import resolve_path
-from smgd.errors import ConfigError, InvalidRequest, SmgdError
+from smgd.config import load_admin_token, load_api_keys
+from smgd.errors import InvalidRequest, SmgdError
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
 from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
 
@@ -60,25 +61,6 @@ BODY_TIMEOUT_S = 60
 # Worker threads tokenizing big prompts at once: one per core on the 2-core target, so
 # tokenization cannot starve the event loop's own core of CPU.
 TOKENIZE_THREADS = 2
-
-
-def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
-    """Bearer keys from the configured env var and/or file; () means no auth."""
-    server = config.server
-    env = os.environ if environ is None else environ
-    keys: list[str] = []
-    if server.api_keys_env:
-        keys += [k.strip() for k in env.get(server.api_keys_env, "").split(",")]
-    if server.api_keys_file:
-        path = resolve_path(config, server.api_keys_file)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read api_keys_file {path}: {exc.strerror}", path="$.server.api_keys_file"
-            ) from None
-        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
-    return tuple(dict.fromkeys(k.encode() for k in keys if k))
 
 
 def _error_response(err: SmgdError) -> Response:
@@ -133,7 +115,11 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             scope.cancel()
 
     def on_reload(config: Config) -> Callable[[], None]:
-        keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload
+        # A key source that yields no key (or an unreadable file) refuses the whole reload, so
+        # it can never leave auth open. The admin token is checked too: it applies at restart,
+        # and a config that could not restart must not be accepted now.
+        keys = load_api_keys(config, environ)
+        load_admin_token(config, environ)
 
         def apply() -> None:
             ctx = app.extensions["smgd"]

@@ -75,9 +75,11 @@ BodyOutcome = Literal["complete", "too_large", "timeout", "disconnected"]
 
 
 def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
-    if not header or not header.startswith("Bearer "):
+    """``Authorization: Bearer <one of keys>``; the scheme name is case-insensitive (RFC 9110)."""
+    scheme, _, credentials = (header or "").strip().partition(" ")
+    given = credentials.strip().encode()
+    if scheme.lower() != "bearer" or not given:
         return False
-    given = header[len("Bearer ") :].strip().encode()
     ok = False
     for key in keys:  # compare with every key: the time taken does not reveal which matched
         ok |= hmac.compare_digest(given, key)

@@ -23,6 +23,7 @@ from smgd.api.direct import direct_writer
 from smgd.api.execute import RECORDER_KEY, Job
 from smgd.api.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.errors import EngineNotReady, InvalidRequest
+from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
@@ -254,7 +255,9 @@ def plan_jobs(
             )
         for j in range(n):
             engine = first if j == 0 else gateway.router.pick(model, ids)
-            req = GenerateRequest(rid=new_engine_rid(), prompt_ids=ids, sampling=params)
+            req = GenerateRequest(
+                rid=new_engine_rid(), prompt_ids=ids, sampling=for_choice(params, j)
+            )
             engine.validate(req)
             _check_top_logprobs(engine, params.logprobs, top_logprobs_param)
             stream = TextStream(
