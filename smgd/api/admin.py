@@ -19,6 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from smgd.api.hot import authorized
+from smgd.api.server import listen_tcp
 from smgd.config import load_admin_token, run_dir
 
 if TYPE_CHECKING:
@@ -95,6 +96,10 @@ async def serve_admin(
         prepare_ipc_endpoint(bind[len("unix:") :])  # 0700 dir, stale socket cleared, live refused
     cfg = HypercornConfig()
     cfg.bind = [bind]
+    admin = gateway.config.admin
+    if admin.port > 0:
+        # Bound here, so a taken port is an error naming the address; hypercorn owns the fd.
+        cfg.bind = [f"fd://{listen_tcp(admin.host, admin.port, cfg.backlog).detach()}"]
     cfg.graceful_timeout = 1.0  # admin requests are short
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
