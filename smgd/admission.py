@@ -28,6 +28,13 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.rejected_total = 0
 
+    def reconfigure(self, *, max_inflight: int, max_queue: int, queue_timeout_s: float) -> None:
+        """New limits (a reload). A raised cap admits waiters at once; a lowered one admits
+        nobody until enough held slots are released. Waiters keep the timeout they started with."""
+        self._limiter.total_tokens = max_inflight if max_inflight > 0 else math.inf
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+
     @property
     def queue_depth(self) -> int:
         return self._limiter.statistics().tasks_waiting

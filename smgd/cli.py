@@ -1,21 +1,25 @@
-"""Command line: ``smgd serve | check-config | status | reload | wire | mock-engine | bench``.
+"""The smgd command line: serve, check-config, init, status, reload, wire, mock-engine, bench.
 
 Flags for the fixed config sections are generated from the schema in :mod:`smgd.config`
 (one schema, no second hand-written copy), and ``--set key.path=value`` reaches any key.
+The config file is the first of ``--config``, ``$SMGD_CONFIG``, ``./smgd.toml``; with none of
+them, the built-in default (the packaged smgd.toml: mock engine, tiny model) is used.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from smgd import __version__
-from smgd.config import Config, load_config, scalar_flags
+from smgd import __version__, assets
+from smgd.config import Config, check_secrets, load_config, scalar_flags
 from smgd.errors import ConfigError, SmgdError
 
 DEFAULT_CONFIG = "smgd.toml"
@@ -24,7 +28,11 @@ EXIT_CONFIG = 2  # a bad config file / flag: exit 2, like argparse's usage error
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", "-c", default=None, help=f"config file (default: ./{DEFAULT_CONFIG})"
+        "--config",
+        "-c",
+        default=None,
+        help=f"config file (default: $SMGD_CONFIG, else ./{DEFAULT_CONFIG}, else the built-in "
+        "default)",
     )
     parser.add_argument(
         "--set",
@@ -35,7 +43,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("config overrides (generated from the schema)")
     for flag, dotted, _typ in scalar_flags():
-        group.add_argument(flag, dest=f"cfg:{dotted}", default=None, metavar="VALUE")
+        group.add_argument(
+            flag, dest=f"cfg:{dotted}", default=None, metavar="VALUE", help=f"sets {dotted}"
+        )
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -46,28 +56,75 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return items
 
 
-def _config_path(args: argparse.Namespace, positional: str | None = None) -> str:
-    return positional or args.config or os.environ.get("SMGD_CONFIG") or DEFAULT_CONFIG
+def _config_path(args: argparse.Namespace, positional: str | None = None) -> tuple[str, bool]:
+    """(the config file to read, whether it is the built-in default)."""
+    named = positional or args.config or os.environ.get("SMGD_CONFIG")
+    if named:
+        return named, False
+    if Path(DEFAULT_CONFIG).exists():
+        return DEFAULT_CONFIG, False
+    return str(assets.DEFAULT_CONFIG), True
 
 
 def load_from_args(args: argparse.Namespace, positional: str | None = None) -> Config:
-    return load_config(_config_path(args, positional), overrides=_overrides(args))
+    path, _ = _config_path(args, positional)
+    return load_config(path, overrides=_overrides(args))
+
+
+_BUILTIN_NOTE = (
+    "no config file (no --config, $SMGD_CONFIG or ./smgd.toml): using the built-in default "
+    "%s (mock engine, packaged tiny model); `smgd init` writes it out to edit"
+)
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    config = load_from_args(args, args.path)
+    path, builtin = _config_path(args, args.path)
+    config = load_config(path, overrides=_overrides(args))
+    check_secrets(config)  # as serve does: a configured key source without a key is an error
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(config), indent=2).decode() + "\n")
+    if builtin:
+        print("smgd: " + _BUILTIN_NOTE % path, file=sys.stderr)
     print(f"ok: {len(config.engines)} engine(s)", file=sys.stderr)
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from smgd.daemon import serve_main
+    from smgd.logs import announce, setup_logging
 
-    path = _config_path(args)
+    path, builtin = _config_path(args)
     overrides = _overrides(args)
     config = load_config(path, overrides=overrides)
+    setup_logging(config.logging)  # the config is valid: from here on, lines in its format
+    try:
+        check_secrets(config)  # before anything starts or listens
+    except ConfigError as exc:
+        announce(f"smgd: {exc.one_line()}", level=logging.ERROR)
+        return EXIT_CONFIG
+    if builtin:
+        logging.getLogger("smgd").info(_BUILTIN_NOTE, path)
     return serve_main(config, config_path=path, overrides=overrides)
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    target = Path(args.path)
+    if target.is_dir():
+        target /= DEFAULT_CONFIG
+    if target.exists() and not args.force:
+        raise SmgdError(f"{target} exists; use --force to overwrite it")
+    try:
+        target.write_text(assets.DEFAULT_CONFIG.read_text())
+    except OSError as exc:
+        raise SmgdError(f"cannot write {target}: {exc.strerror}") from None
+    start = (
+        "smgd serve"
+        if target.resolve() == Path(DEFAULT_CONFIG).resolve()
+        else f"smgd serve -c {target}"
+    )
+    print(
+        f"wrote {target} (the built-in default, commented); edit it, then: {start}", file=sys.stderr
+    )
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -112,9 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a config and print it resolved")
-    check.add_argument("path", nargs="?", default=None)
+    check.add_argument("path", nargs="?", default=None, help="config file (same as --config)")
     _add_config_args(check)
     check.set_defaults(func=_cmd_check_config)
+
+    init = sub.add_parser("init", help="write the default smgd.toml (commented) to edit")
+    init.add_argument(
+        "path",
+        nargs="?",
+        default=DEFAULT_CONFIG,
+        help=f"file or directory (default: ./{DEFAULT_CONFIG})",
+    )
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(func=_cmd_init)
 
     status = sub.add_parser("status", help="show a running daemon's engines, load and errors")
     _add_config_args(status)

@@ -19,11 +19,13 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
+from smgd.assets import BUILTIN_DIRS, BUILTIN_PREFIX, builtin_dir
 from smgd.errors import ConfigError
+from smgd.ipc import SUN_PATH_MAX
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -44,28 +46,58 @@ class RoutingPolicy(enum.Enum):
     PREFIX_AFFINITY = "prefix_affinity"
 
 
+# ------------------------------------------------------------------------- value ranges
+# Every number in the schema has a range (tests/test_config.py walks the schema to keep it so):
+# a negative size, a NaN or infinite timeout is refused at load with its key path instead of
+# misbehaving at run time. Upper bounds are where a value stops being a deployment and becomes
+# a typo; they also keep every float finite.
+
+# The longest any timeout or interval may be. A day is far past any drain, start-up or probe
+# interval that makes sense, and keeps trio deadlines far from float precision trouble.
+DAY_S = 86400.0
+# Counts of requests / tokens per engine (batch, queue, in-flight, prefix tokens): a million is
+# orders of magnitude above what one engine process holds.
+MAX_COUNT = 1_000_000
+# Context lengths: 64 Mi tokens is above the longest context any model advertises (10 M).
+MAX_CONTEXT = 1 << 26
+# A request body is held in memory whole before it is parsed: beyond 1 GiB is a typo.
+MAX_BODY_BYTES = 1 << 30
+# More workers than this is a typo, not a deployment: each is a whole process.
+MAX_WORKERS = 64
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=DAY_S)]  # 0 allowed (off / at once)
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=DAY_S)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]  # 0 allowed (unlimited / none)
+PositiveCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+ContextLen = Annotated[int, msgspec.Meta(ge=1, le=MAX_CONTEXT)]
+Millis = Annotated[float, msgspec.Meta(ge=0, le=DAY_S * 1000)]  # durations in ms, as Seconds
+
+
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: Port = 8080
     # LLM streams run for minutes; hypercorn's own 3 s graceful timeout would cut them.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: Seconds = 30.0
     # After SIGTERM, keep accepting connections (answering 503) this long before closing the
     # listener, so load balancers and probes see readiness fail instead of a refused connect.
-    drain_settle_s: float = 1.0
+    drain_settle_s: Seconds = 1.0
     # An SSE comment this often while a request waits (queue, long prefill) keeps proxies
-    # from closing an idle-looking connection; 15 s is under common 30-60 s proxy idle limits.
-    keepalive_interval_s: float = 15.0
+    # from closing an idle-looking connection. 0 = off, the default: vLLM's and SGLang's own
+    # servers send none, and clients written for them (SGLang's bench_serving) json-decode
+    # every line. Behind a proxy with an idle timeout, set it under that timeout (e.g. 15).
+    keepalive_interval_s: Seconds = 0.0
     # Largest accepted request body. 8 MiB fits a 1M-character prompt with room to spare.
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BODY_BYTES)] = 8 * 1024 * 1024
     # Upper bound of the adaptive coalescing window: when the event loop lags, a stream waits up
     # to this long between SSE events so each carries several tokens (an event costs ~150-200 µs
     # of CPU whatever it carries). 0 = one event per engine step always. 150 ms keeps a loaded
     # stream fluid (~7 tokens per event at 20 ms steps) while cutting per-token CPU several-fold.
-    coalesce_max_ms: float = 150.0
+    coalesce_max_ms: Millis = 150.0
     # Bearer keys for the inference endpoints; empty = no auth. Read from this env var
     # (comma-separated) and/or this file (one key per line), never from smgd.toml itself.
     api_keys_env: str | None = None
@@ -73,13 +105,13 @@ class ServerConfig(_Section):
     # Worker processes behind the one port (SO_REUSEPORT), each owning engines[i] with
     # i % workers == its index (smgd.workers). 1 = everything in one process. One process
     # tops out near one core; more than the machine's cores only adds contention.
-    workers: int = 1
+    workers: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORKERS)] = 1
 
 
 class AdminConfig(_Section):
     # Admin endpoints (reload, drain) listen separately, on loopback by default.
     host: str = "127.0.0.1"
-    port: int = 0  # 0: no admin listener
+    port: Port = 0  # 0: the unix socket <run_dir>/admin.sock
     token_env: str | None = None
 
 
@@ -95,7 +127,7 @@ class RoutingConfig(_Section):
     models: dict[str, RoutingPolicy] = msgspec.field(default_factory=dict)
     # prefix_affinity: how many leading prompt tokens decide the engine. 256 tokens covers a
     # typical system prompt; longer keys only split traffic that shares the same prefix cache.
-    prefix_tokens: int = 256
+    prefix_tokens: PositiveCount = 256
 
 
 class Addresses(_Section):
@@ -119,25 +151,25 @@ class LaunchConfig(_Section):
 class MockConfig(_Section):
     wire: Literal["sglang", "vllm", "tokenspeed"] = "sglang"
     # 20 ms is a realistic decode step for a mid-size model on one GPU.
-    step_ms: float = 20.0
-    max_batch: int = 256
-    max_model_len: int = 4096
+    step_ms: Millis = 20.0
+    max_batch: PositiveCount = 256
+    max_model_len: ContextLen = 4096
 
 
 class TimeoutsConfig(_Section):
     # SGLang needs ~30-40 s to import and load even a tiny model on this CPU; real models more.
-    ready_s: float = 600.0
+    ready_s: PositiveSeconds = 600.0
     # A send that cannot complete in this time means the peer is gone (PUSH to a dead
     # scheduler blocks forever); 5 s is far above any healthy queueing delay.
-    send_s: float = 5.0
+    send_s: PositiveSeconds = 5.0
     # No frame at all for this long while requests are in flight = the engine is wedged.
     # A long prefill of a huge prompt on a slow GPU stays well under 60 s.
-    silence_s: float = 60.0
+    silence_s: PositiveSeconds = 60.0
     # While idle, probe the engine this often (SGLang: a 1-token health-check generate, as
     # /health_generate does); 0 disables. Idle engines are otherwise never heard from.
-    health_interval_s: float = 30.0
+    health_interval_s: Seconds = 30.0
     # A probe unanswered for this long = the engine is wedged. A busy scheduler answers at once.
-    health_timeout_s: float = 20.0
+    health_timeout_s: PositiveSeconds = 20.0
 
 
 class EngineConfig(_Section):
@@ -151,13 +183,13 @@ class EngineConfig(_Section):
     launch: LaunchConfig | None = None
     mock: MockConfig = msgspec.field(default_factory=MockConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
-    max_model_len: int | None = None  # override what the engine / config.json says
+    max_model_len: ContextLen | None = None  # override what the engine / config.json says
     chat_template: str | None = None  # path to a template file, overrides the tokenizer's
     required: bool = True  # readiness waits for it
     # Admission: requests in flight on this engine before new ones queue; 0 = unlimited.
-    max_inflight: int = 0
-    max_queue: int = 1024
-    queue_timeout_s: float = 30.0
+    max_inflight: Count = 0
+    max_queue: Count = 1024
+    queue_timeout_s: Seconds = 30.0
 
 
 class Config(_Section):
@@ -203,6 +235,55 @@ def _struct_in(typ: Any) -> type[msgspec.Struct] | None:
     return None
 
 
+def _type_at(path: str) -> msgspec.inspect.Type | None:
+    """The schema's type at a msgspec path like ``$.engines[0].mock.step_ms`` (None: unknown)."""
+    node: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    for part in re.findall(r"\.(\w+)|\[(?:\d+|\.\.\.)\]", path):
+        node = _unwrap(node)
+        if part == "":  # a list index, or msgspec's [...] for any key of a table
+            if isinstance(node, msgspec.inspect.ListType):
+                node = node.item_type
+            elif isinstance(node, msgspec.inspect.DictType):
+                node = node.value_type
+            else:
+                return None
+        elif isinstance(node, msgspec.inspect.StructType):
+            fields = {f.name: f.type for f in node.fields}
+            if part not in fields:
+                return None
+            node = fields[part]
+        else:
+            return None
+    return _unwrap(node)
+
+
+def _unwrap(node: msgspec.inspect.Type) -> msgspec.inspect.Type:
+    """``X | None`` -> ``X``."""
+    if isinstance(node, msgspec.inspect.UnionType):
+        rest = [t for t in node.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(rest) == 1:
+            return rest[0]
+    return node
+
+
+def _choices(node: msgspec.inspect.Type | None) -> list[str]:
+    if isinstance(node, msgspec.inspect.EnumType):
+        return [str(member.value) for member in node.cls]
+    if isinstance(node, msgspec.inspect.LiteralType):
+        return [str(value) for value in node.values]
+    return []
+
+
+def _describe_range(node: msgspec.inspect.Type | None) -> str | None:
+    """``a finite number >= 0 and <= 86400.0`` for a bounded int/float type, else None."""
+    if not isinstance(node, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        return None
+    kind = "an integer" if isinstance(node, msgspec.inspect.IntType) else "a finite number"
+    low = f"> {node.gt!r}" if node.gt is not None else f">= {node.ge!r}"
+    high = f"< {node.lt!r}" if node.lt is not None else f"<= {node.le!r}"
+    return f"{kind} {low} and {high}"
+
+
 def _translate(err: msgspec.ValidationError) -> ConfigError:
     match = _AT_PATH.match(str(err))
     assert match is not None
@@ -215,14 +296,16 @@ def _translate(err: msgspec.ValidationError) -> ConfigError:
         path = f"{path}.{field}"
         msg = f"unknown key `{field}`"
         hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(valid)}"
-    elif "Invalid enum value" in msg and path.endswith(".wire"):
-        hint = "wire is one of " + ", ".join(w.value for w in WireFamily)
     elif "Invalid enum value" in msg:
-        hint = "policies: " + ", ".join(p.value for p in RoutingPolicy)
+        if choices := _choices(_type_at(path)):
+            hint = "one of " + ", ".join(choices)
     elif msg.startswith("Object missing required field"):
         field = msg.split("`")[1]
         path = f"{path}.{field}"
         msg = f"missing required key `{field}`"
+    elif (wanted := _describe_range(_type_at(path))) is not None:
+        # msgspec says "Expected `float` >= 0.0" for a NaN as for -1: say the whole range.
+        hint = f"{path.rsplit('.', 1)[-1]} is {wanted}"
     return ConfigError(msg, path=path, hint=hint)
 
 
@@ -322,15 +405,9 @@ def load_config(
     return config
 
 
-# More workers than this is a typo, not a deployment: each is a whole process.
-MAX_WORKERS = 64
-
-
 def _check_workers(config: Config, served: dict[str, str]) -> None:
     """Every model must have an engine in every worker's share (engines[i], i % workers)."""
     count = config.server.workers
-    if not 1 <= count <= MAX_WORKERS:
-        raise ConfigError(f"workers must be 1..{MAX_WORKERS}", path="$.server.workers")
     if count == 1:
         return
     for model in served:
@@ -346,16 +423,27 @@ def _check_workers(config: Config, served: dict[str, str]) -> None:
 
 
 def resolve_path(config: Config, value: str) -> Path:
+    """``value`` as a path: ``builtin:<name>`` is a packaged directory (smgd.assets);
+    ``~`` expands; a relative path resolves against the config file's directory."""
+    try:
+        builtin = builtin_dir(value)
+    except KeyError:
+        raise ConfigError(
+            f"{value!r} names no built-in directory", path="$", hint=_BUILTINS
+        ) from None
+    if builtin is not None:
+        return builtin
     path = Path(value).expanduser()
     return path if path.is_absolute() else Path(config.base_dir) / path
+
+
+_BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
 
 
 def validate(config: Config, *, check_paths: bool = True) -> None:
     """Cross-field checks msgspec cannot express."""
     seen: dict[str, int] = {}
     served: dict[str, str] = {}
-    if not 0 <= config.server.port <= 65535:
-        raise ConfigError("port out of range 0..65535", path="$.server.port")
     for i, engine in enumerate(config.engines):
         at = f"$.engines[{i}]"
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", engine.name):
@@ -373,15 +461,26 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("an engine serves at least one model name", path=f"{at}.models")
         for model in engine.models:
             served.setdefault(model, engine.name)
-        if check_paths:
-            for key in ("model_dir", "tokenizer_dir"):
-                value = getattr(engine, key)
-                if value is not None and not resolve_path(config, value).is_dir():
-                    raise ConfigError(
-                        f"{key} {value!r} is not a directory",
-                        path=f"{at}.{key}",
-                        hint="point it at the model's directory (tokenizer.json, config.json)",
-                    )
+        for key in ("model_dir", "tokenizer_dir"):
+            value = getattr(engine, key)
+            if value is None:
+                continue
+            if (
+                value.startswith(BUILTIN_PREFIX)
+                and value[len(BUILTIN_PREFIX) :] not in BUILTIN_DIRS
+            ):
+                raise ConfigError(
+                    f"{key} {value!r} names no built-in directory",
+                    path=f"{at}.{key}",
+                    hint=_BUILTINS,
+                )
+            if check_paths and not resolve_path(config, value).is_dir():
+                raise ConfigError(
+                    f"{key} {value!r} is not a directory",
+                    path=f"{at}.{key}",
+                    hint="point it at the model's directory (tokenizer.json, config.json), "
+                    f"or name the packaged one: {BUILTIN_PREFIX}tiny-model",
+                )
         if (
             engine.launch is not None
             and engine.launch.kind == "command"
@@ -391,12 +490,119 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
             )
     _check_workers(config, served)
+    _check_socket_paths(config)
     for model in config.routing.models:
         if model not in served:
             raise ConfigError(
                 f"routing for model {model!r} that no engine serves",
                 path=f"$.routing.models.{model}",
             )
+
+
+# The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,
+# and hs.sock for a vLLM handshake) unless [engines.addresses] names them, and admin.sock in
+# run_dir (smgd.api.admin, admin.port 0). The longest name decides whether a directory fits.
+ENGINE_SOCKET = "out.sock"
+ADMIN_SOCKET = "admin.sock"
+
+
+def _sockets(config: Config) -> Iterator[tuple[str, str]]:
+    """(unix socket path, the key that decides it) for every ipc socket smgd will bind."""
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        addresses = engine.addresses
+        named = [addresses.input, addresses.output]
+        if engine.wire is WireFamily.VLLM:
+            named.append(addresses.handshake)
+        if not all(named):  # some socket lives in the engine's ipc dir
+            key = f"{at}.ipc_dir" if engine.ipc_dir else "$.run_dir"
+            yield str(engine_ipc_dir(config, engine) / ENGINE_SOCKET), key
+        for name in ("input", "output", "handshake"):
+            address = getattr(addresses, name)
+            if address is not None and address.startswith("ipc://"):
+                yield address[len("ipc://") :], f"{at}.addresses.{name}"
+    if config.admin.port == 0:
+        yield str(run_dir(config) / ADMIN_SOCKET), "$.run_dir"
+
+
+def _check_socket_paths(config: Config) -> None:
+    """Refuse at load a socket path that could not be bound (serve would fail later)."""
+    for sock, key in _sockets(config):
+        size = len(os.fsencode(sock))
+        if size <= SUN_PATH_MAX:
+            continue
+        default = " (default run_dir)" if key == "$.run_dir" and not config.run_dir else ""
+        raise ConfigError(
+            f"socket path {sock!r}{default} is {size} bytes, over the {SUN_PATH_MAX}-byte "
+            "unix socket limit",
+            path=key,
+            hint="use a shorter directory, e.g. under /run or /tmp",
+        )
+
+
+# --------------------------------------------------------------------------- secrets
+# Keys and tokens are read from the environment / a file named in the config, never from the
+# config itself. A configured source that yields nothing is an error, never "no auth": an unset
+# variable or an emptied file must not silently open the daemon to everyone.
+
+
+def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
+    """Bearer keys from ``server.api_keys_env`` and/or ``server.api_keys_file``; () = no auth
+    (neither is set). Raises :class:`ConfigError` for a configured source without a key."""
+    server = config.server
+    env = os.environ if environ is None else environ
+    keys: list[str] = []
+    if server.api_keys_env is not None:
+        found = [k.strip() for k in env.get(server.api_keys_env, "").split(",") if k.strip()]
+        if not found:
+            raise ConfigError(
+                f"{server.api_keys_env or '(empty name)'} is unset or empty",
+                path="$.server.api_keys_env",
+                hint="it must hold the comma-separated API keys; "
+                "remove api_keys_env to serve without keys",
+            )
+        keys += found
+    if server.api_keys_file is not None:
+        path = resolve_path(config, server.api_keys_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+            raise ConfigError(
+                f"cannot read api_keys_file {str(path)!r}: {reason}", path="$.server.api_keys_file"
+            ) from None
+        found = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        if not found:
+            raise ConfigError(
+                f"api_keys_file {str(path)!r} holds no key",
+                path="$.server.api_keys_file",
+                hint="one key per line ('#' starts a comment); "
+                "remove api_keys_file to serve without keys",
+            )
+        keys += found
+    return tuple(dict.fromkeys(k.encode() for k in keys))
+
+
+def load_admin_token(config: Config, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The admin bearer token from ``admin.token_env``; None = not configured.
+    Raises :class:`ConfigError` when the variable is configured but unset or empty."""
+    name = config.admin.token_env
+    if name is None:
+        return None
+    token = (os.environ if environ is None else environ).get(name, "").strip()
+    if not token:
+        raise ConfigError(
+            f"{name or '(empty name)'} is unset or empty",
+            path="$.admin.token_env",
+            hint="it must hold the admin token; remove token_env to use no token",
+        )
+    return token.encode()
+
+
+def check_secrets(config: Config, environ: Mapping[str, str] | None = None) -> None:
+    """Every configured key source yields a key (serve, check-config and reload call this)."""
+    load_api_keys(config, environ)
+    load_admin_token(config, environ)
 
 
 def default_run_dir() -> Path:

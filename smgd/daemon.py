@@ -19,70 +19,27 @@ import gc
 import logging
 import os
 import signal
-import sys
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from smgd.engines import build_engine_client
-from smgd.errors import EngineDead, SmgdError, TransportError
+from smgd.api.server import bind_public, serve_http
+from smgd.errors import SmgdError, TransportError
 from smgd.gateway import Gateway
-from smgd.logs import setup_logging
+from smgd.logs import announce, setup_logging
 from smgd.reload import EngineSet, ReloadResult
 from smgd.workers import current_worker, for_worker, reload_others, watch_supervisor
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from smgd.config import Config, EngineConfig
+    from smgd.config import Config
 
 log = logging.getLogger("smgd")
 
-# Relaunch backoff for a dead engine: first retry after 1 s, doubling up to 60 s, so a crash
-# loop costs little while a transient failure recovers fast. An engine that stayed up for
-# BACKOFF_RESET_S is considered healthy again and starts over at the initial delay.
-BACKOFF_INITIAL_S = 1.0
-BACKOFF_MAX_S = 60.0
-BACKOFF_RESET_S = 60.0
 # Extra time past settle + drain timeout before the drain stops waiting for the HTTP server.
 DRAIN_MARGIN_S = 2.0
-
-
-async def supervise_engine(
-    gateway: Gateway,
-    engine_config: EngineConfig,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run one engine's client; on death, fail its streams (done by the client) and restart."""
-    backoff = BACKOFF_INITIAL_S
-    first = True
-    while True:
-        client = build_engine_client(engine_config, gateway)
-        gateway.router.put(client)
-        started_at = trio.current_time()
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(client.run)
-                if first:
-                    task_status.started()
-                    first = False
-            return
-        except* EngineDead as group:
-            reason = group.exceptions[0]
-            log.warning("engine %s: %s; restarting in %.1f s", engine_config.name, reason, backoff)
-            restarts = gateway.engine_restarts
-            restarts[engine_config.name] = restarts.get(engine_config.name, 0) + 1
-        if first:
-            # Died before it was even bound: a startup failure, not something to retry silently.
-            raise TransportError(
-                f"engine {engine_config.name} failed to start: {client.last_error}"
-            )
-        if trio.current_time() - started_at > BACKOFF_RESET_S:
-            backoff = BACKOFF_INITIAL_S
-        await trio.sleep(backoff)
-        backoff = min(backoff * 2, BACKOFF_MAX_S)
 
 
 async def readiness_barrier(gateway: Gateway) -> None:
@@ -182,34 +139,39 @@ async def run_daemon(
     task_status: trio.TaskStatus[tuple[Gateway, list[str]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     from smgd.api.admin import serve_admin
-    from smgd.api.server import serve_http
     from smgd.sdnotify import watchdog_interval
 
     gateway = Gateway.from_config(config)
     gateway.config_path = config_path
     gateway.overrides = list(overrides or [])
     gateway.started_at = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        engines = EngineSet(gateway, nursery)
-        gateway.reload = partial(reload_now, gateway, engines)
-        if install_signals:
-            await nursery.start(_signal_task, gateway, engines, nursery.cancel_scope.cancel)
-        for engine_config in config.engines:
-            await engines.start(engine_config)
-        binds: list[str] = await nursery.start(serve_http, gateway)
-        worker = current_worker()
-        if worker is None or worker.index == 0:  # one admin listener for all workers
-            gateway.admin_binds = await nursery.start(serve_admin, gateway)
-        if worker is not None:
-            nursery.start_soon(watch_supervisor, os.getppid())
-            if worker.index == 0:
-                gateway.reload = partial(_reload_all_workers, gateway, engines)
-        nursery.start_soon(readiness_barrier, gateway)
-        nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
-        interval = watchdog_interval()
-        if interval:
-            nursery.start_soon(watchdog_task, interval)
-        task_status.started((gateway, binds))
+    # The ports before any engine: a port that is taken must not launch one for nothing.
+    listener = bind_public(gateway)
+    try:
+        async with trio.open_nursery() as nursery:
+            engines = EngineSet(gateway, nursery)
+            gateway.reload = partial(reload_now, gateway, engines)
+            if install_signals:
+                await nursery.start(_signal_task, gateway, engines, nursery.cancel_scope.cancel)
+            worker = current_worker()
+            if worker is None or worker.index == 0:  # one admin listener for all workers
+                gateway.admin_binds = await nursery.start(serve_admin, gateway)
+            async with engines.lock:  # a reload asked for meanwhile waits for these
+                for engine_config in config.engines:
+                    await engines.start(engine_config)
+            binds: list[str] = await nursery.start(serve_http, gateway, listener)
+            if worker is not None:
+                nursery.start_soon(watch_supervisor, os.getppid())
+                if worker.index == 0:
+                    gateway.reload = partial(_reload_all_workers, gateway, engines)
+            nursery.start_soon(readiness_barrier, gateway)
+            nursery.start_soon(_drain_then_cancel, gateway, nursery.cancel_scope.cancel)
+            interval = watchdog_interval()
+            if interval:
+                nursery.start_soon(watchdog_task, interval)
+            task_status.started((gateway, binds))
+    finally:
+        listener.close()  # already closed by the server if it ran; not if an engine failed
 
 
 def _first_smgd_error(exc: BaseException) -> SmgdError | None:
@@ -275,14 +237,13 @@ def serve_main(
                 )
             for bind in binds:
                 url = bind.replace("http://", "http://", 1)
-                print(f"smgd listening on {url}", file=sys.stderr)
+                announce(f"smgd listening on {url}", url=url)
             model = config.engines[0].models[0] if config.engines else "MODEL"
             base = binds[0] if binds else f"http://{config.server.host}:{config.server.port}"
-            print(
+            announce(
                 "try: curl -N " + base + "/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{model}", "prompt": "Hello, smgd!", '
-                '"max_tokens": 32, "stream": true}\'',
-                file=sys.stderr,
+                '"max_tokens": 32, "stream": true}\''
             )
 
     try:
@@ -293,7 +254,7 @@ def serve_main(
             if isinstance(exc, KeyboardInterrupt):
                 return 0
             raise
-        print(f"smgd: {_describe(error)}", file=sys.stderr)
+        announce(f"smgd: {_describe(error)}", level=logging.ERROR)
         return 2 if error.__class__.__name__ == "ConfigError" else 1
     return 0
 

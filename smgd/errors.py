@@ -19,6 +19,10 @@ place. The tree splits "the client's fault" from "an engine's fault"::
     │   └── WireError               502: a frame could not be encoded/decoded
     ├── Draining                    503: smgd is shutting down
     └── TransportError              socket-level failure (send deadline, ipc path problems)
+
+The envelope's ``code`` follows OpenAI: a string naming the specific error
+(``"context_length_exceeded"``, ``"model_not_found"``, ``"queue_full"``...) or null, never
+the HTTP status (that is the response's status line).
 """
 
 from __future__ import annotations
@@ -32,9 +36,7 @@ class SmgdError(Exception):
     status: ClassVar[int] = 500
     openai_type: ClassVar[str] = "internal_error"
 
-    def __init__(
-        self, message: str, *, param: str | None = None, code: str | int | None = None
-    ) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -47,7 +49,7 @@ class SmgdError(Exception):
                 "message": self.message,
                 "type": self.openai_type,
                 "param": self.param,
-                "code": self.code if self.code is not None else self.status,
+                "code": self.code,
             }
         }
 

@@ -135,7 +135,10 @@ def _has_listener(path: str) -> bool:
         # Refused: no process holds the listening socket. ENOENT: removed under us; the
         # unlink that follows then treats the missing file as success.
         return False
-    raise TransportError(f"cannot probe ipc socket {path!r}: {os.strerror(code)}", code=code)
+    raise TransportError(
+        f"cannot probe ipc socket {path!r}: {os.strerror(code)}",
+        code=errno.errorcode.get(code, f"errno {code}"),
+    )
 
 
 def socket_holders(path: str) -> list[int]:

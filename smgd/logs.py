@@ -1,4 +1,8 @@
-"""Logging setup: human or JSON lines on stderr, one structured line per request at the end."""
+"""Logging setup: human or JSON lines on stderr, one structured line per request at the end.
+
+In ``json`` format every line smgd writes to stderr is one JSON object, the start-up banner
+(:func:`announce`) and a fatal error included.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +36,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
+_json_lines = False  # set by setup_logging: announce() writes JSON too
+
+
+def announce(text: str, *, level: int = logging.INFO, **fields: Any) -> None:
+    """A line for the operator: plain text on stderr in the human format (the banner, e.g.
+    ``smgd listening on URL``, which scripts read), a log record in the JSON format."""
+    if _json_lines:
+        logging.getLogger("smgd").log(level, text, extra=fields)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
 def setup_logging(config: LoggingConfig) -> None:
+    global _json_lines
+    _json_lines = config.format == "json"
     handler = logging.StreamHandler(sys.stderr)
     if config.format == "json":
         handler.setFormatter(JsonFormatter())

@@ -62,7 +62,7 @@ class Router:
             )
         ready = [e for e in engines if e.ready]
         if not ready:
-            states = ", ".join(f"{e.name}: {e.state.value}" for e in engines)
+            states = ", ".join(f"{e.name}: {e.state_name}" for e in engines)
             raise EngineNotReady(f"no ready engine for model `{model}` ({states})")
         return ready
 

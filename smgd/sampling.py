@@ -9,6 +9,10 @@ and SGLang-native ``sampling_params`` (``/generate``). One output: the engine pa
 
 Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Policy:
 
+- ``n > 1`` with greedy sampling (temperature below 1e-5) is a 400 naming ``n``, as vLLM
+  answers (the choices would all be the same); with a ``seed``, choice ``j`` gets the seed
+  ``seed + j`` (:func:`for_choice`), as vLLM gives it, so the choices differ and each one is
+  reproducible.
 - ``max_tokens`` (chat: ``max_completion_tokens`` first) defaults to the room left in the
   context; asking for more than that is a 400 like OpenAI's (code
   ``context_length_exceeded``). Native ``max_new_tokens`` defaults to SGLang's 128.
@@ -34,7 +38,7 @@ import msgspec
 from smgd.errors import InvalidRequest
 from smgd.wire.common import SamplingParams
 
-__all__ = ["MAX_N", "MAX_STOPS", "TextOptions", "from_native", "from_openai"]
+__all__ = ["MAX_N", "MAX_STOPS", "TextOptions", "for_choice", "from_native", "from_openai"]
 
 # `n` fans one HTTP request out into n engine requests while admission counts one; 16 keeps a
 # single caller from filling a decode batch (OpenAI allows 128, but its fleet is larger).
@@ -49,6 +53,8 @@ MAX_COMPLETION_LOGPROBS = 5
 # SGLang's own SamplingParams default, so native clients get what SGLang itself would give.
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
+GREEDY_TEMPERATURE = 1e-5
 
 # Keys the API layer consumes (or that are pure bookkeeping); neither sampling nor "ignored".
 _OPENAI_API_KEYS = frozenset(
@@ -329,6 +335,8 @@ def from_openai(
         eos_token_ids=eos_token_ids,
         logprobs=_openai_logprobs(r, chat),
     )
+    if n > 1 and params.temperature < GREEDY_TEMPERATURE:
+        raise r.fail("n", f"n must be 1 when using greedy sampling, got {n}.")  # vLLM's words
     r.flag("spaces_between_special_tokens", True)  # type-checked only; see module docstring
     options = TextOptions(
         stop=r.stops("stop"),
@@ -397,3 +405,16 @@ def from_native(
         ignored=tuple(k for k in body if k not in _NATIVE_KEYS),
     )
     return params, options
+
+
+def for_choice(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling of choice ``j`` of ``n``: with a seed, ``seed + j`` (vLLM's rule).
+
+    The sum wraps around within a signed 64-bit integer (the range the engines take); -1 is
+    "no seed" to vLLM, so it stays as it is.
+    """
+    seed = params.seed
+    if j == 0 or seed is None or seed == -1:
+        return params
+    seed = (seed + j - _INT64_MIN) % 2**64 + _INT64_MIN
+    return msgspec.structs.replace(params, seed=seed)

@@ -9,7 +9,8 @@ from ``admin.token_env``).
   for request outcomes and abort causes; it prints one compact table. ``--watch N`` repeats
   every N seconds. Exit 1 with a clear message when the daemon cannot be reached.
 - ``reload`` posts ``/admin/reload`` and prints the result: exit 0 applied, 1 rejected (the
-  reason is printed; the old config stays), 2 daemon not reachable.
+  reason is printed; the old config stays) or applied with an engine that could not be started
+  (named, with why; smgd retries it), 2 daemon not reachable.
 
 The async functions take a :class:`Target`, so tests drive them against an in-process daemon;
 rendering and rate computation are pure.
@@ -49,7 +50,8 @@ __all__ = [
 ]
 
 # Admin requests are local and answer in milliseconds; 5 s only catches a wedged daemon.
-# A reload loads tokenizers and may start engines, so it gets a minute.
+# A reload loads tokenizers and may start engines, so it gets a minute (plus the drain
+# timeout when it replaces an engine, see reload_main).
 ADMIN_TIMEOUT_S = 5.0
 RELOAD_TIMEOUT_S = 60.0
 # One-shot `smgd status` samples twice this far apart for tokens/s: long enough to average
@@ -298,10 +300,13 @@ async def _status_loop(
         await trio.sleep(watch)
 
 
-async def run_reload(target: Target, *, out: TextIO, err: TextIO) -> int:
-    """POST /admin/reload; 0 applied, 1 rejected (reason printed), 2 daemon unreachable."""
+async def run_reload(
+    target: Target, *, out: TextIO, err: TextIO, answer_within_s: float = RELOAD_TIMEOUT_S
+) -> int:
+    """POST /admin/reload; 0 applied, 1 rejected or an engine did not start (reason printed),
+    2 daemon unreachable. A reload answers after the drain of the engines it replaces."""
     try:
-        async with _admin_client(target, RELOAD_TIMEOUT_S) as client:
+        async with _admin_client(target, answer_within_s) as client:
             response = await client.post("/admin/reload")
     except (httpx.HTTPError, OSError) as exc:
         err.write(f"smgd: cannot reach {target.describe()}: {exc} (is smgd running?)\n")
@@ -313,14 +318,17 @@ async def run_reload(target: Target, *, out: TextIO, err: TextIO) -> int:
     if response.status_code == 200 and body.get("ok"):
         parts = [
             f"{key} {', '.join(body[key])}"
-            for key in ("added", "removed", "changed")
+            for key in ("added", "removed", "changed", "replaced")
             if body.get(key)
         ]
         out.write("reload applied" + (f": {'; '.join(parts)}" if parts else " (no engine changes)"))
         out.write("\n")
         if body.get("needs_restart"):
             out.write(f"needs a restart to apply: {', '.join(body['needs_restart'])}\n")
-        return EXIT_OK
+        failed: dict[str, str] = body.get("failed") or {}
+        for name, why in failed.items():
+            err.write(f"smgd: engine {name} did not start: {why} (smgd retries it)\n")
+        return EXIT_REJECTED if failed else EXIT_OK
     reason = body.get("error")
     if isinstance(reason, dict):
         reason = reason.get("message")
@@ -335,4 +343,8 @@ def status_main(config: Config, *, watch: float | None, url: str | None) -> int:
 
 def reload_main(config: Config) -> int:
     target = target_from_config(config)
-    return trio.run(lambda: run_reload(target, out=sys.stdout, err=sys.stderr))
+    # A reload that replaces an engine answers after its streams drained (drain_timeout_s).
+    within = RELOAD_TIMEOUT_S + config.server.drain_timeout_s
+    return trio.run(
+        lambda: run_reload(target, out=sys.stdout, err=sys.stderr, answer_within_s=within)
+    )

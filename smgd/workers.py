@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
+from smgd.errors import TransportError
 from smgd.worker_peers import METRICS_DIR_ENV, METRICS_FD_ENV, bind_sockets
 
 if TYPE_CHECKING:
@@ -143,10 +144,11 @@ def reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             port = sock.getsockname()[1]
             sock.listen(LISTEN_BACKLOG)
             sock.set_inheritable(True)
-    except OSError:
+    except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise TransportError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     return sockets
 
 

@@ -23,6 +23,7 @@ recv never loses a message; a cancelled send either sent the whole multipart mes
 
 from __future__ import annotations
 
+import errno
 import math
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -257,8 +258,11 @@ class TrioSocket:
 
 
 def _transport_error(op: str, exc: zmq.ZMQError) -> TransportError:
-    """Wrap a libzmq error; ``code`` keeps the errno (``zmq.EHOSTUNREACH`` = dead vLLM peer)."""
-    return TransportError(f"zmq {op} failed: {exc.strerror}", code=exc.errno)
+    """Wrap a libzmq error; ``code`` names the errno (``"EHOSTUNREACH"`` = dead vLLM peer)."""
+    number = exc.errno or 0
+    # libzmq's own errnos (ETERM, EFSM...) have no name in errno.errorcode.
+    name = errno.errorcode.get(number, f"errno {number}")
+    return TransportError(f"zmq {op} failed: {exc.strerror}", code=name)
 
 
 @asynccontextmanager

@@ -36,9 +36,15 @@ def config_text(*engines: str, drain_s: float = 10.0) -> str:
     )
 
 
+def rewrite_config(path: Path, *engines: str, drain_s: float = 10.0) -> None:
+    """Write a new config for a running daemon: the same run_dir, these engines."""
+    run_line = path.read_text().split("\n", 1)[0]
+    path.write_text(run_line + "\n" + config_text(*engines, drain_s=drain_s).split("\n", 1)[1])
+
+
 @asynccontextmanager
 async def running_daemon(
-    path: Path, *, install_signals: bool = False
+    path: Path, *, install_signals: bool = False, wait_ready: bool = True
 ) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
     config = load_config(path, environ={})
     async with trio.open_nursery() as nursery:
@@ -50,9 +56,10 @@ async def running_daemon(
                 task_status=task_status,
             )
         )
-        with trio.fail_after(30):
-            for engine in gateway.router.engines():
-                await engine.wait_ready()
+        if wait_ready:
+            with trio.fail_after(30):
+                for engine in gateway.router.engines():
+                    await engine.wait_ready()
         async with httpx.AsyncClient(base_url=binds[0], timeout=60) as client:
             yield gateway, client
         nursery.cancel_scope.cancel()
@@ -61,7 +68,17 @@ async def running_daemon(
 async def stream_completion(
     client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
 ) -> tuple[str, dict[str, object] | None, str | None]:
-    """(text, usage, finish_reason) of one streamed completion."""
+    """(text, usage, finish_reason) of one streamed completion; an error event fails."""
+    text, usage, finish, error = await stream_result(client, model, prompt, max_tokens)
+    if error is not None:
+        raise AssertionError(f"stream error: {error}")
+    return text, usage, finish
+
+
+async def stream_result(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> tuple[str, dict[str, object] | None, str | None, dict[str, object] | None]:
+    """(text, usage, finish_reason, error event) of one streamed completion."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -84,9 +101,7 @@ async def stream_completion(
             for choice in chunk.get("choices", []):
                 text += choice.get("text", "")
                 finish = choice.get("finish_reason") or finish
-    if error is not None:
-        raise AssertionError(f"stream error: {error}")
-    return text, usage, finish
+    return text, usage, finish, error
 
 
 def serve_process(path: Path) -> subprocess.Popen[str]:

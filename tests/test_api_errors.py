@@ -13,14 +13,15 @@ from tests.fake_engine import MODEL, FakeEngine, get, open_app, post
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def assert_envelope(body: dict[str, Any], *, status: int, param: str | None, kind: str) -> None:
+def assert_envelope(body: dict[str, Any], *, param: str | None, kind: str) -> None:
     assert set(body) == {"error"}
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
     assert error["type"] == kind
     assert error["param"] == param
-    assert error["code"] == status or isinstance(error["code"], str)
+    # OpenAI's convention: a string naming the error, or null; never the HTTP status.
+    assert error["code"] is None or isinstance(error["code"], str)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +66,7 @@ async def test_bad_request_names_param(
         reply = await post(app, path, body)
     assert reply.status == status, reply.body
     kind = "not_found_error" if status == 404 else "invalid_request_error"
-    assert_envelope(reply.json(), status=status, param=param, kind=kind)
+    assert_envelope(reply.json(), param=param, kind=kind)
     assert fake.requests == []  # no bad input reaches an engine
 
 
@@ -82,7 +83,33 @@ async def test_invalid_json_is_400(autojump_clock: trio.abc.Clock, body: bytes) 
     async with open_app(FakeEngine()) as (app, _):
         reply = await post(app, "/v1/chat/completions", body)
     assert reply.status == 400
-    assert_envelope(reply.json(), status=400, param=None, kind="invalid_request_error")
+    assert_envelope(reply.json(), param=None, kind="invalid_request_error")
+
+
+# The reproduction of issue 18: 1000 levels of arrays under an ignored key.
+NESTED = b'{"model": "tiny", "prompt": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/generate",
+        "/v1/tokenize",
+        "/tokenize",
+        "/v1/detokenize",
+        "/detokenize",
+    ],
+)
+async def test_deeply_nested_json_is_400_on_every_json_route(
+    autojump_clock: trio.abc.Clock, path: str
+) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        reply = await post(app, path, NESTED)
+    assert reply.status == 400, reply.body
+    assert_envelope(reply.json(), param=None, kind="invalid_request_error")
+    assert "nested too deeply" in reply.json()["error"]["message"]
 
 
 async def test_body_too_large_is_413(autojump_clock: trio.abc.Clock) -> None:
@@ -120,7 +147,18 @@ async def test_request_id_minted_when_absent(autojump_clock: trio.abc.Clock) -> 
     assert a.json()["id"] == "cmpl-" + a.headers["x-request-id"]
 
 
-@pytest.mark.parametrize("bad", ["x" * 129, "has space", "semi;colon"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])  # hot path, Quart's
+async def test_a_merged_request_id_header_uses_its_first_value(
+    autojump_clock: trio.abc.Clock, path: str
+) -> None:
+    headers = {"X-Request-Id": "client-a, proxy-b"}  # how proxies merge a repeated header
+    async with open_app(FakeEngine()) as (app, _):
+        reply = await post(app, path, {**CHAT, "max_tokens": 1}, headers)
+    assert reply.status == 200, reply.body
+    assert reply.headers["x-request-id"] == "client-a"
+
+
+@pytest.mark.parametrize("bad", ["x" * 129, "has space", "semi;colon", ", second"])
 async def test_bad_request_id_header_is_400(autojump_clock: trio.abc.Clock, bad: str) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _):
@@ -144,7 +182,7 @@ async def test_api_keys_guard_inference_only(autojump_clock: trio.abc.Clock) -> 
         health = await get(app, "/health")
     for reply in (missing, wrong, models):
         assert reply.status == 401
-        assert_envelope(reply.json(), status=401, param=None, kind="authentication_error")
+        assert_envelope(reply.json(), param=None, kind="authentication_error")
     assert ok.status == 200
     assert health.status == 200
 

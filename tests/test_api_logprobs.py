@@ -3,14 +3,16 @@
 Two engines: the in-process :class:`FakeEngine` with deterministic logprobs attached to its
 deltas (:func:`smgd.mock.scheduler.mock_logprob`, the mock engine's own formula), and the mock
 engine speaking SGLang's wire over real ipc sockets, read with the OpenAI SDK. What is checked:
-values, token strings and bytes (against :class:`TokenText` and the tokenizer), and alignment
-(each streamed chunk's entries are exactly the tokens of its text; stop-string cuts drop the
-tokens past the cut; the EOS entry goes with its text).
+values, token strings and bytes (against :class:`TokenText` and the tokenizer), and alignment:
+one entry per counted token (through the token completing a stop string, the EOS last);
+completions ``tokens`` concatenate to the text and ``text_offset`` indexes it (checked against
+one-shot decodes of prefixes); a streamed entry goes out once its text has.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import httpx
@@ -27,7 +29,7 @@ from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.sglang import SglangEngineClient
 from smgd.gateway import Gateway
 from smgd.mock.engine import MockEngine
-from smgd.mock.scheduler import MockScheduler, mock_logprob
+from smgd.mock.scheduler import MockRequest, MockScheduler, mock_logprob
 from smgd.mock.sglang import SglangMockWire
 from smgd.text.stream import TextStream
 from smgd.text.tokenizer import load_tokenizer
@@ -90,9 +92,31 @@ def chat_entry(token_id: int, position: int, k: int) -> dict[str, Any]:
     return {"token": text, "logprob": lp, "bytes": raw, "top_logprobs": top}
 
 
-def offsets(ids: list[int]) -> list[int]:
-    """Where each token's text starts, by one-shot decoding of the prefixes (ASCII output)."""
-    return [len(TOK.decode(ids[:i])) for i in range(len(ids))]
+def contributions(ids: list[int]) -> list[str]:
+    """Each token's share of the text, by one-shot decoding of the prefixes: what token i adds
+    to the text of the tokens before it ("" while the decode ends in an unfinished character)."""
+    prefixes = [""]
+    for i in range(1, len(ids) + 1):
+        whole = TOK.decode(ids[:i])
+        prefixes.append(prefixes[-1] if whole.endswith("\ufffd") else whole)
+    return [prefixes[i + 1][len(prefixes[i]) :] for i in range(len(ids))]
+
+
+def offsets(texts: list[str]) -> list[int]:
+    out, at = [], 0
+    for t in texts:
+        out.append(at)
+        at += len(t)
+    return out
+
+
+def clip(texts: list[str], length: int) -> list[str]:
+    """Contributions cut where the returned text ends (a stop string's cut)."""
+    out, at = [], 0
+    for t in texts:
+        out.append(t[: max(0, length - at)])
+        at += len(t)
+    return out
 
 
 # --------------------------------------------------------------------------- pure
@@ -106,14 +130,19 @@ def test_token_text_bytes_rebuild_split_characters() -> None:
     assert TT.get(EOS) == ("</s>", list(b"</s>"))
 
 
-def _choice(stops: tuple[str, ...] = (), include: bool = False) -> Choice:
+def _choice(stops: tuple[str, ...] = (), include: bool = False, **kw: Any) -> Choice:
     text = TextStream(TOK, stops=stops, include_stop=include)
-    return Choice(0, "r", text, prompt_tokens=1, logprobs=LogprobTrack())
+    return Choice(0, "r", text, prompt_tokens=1, logprobs=LogprobTrack(), **kw)
 
 
 def _delta(ids: list[int], start: int, finish: Finish | None = None) -> TokenDelta:
     lps = [mock_logprob(t, start + i, 0) for i, t in enumerate(ids)]
     return TokenDelta(rid="r", token_ids=ids, logprobs=lps, finish=finish)
+
+
+def _released(track: LogprobTrack | None) -> tuple[list[int], list[str], list[int]]:
+    assert track is not None
+    return [e.token_id for e in track.entries], track.texts, track.offsets
 
 
 def test_entries_wait_for_held_back_text_then_release() -> None:
@@ -124,46 +153,111 @@ def test_entries_wait_for_held_back_text_then_release() -> None:
     sent = ""
     for i, t in enumerate(ASCII[:-1]):
         sent += choice.apply(_delta([t], i))
-        _, offs = track.unsent()
-        assert all(o < len(sent) for o in offs)  # nothing ahead of the text sent
+        _, offs, texts = track.unsent()
+        for o, piece in zip(offs, texts, strict=True):
+            assert sent[o : o + len(piece)] == piece  # released once wholly sent
     assert len(track.entries) < len(ASCII) - 1  # the hold-back kept some back
     last = Finish(reason=FinishReason.LENGTH)
     sent += choice.apply(_delta([ASCII[-1]], len(ASCII) - 1, last))
     assert sent == TOK.decode(ASCII)
-    assert [e.token_id for e in track.entries] == ASCII
-    assert track.offsets == offsets(ASCII)
+    texts = contributions(ASCII)
+    assert _released(track) == (ASCII, texts, offsets(texts))
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_string_drops_entries_past_the_cut(include: bool) -> None:
+@pytest.mark.parametrize("per_step", [1, 3, 100])
+def test_stop_string_keeps_entries_through_the_completing_token(
+    include: bool, per_step: int
+) -> None:
+    # "world" is split " wor" + "ld": "ld" completes it and is the last entry (with the part
+    # of its text that was returned); the tokens after it in the same delta go.
     full = TOK.decode(ASCII)
     stop = "world"
-    choice = _choice(stops=(stop,), include=include)
-    text = choice.apply(_delta(list(ASCII), 0))
+    choice = _choice(stops=(stop,), include=include, keep_ids=True)
+    out = ""
+    for i in range(0, len(ASCII), per_step):
+        out += choice.apply(_delta(ASCII[i : i + per_step], i))
     cut = full.index(stop) + (len(stop) if include else 0)
-    assert text == full[:cut] and choice.finish_reason == "stop"
-    kept = [t for t, o in zip(ASCII, offsets(ASCII), strict=True) if o < cut]
-    assert choice.logprobs is not None
-    assert [e.token_id for e in choice.logprobs.entries] == kept
-    assert len(kept) < len(ASCII)
+    assert out == full[:cut] and choice.finish_reason == "stop"
+    done = next(i for i in range(len(ASCII)) if stop in TOK.decode(ASCII[: i + 1]))
+    assert TT.get(ASCII[done])[0] == "ld"
+    texts = clip(contributions(ASCII[: done + 1]), cut)
+    assert _released(choice.logprobs) == (ASCII[: done + 1], texts, offsets(texts))
+    assert "".join(texts) == out
+    assert choice.completion_tokens == done + 1
+    assert choice.output_ids == ASCII[: done + 1]
 
 
-def test_eos_entry_goes_with_its_text() -> None:
+def test_split_character_goes_to_the_token_completing_it() -> None:
+    choice = _choice()
+    text = choice.apply(_delta(IDS, 0, Finish(reason=FinishReason.LENGTH)))
+    ids, texts, offs = _released(choice.logprobs)
+    assert ids == IDS and "".join(texts) == text == TOK.decode(IDS)
+    at = IDS.index(837)  # a lone byte: the first of "日"
+    assert (texts[at], texts[at + 1]) == ("", "日本")
+    assert offs[at] == offs[at + 1] == text.index("日")
+    assert offs == offsets(texts)
+
+
+def test_unfinished_character_at_the_end_goes_to_the_last_token() -> None:
+    choice = _choice()
+    at = IDS.index(837)
+    text = choice.apply(_delta(IDS[: at + 1], 0, Finish(reason=FinishReason.LENGTH)))
+    assert text.endswith("\ufffd")
+    _, texts, offs = _released(choice.logprobs)
+    assert "".join(texts) == text and texts[-1] == "\ufffd" and offs == offsets(texts)
+
+
+def test_streamed_entries_follow_their_text() -> None:
+    # Token by token with a lone byte: the byte's entry goes out with the character.
+    choice = _choice()
+    track = choice.logprobs
+    assert track is not None
+    at = IDS.index(837)
+    for i, t in enumerate(IDS[: at + 2]):
+        sent = choice.apply(_delta([t], i))
+        ids = [e.token_id for e in track.unsent()[0]]
+        assert ids == ([] if i == at else IDS[at : at + 2] if i == at + 1 else [t])
+        assert sent == ("" if i == at else contributions(IDS)[i])
+
+
+def test_eos_entry_is_last_with_no_text() -> None:
     choice = _choice()
     finish = Finish(reason=FinishReason.STOP, matched_token=EOS)
-    choice.apply(_delta([*ASCII[:3], EOS], 0, finish))
-    assert choice.logprobs is not None
-    assert [e.token_id for e in choice.logprobs.entries] == ASCII[:3]
+    text = choice.apply(_delta([*ASCII[:3], EOS], 0, finish))
+    texts = [*contributions(ASCII[:3]), ""]
+    assert _released(choice.logprobs) == ([*ASCII[:3], EOS], texts, offsets(texts))
+    assert "".join(texts) == text
+    assert choice.completion_tokens == 4
+
+
+def test_eos_after_a_stop_in_the_same_delta_is_dropped() -> None:
+    choice = _choice(stops=("world",))
+    finish = Finish(reason=FinishReason.STOP, matched_token=EOS)
+    choice.apply(_delta([*ASCII[:7], EOS], 0, finish))
+    assert _released(choice.logprobs)[0] == ASCII[:6]  # through "ld"
+    assert (choice.completion_tokens, choice.matched) == (6, "world")
 
 
 def test_native_track_keeps_one_entry_per_output_id() -> None:
-    text = TextStream(TOK, stops=("world",))
+    text = TextStream(TOK, stops=("zzz",))
     choice = Choice(
         0, "r", text, prompt_tokens=1, keep_ids=True, logprobs=LogprobTrack(aligned=False)
     )
     choice.apply(_delta([*ASCII, EOS], 0, Finish(reason=FinishReason.STOP, matched_token=EOS)))
     assert choice.logprobs is not None and choice.output_ids is not None
-    assert [e.token_id for e in choice.logprobs.entries] == choice.output_ids
+    assert [e.token_id for e in choice.logprobs.entries] == choice.output_ids == [*ASCII, EOS]
+
+
+def test_native_track_ends_at_the_token_completing_a_stop() -> None:
+    text = TextStream(TOK, stops=("world",))
+    choice = Choice(
+        0, "r", text, prompt_tokens=1, keep_ids=True, logprobs=LogprobTrack(aligned=False)
+    )
+    choice.apply(_delta([*ASCII, EOS], 0, Finish(reason=FinishReason.STOP, matched_token=EOS)))
+    assert choice.logprobs is not None
+    assert [e.token_id for e in choice.logprobs.entries] == choice.output_ids == ASCII[:6]
+    assert choice.completion_tokens == 6
 
 
 # --------------------------------------------------------------------------- FakeEngine
@@ -232,46 +326,34 @@ async def test_chat_stream_n2_each_choice_aligned() -> None:
         assert items == [chat_entry(t, i, 1) for i, t in enumerate(ASCII[:6])]
 
 
-async def test_eos_is_counted_but_has_no_entry() -> None:
+async def test_eos_is_counted_and_has_the_last_entry() -> None:
     engine = LogprobEngine(behaviour=Behaviour(output=ASCII, eos_after=3))
     async with open_app(engine) as (app, _):
         reply = await post(app, "/v1/chat/completions", {**CHAT, "logprobs": True, "max_tokens": 9})
     data = reply.json()
     assert data["usage"]["completion_tokens"] == 4
     assert data["choices"][0]["logprobs"]["content"] == [
-        chat_entry(t, i, 0) for i, t in enumerate(ASCII[:3])
+        chat_entry(t, i, 0) for i, t in enumerate([*ASCII[:3], EOS])
     ]
 
 
-def completion_expected(ids: list[int], k: int, cut: int) -> dict[str, Any]:
-    kept = [(i, t, o) for i, (t, o) in enumerate(zip(ids, offsets(ids), strict=True)) if o < cut]
+def completion_expected(ids: list[int], k: int, length: int) -> dict[str, Any]:
+    """Every token's entry; ``tokens`` are their contributions clipped to ``length``."""
     tops = []
-    for i, t, _ in kept:
+    for i, t in enumerate(ids):
         top = {TT.get(t ^ j)[0]: value(i) - j for j in range(k)}
         top.setdefault(TT.get(t)[0], value(i))
         tops.append(top)
+    texts = clip(contributions(ids), length)
     return {
-        "tokens": [TT.get(t)[0] for _, t, _ in kept],
-        "token_logprobs": [value(i) for i, _, _ in kept],
+        "tokens": texts,
+        "token_logprobs": [value(i) for i in range(len(ids))],
         "top_logprobs": tops,
-        "text_offset": [o for _, _, o in kept],
+        "text_offset": offsets(texts),
     }
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-async def test_completions_shape_and_stop_cut(streaming: bool) -> None:
-    engine = LogprobEngine(behaviour=Behaviour(output=ASCII, tokens_per_step=2))
-    async with open_app(engine) as (app, _):
-        body = {"model": MODEL, "prompt": "hi", "max_tokens": len(ASCII), "logprobs": 2,
-                "stop": ["How"], "stream": streaming}  # fmt: skip
-        if streaming:
-            reply = await post_stream(app, "/v1/completions", body)
-            chunks = [c["choices"][0] for c in reply.chunks()]
-        else:
-            chunks = (await post(app, "/v1/completions", body)).json()["choices"]
-    text = "".join(c["text"] for c in chunks)
-    full = TOK.decode(ASCII)
-    assert text == full[: full.index("How")]
+def merged_logprobs(chunks: list[dict[str, Any]]) -> dict[str, list[Any]]:
     merged: dict[str, list[Any]] = {
         "tokens": [],
         "token_logprobs": [],
@@ -281,9 +363,56 @@ async def test_completions_shape_and_stop_cut(streaming: bool) -> None:
     for c in chunks:
         for key, items in (c["logprobs"] or {}).items():
             merged[key].extend(items)
-    assert merged == completion_expected(ASCII, 2, len(text))
-    # " How" straddles the cut: part of its text (the space) was sent, so its entry is kept.
-    assert "".join(merged["tokens"]) == text + "How"
+    return merged
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("per_step", [2, 50])
+async def test_completions_shape_and_stop_cut(streaming: bool, per_step: int) -> None:
+    engine = LogprobEngine(behaviour=Behaviour(output=ASCII, tokens_per_step=per_step))
+    async with open_app(engine) as (app, _):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": len(ASCII), "logprobs": 2,
+                "stop": ["How"], "stream": streaming,
+                "stream_options": {"include_usage": True} if streaming else None}  # fmt: skip
+        if streaming:
+            reply = await post_stream(app, "/v1/completions", body)
+            usage = reply.chunks()[-1]["usage"]
+            chunks = [c["choices"][0] for c in reply.chunks()[:-1]]
+        else:
+            data = (await post(app, "/v1/completions", body)).json()
+            usage, chunks = data["usage"], data["choices"]
+    text = "".join(c["text"] for c in chunks)
+    full = TOK.decode(ASCII)
+    assert text == full[: full.index("How")]
+    # " How" completes the stop: its entry is the last one, its token the " " that was sent.
+    done = next(i for i, t in enumerate(ASCII) if TT.get(t)[0] == " How")
+    merged = merged_logprobs(chunks)
+    assert merged == completion_expected(ASCII[: done + 1], 2, len(text))
+    assert merged["tokens"][-1] == " "
+    assert "".join(merged["tokens"]) == text
+    assert usage["completion_tokens"] == done + 1 == len(merged["tokens"])
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_completions_text_offset_with_split_characters(streaming: bool) -> None:
+    engine = LogprobEngine(behaviour=Behaviour(output=IDS, tokens_per_step=3))
+    async with open_app(engine) as (app, _):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": len(IDS), "logprobs": 0,
+                "stream": streaming}  # fmt: skip
+        if streaming:
+            reply = await post_stream(app, "/v1/completions", body)
+            chunks = [c["choices"][0] for c in reply.chunks()]
+        else:
+            chunks = (await post(app, "/v1/completions", body)).json()["choices"]
+    text = "".join(c["text"] for c in chunks)
+    merged = merged_logprobs(chunks)
+    assert text == TOK.decode(IDS)
+    assert merged == completion_expected(IDS, 0, len(text))
+    for token, at in zip(merged["tokens"], merged["text_offset"], strict=True):
+        assert text[at : at + len(token)] == token
+    # The lone byte's own text is U+FFFD (it keys top_logprobs), its share of the text is "".
+    at = IDS.index(837)
+    assert merged["tokens"][at] == "" and "\ufffd" in merged["top_logprobs"][at]
 
 
 async def test_native_generate_logprobs_non_stream_and_stream() -> None:
@@ -373,9 +502,9 @@ class Served:
         return await trio.to_thread.run_sync(fn)
 
 
-@pytest.fixture
-async def sglang_served() -> AsyncIterator[Served]:
-    """smgd over hypercorn, its one engine the mock scheduler on SGLang's wire (ipc sockets)."""
+@asynccontextmanager
+async def serve_sglang_mock(sched: MockScheduler) -> AsyncIterator[Served]:
+    """smgd over hypercorn, its one engine ``sched`` on SGLang's wire (ipc sockets)."""
     ipc = short_ipc_dir()
     config = EngineConfig(
         name="e0", wire=WireFamily.SGLANG, models=[MODEL], model_dir=str(TINY_MODEL)
@@ -388,8 +517,6 @@ async def sglang_served() -> AsyncIterator[Served]:
     )
     gateway = Gateway.from_config(Config(server=ServerConfig(), engines=[config]))
     wire = SglangMockWire(f"ipc://{ipc}/in.sock", f"ipc://{ipc}/out.sock")
-    # Specials (ids 0-5) are skipped so the echoed output is plain text; EOS never comes.
-    sched = MockScheduler(max_batch=16, skip_ids=range(6))
     async with trio.open_nursery() as nursery:
         await nursery.start(client.run)
         await nursery.start(MockEngine(wire, sched, step_s=0.002).run)
@@ -412,6 +539,22 @@ async def sglang_served() -> AsyncIterator[Served]:
         served.client.close()
         shutdown.set()
         nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def sglang_served() -> AsyncIterator[Served]:
+    # Specials (ids 0-5) are skipped so the echoed output is plain text; EOS never comes.
+    async with serve_sglang_mock(MockScheduler(max_batch=16, skip_ids=range(6))) as served:
+        yield served
+
+
+class BatchingScheduler(MockScheduler):
+    """Reports every request's tokens 8 at a time, as SGLang does for a non-streamed request
+    (and vLLM when several tokens come out of one step): deltas of several tokens."""
+
+    def add(self, req: MockRequest) -> None:
+        req.stream = False
+        super().add(req)
 
 
 def echoed(prompt: list[int], n: int) -> list[int]:
@@ -469,3 +612,28 @@ async def test_sdk_completions_and_native_through_sglang_mock(sglang_served: Ser
         meta = (await http.post("/generate", json=body)).json()["meta_info"]
     assert meta["output_token_logprobs"] == [[value(i), t, None] for i, t in enumerate(expected)]
     assert meta["output_top_logprobs"] == [[[value(i), t, None]] for i, t in enumerate(expected)]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+async def test_stop_usage_through_sglang_mock(logprobs: int | None) -> None:
+    # The stop completes inside a delta of 8 tokens (and the 8th is not the one completing
+    # it): usage and logprobs count only up to the token that completed it.
+    sched = BatchingScheduler(max_batch=16, skip_ids=range(6), nonstream_interval=8)
+    prompt = ASCII
+    out = echoed(prompt, 100)
+    done = next(j for j in range(len(out)) if "world" in TOK.decode(out[: j + 1]))
+    assert done + 1 < 8
+    async with serve_sglang_mock(sched) as served:
+        comp = await served.call(
+            lambda: served.client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=100, stop=["world"], logprobs=logprobs
+            )
+        )
+    choice = comp.choices[0]
+    assert choice.text == TOK.decode(out)[: TOK.decode(out).index("world")]
+    assert choice.finish_reason == "stop"
+    assert comp.usage is not None and comp.usage.completion_tokens == done + 1
+    if logprobs is not None:
+        assert choice.logprobs is not None and choice.logprobs.tokens is not None
+        assert len(choice.logprobs.tokens) == done + 1
+        assert "".join(choice.logprobs.tokens) == choice.text

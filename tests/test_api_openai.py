@@ -7,8 +7,9 @@ from typing import Any
 import trio
 
 from smgd.text.tokenizer import load_tokenizer
-from smgd.wire.common import FinishReason
+from smgd.wire.common import Finish, FinishReason, TokenDelta
 from tests.fake_engine import (
+    EOS,
     MODEL,
     TINY_MODEL,
     Behaviour,
@@ -81,6 +82,25 @@ async def test_stop_string_ends_and_aborts(autojump_clock: trio.abc.Clock) -> No
     assert choice["text"] == " Hello, world! How are"
     assert choice["finish_reason"] == "stop"
     assert choice["stop_reason"] == " you"
+
+
+async def test_stop_in_a_multi_token_step_counts_up_to_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # The engine sends 50 tokens per step (and reports 50 generated): the stop " you" is
+    # completed by the 10th, and usage says 10, streamed or not.
+    done = next(i for i in range(len(IDS)) if " you" in TOK.decode(IDS[: i + 1]))
+    for streaming in (False, True):
+        fake = engine(tokens_per_step=50)
+        async with open_app(fake) as (app, _):
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stop": [" you"],
+                    "stream": streaming}  # fmt: skip
+            if streaming:
+                body["stream_options"] = {"include_usage": True}
+                usage = (await post_stream(app, "/v1/completions", body)).chunks()[-1]["usage"]
+            else:
+                usage = (await post(app, "/v1/completions", body)).json()["usage"]
+        assert usage["completion_tokens"] == done + 1
 
 
 async def test_stop_string_streamed_with_holdback(autojump_clock: trio.abc.Clock) -> None:
@@ -269,3 +289,87 @@ async def test_engine_abort_finish_is_an_error(autojump_clock: trio.abc.Clock) -
         reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "hi"})
     assert reply.status == 400
     assert reply.json()["error"]["message"] == "prompt rejected"
+
+
+async def test_n_choices_get_seed_plus_index(autojump_clock: trio.abc.Clock) -> None:
+    fake = engine()
+    async with open_app(fake) as (app, _):
+        reply = await post(
+            app, "/v1/completions",
+            {"model": MODEL, "prompt": ["a", "b"], "n": 3, "seed": 100, "max_tokens": 1},
+        )  # fmt: skip
+        assert reply.status == 200, reply.body
+        native = await post(
+            app, "/generate",
+            {"text": "a", "sampling_params": {"n": 2, "sampling_seed": 5, "max_new_tokens": 1}},
+        )  # fmt: skip
+        assert native.status == 200, native.body
+    # Each prompt's choices get seed + j, j = 0..n-1 (as vLLM's parallel sampling does).
+    seeds = sorted(r.sampling.seed for r in fake.requests if r.sampling.seed is not None)
+    assert seeds == [5, 6, 100, 100, 101, 101, 102, 102]
+
+
+async def test_n_above_1_with_greedy_sampling_is_a_400(autojump_clock: trio.abc.Clock) -> None:
+    fake = engine()
+    async with open_app(fake) as (app, _):
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "temperature": 0}),
+            ("/v1/chat/completions", {**CHAT, "n": 2, "temperature": 0, "stream": True}),
+        ):
+            reply = await post(app, path, body)
+            assert reply.status == 400
+            error = reply.json()["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", "n")
+            assert error["message"] == "n must be 1 when using greedy sampling, got 2."
+    assert fake.requests == []
+
+
+class StopTokenEngine(FakeEngine):
+    """Finishes a request on the first id of its ``stop_token_ids`` it emits, as engines do."""
+
+    def deliver(self, delta: TokenDelta) -> None:
+        req = next((r for r in self.requests if r.rid == delta.rid), None)
+        stops = () if req is None else req.sampling.stop_token_ids
+        hit = next((i for i, t in enumerate(delta.token_ids) if t in stops), None)
+        if hit is not None:
+            del delta.token_ids[hit + 1 :]
+            delta.finish = Finish(reason=FinishReason.STOP, matched_token=delta.token_ids[hit])
+        super().deliver(delta)
+
+
+async def test_stop_reason_is_null_for_eos_and_length(autojump_clock: trio.abc.Clock) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5}
+    chat = {**CHAT, "max_tokens": 5}
+    async with open_app(engine(eos_after=3)) as (app, _):
+        for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            choice = (await post(app, path, req)).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+        # /generate keeps SGLang's shape: the EOS id is the match.
+        native = await post(app, "/generate", {"text": "hi", "sampling_params": {}})
+        assert native.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+    async with open_app(engine()) as (app, _):
+        for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            choice = (await post(app, path, req)).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+
+
+async def test_stop_reason_names_the_stop_token_id(autojump_clock: trio.abc.Clock) -> None:
+    stop_id = IDS[4]
+    fake = StopTokenEngine(behaviour=Behaviour(output=IDS))
+    async with open_app(fake) as (app, _):
+        for path, req in (
+            ("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+            ("/v1/chat/completions", CHAT),
+        ):
+            reply = await post(app, path, {**req, "stop_token_ids": [stop_id]})
+            choice = reply.json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+            assert reply.json()["usage"]["completion_tokens"] == 5
+        # An EOS id listed in stop_token_ids is still EOS (vLLM checks EOS first)...
+        fake.behaviour = Behaviour(output=IDS, eos_after=2)
+        body = {"model": MODEL, "prompt": "hi", "stop_token_ids": [EOS]}
+        reply = await post(app, "/v1/completions", body)
+        assert reply.json()["choices"][0]["stop_reason"] is None
+        # ...unless ignore_eos: then it is one of the client's stop tokens.
+        reply = await post(app, "/v1/completions", {**body, "ignore_eos": True})
+        assert reply.json()["choices"][0]["stop_reason"] == EOS

@@ -39,7 +39,7 @@ async def test_health_and_readiness(autojump_clock: trio.abc.Clock) -> None:
     assert down.status == 503
     assert down.json()["status"] == "not_ready"
     assert down.json()["engines"]["fake"] == {
-        "state": "dead", "ready": False, "required": True, "last_error": "boom",
+        "state": "dead", "ready": False, "required": True, "last_error": "boom", "restarts": 0,
     }  # fmt: skip
 
 

@@ -51,6 +51,25 @@ def test_stop_string_split_across_deltas_is_caught() -> None:
     assert c.apply(delta([IDS[6]])) == ""  # later output is ignored
 
 
+@pytest.mark.parametrize("finish", [None, Finish(reason=FinishReason.LENGTH)])
+def test_stop_in_a_merged_delta_counts_through_the_completing_token(
+    finish: Finish | None,
+) -> None:
+    # One delta holds the whole output (coalesced for a slow reader, or a non-streamed
+    # request's batch), the engine counted all of it, maybe finished: only the ids up to
+    # the one completing the stop count, whatever the grouping.
+    c = choice(stops=("world",), keep_ids=True)
+    done = next(i for i in range(len(IDS)) if "world" in TOK.decode(IDS[: i + 1]))
+    assert done < len(IDS) - 2
+    text = c.apply(delta(IDS[:2], completion_tokens=2))
+    text += c.apply(delta(IDS[2:], finish, completion_tokens=100))
+    assert text == " Hello, "
+    assert (c.finish_reason, c.matched) == ("stop", "world")
+    assert c.completion_tokens == done + 1
+    assert c.output_ids == IDS[: done + 1]
+    assert c.stopped_here == (finish is None)  # a finished engine request needs no abort
+
+
 def test_eos_text_is_not_emitted_and_counts() -> None:
     c = choice()
     text = c.apply(delta([*IDS[:3], 2], Finish(reason=FinishReason.STOP, matched_token=2)))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import trio
 
 from smgd.config import ServerConfig
+from smgd.wire.common import Finish, FinishReason
 from tests.fake_engine import MODEL, Behaviour, FakeEngine, open_app, post, post_stream
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True}
@@ -55,6 +59,17 @@ async def test_keepalive_for_n2(autojump_clock: trio.abc.Clock) -> None:
     assert reply.events[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("n", [1, 2])
+async def test_no_keepalive_comments_by_default(autojump_clock: trio.abc.Clock, n: int) -> None:
+    # SGLang's bench_serving json-decodes every line: a comment line breaks it. Off unless set.
+    fake = FakeEngine(behaviour=Behaviour(first_step_s=60.0))
+    async with open_app(fake) as (app, _):
+        reply = await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 2, "n": n})
+    assert reply.comments == 0
+    assert b": keep-alive" not in reply.raw
+    assert reply.events[-1] == "[DONE]"
+
+
 async def test_engine_death_mid_stream_is_error_event(autojump_clock: trio.abc.Clock) -> None:
     fake = FakeEngine(behaviour=Behaviour(die_after=3))
     async with open_app(fake) as (app, _):
@@ -74,7 +89,7 @@ async def test_engine_death_n2_is_error_event(autojump_clock: trio.abc.Clock) ->
     async with open_app(fake) as (app, _):
         reply = await post_stream(app, "/v1/completions", {**BODY, "n": 2})
     assert reply.events[-1] == "[DONE]"
-    assert reply.chunks()[-1]["error"]["code"] == 502
+    assert reply.chunks()[-1]["error"]["type"] == "engine_error"
 
 
 async def test_engine_death_non_stream_is_502(autojump_clock: trio.abc.Clock) -> None:
@@ -105,3 +120,38 @@ async def test_long_stream_is_not_cut_by_response_timeout(autojump_clock: trio.a
         reply = await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 100})
     assert reply.events[-1] == "[DONE]"
     assert reply.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _done_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "smgd.api" and " done: " in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "level", "error"),
+    [
+        (Behaviour(), logging.INFO, None),  # a finished request
+        # The engine refused the request (a 4xx): the client's problem, info.
+        (
+            Behaviour(finish=Finish(reason=FinishReason.ABORT, message="nope", status_code=400)),
+            logging.INFO,
+            "nope",
+        ),
+        (Behaviour(die_after=3), logging.WARNING, "failed"),  # the engine died: warning
+    ],
+)
+async def test_a_request_failed_by_an_engine_is_logged_at_warning(
+    autojump_clock: trio.abc.Clock,
+    caplog: pytest.LogCaptureFixture,
+    behaviour: Behaviour,
+    level: int,
+    error: str | None,
+) -> None:
+    caplog.set_level(logging.INFO, logger="smgd.api")
+    async with open_app(FakeEngine(behaviour=behaviour)) as (app, _):
+        await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 5})
+    [record] = _done_records(caplog)
+    assert record.levelno == level
+    if error is None:
+        assert "error" not in record.getMessage()
+    else:
+        assert error in record.getMessage()  # the human line says what went wrong

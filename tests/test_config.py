@@ -2,13 +2,34 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+import trio
 
+from smgd.api.admin import create_admin_app
+from smgd.api.hot import authorized
+from smgd.assets import DEFAULT_CONFIG, TINY_MODEL_DIR
 from smgd.cli import main
-from smgd.config import RoutingPolicy, WireFamily, diff_engines, load_config
+from smgd.config import (
+    AdminConfig,
+    Config,
+    RoutingPolicy,
+    ServerConfig,
+    WireFamily,
+    diff_engines,
+    load_admin_token,
+    load_api_keys,
+    load_config,
+    resolve_path,
+)
 from smgd.errors import ConfigError
+from tests.fake_engine import MODEL, FakeEngine, get, open_app, open_gateway, post
 
 ENGINE = 'name = "{name}"\nwire = "{wire}"\nmodels = ["{model}"]\nmodel_dir = "m"\n'
 
@@ -144,3 +165,393 @@ def test_repo_default_config_is_valid() -> None:
     root = Path(__file__).resolve().parent.parent
     config = load_config(root / "smgd.toml", environ={})
     assert config.engines[0].wire is WireFamily.MOCK
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+def _numbers(node: msgspec.inspect.Type, path: str) -> Iterator[tuple[str, msgspec.inspect.Type]]:
+    """Every int/float type reachable in the schema, with its key path."""
+    if isinstance(node, msgspec.inspect.UnionType):
+        for inner in node.types:
+            yield from _numbers(inner, path)
+    elif isinstance(node, msgspec.inspect.StructType):
+        for field in node.fields:
+            yield from _numbers(field.type, f"{path}.{field.name}")
+    elif isinstance(node, msgspec.inspect.ListType):
+        yield from _numbers(node.item_type, f"{path}[0]")
+    elif isinstance(node, msgspec.inspect.DictType):
+        yield from _numbers(node.value_type, f"{path}.KEY")
+    elif isinstance(node, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        yield path, node
+
+
+NUMBERS = list(_numbers(msgspec.inspect.type_info(Config), "$"))
+
+
+def test_the_schema_has_numbers() -> None:
+    assert len(NUMBERS) > 15  # the walk finds them (the next test is not vacuous)
+
+
+@pytest.mark.parametrize(("path", "node"), NUMBERS, ids=[p for p, _ in NUMBERS])
+def test_every_number_in_the_schema_has_a_range(path: str, node: Any) -> None:
+    # A new numeric key without Annotated[..., msgspec.Meta(ge=.., le=..)] fails here: a
+    # negative size or a NaN/infinite timeout would otherwise load and misbehave at run time.
+    assert node.ge is not None or node.gt is not None, f"{path} has no lower bound"
+    assert node.le is not None or node.lt is not None, f"{path} has no upper bound (not finite)"
+
+
+IMPOSSIBLE = [
+    ("server.max_body_bytes", "-5"),
+    ("server.max_body_bytes", "0"),
+    ("server.drain_timeout_s", "nan"),
+    ("server.drain_timeout_s", "-1"),
+    ("server.drain_settle_s", "-inf"),
+    ("server.keepalive_interval_s", "inf"),
+    ("server.coalesce_max_ms", "nan"),
+    ("server.port", "70000"),
+    ("server.workers", "0"),
+    ("server.workers", "65"),
+    ("admin.port", "-1"),
+    ("routing.prefix_tokens", "0"),
+    ("engines.0.mock.step_ms", "-3"),
+    ("engines.0.mock.max_batch", "0"),
+    ("engines.0.mock.max_model_len", "0"),
+    ("engines.0.max_queue", "-1"),
+    ("engines.0.max_inflight", "-1"),
+    ("engines.0.max_model_len", "0"),
+    ("engines.0.queue_timeout_s", "nan"),
+    ("engines.0.timeouts.ready_s", "0"),
+    ("engines.0.timeouts.silence_s", "inf"),
+    ("engines.0.timeouts.health_interval_s", "-1"),
+]
+
+
+def _msgspec_path(dotted: str) -> str:
+    return "$" + re.sub(r"\.(\d+)", r"[\1]", "." + dotted)
+
+
+@pytest.mark.parametrize(("key", "value"), IMPOSSIBLE)
+def test_impossible_values_are_refused_with_their_key_path(
+    tmp_path: Path, key: str, value: str
+) -> None:
+    err = error_of(write(tmp_path, engine()), overrides=[f"{key}={value}"])
+    assert err.path == _msgspec_path(key)
+    assert err.hint is not None and key.rsplit(".", 1)[-1] in err.hint
+    assert "<=" in err.hint  # the hint gives the whole range
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5.0"])
+def test_impossible_values_in_the_file(tmp_path: Path, value: str) -> None:
+    err = error_of(write(tmp_path, f"[server]\ndrain_timeout_s = {value}\n" + engine()))
+    assert err.path == "$.server.drain_timeout_s"
+    assert err.hint == "drain_timeout_s is a finite number >= 0 and <= 86400.0"
+
+
+def test_zero_means_off_where_the_docs_say_so(tmp_path: Path) -> None:
+    keys = [
+        "server.keepalive_interval_s",
+        "server.coalesce_max_ms",
+        "server.drain_settle_s",
+        "engines.0.max_inflight",
+        "engines.0.timeouts.health_interval_s",
+        "engines.0.mock.step_ms",
+    ]
+    load_config(write(tmp_path, engine()), environ={}, overrides=[f"{k}=0" for k in keys])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "wanted", "unwanted"),
+    [
+        ("logging.level", '"verbose"', "debug, error, info, warning", "round_robin"),
+        ("logging.format", '"xml"', "human, json", "round_robin"),
+        ("routing.policy", '"random"', "round_robin", "debug"),
+        ("engines.0.wire", '"tgi"', "sglang", "round_robin"),
+        ("engines.0.mock.wire", '"mock"', "tokenspeed", "round_robin"),
+    ],
+)
+def test_choice_hint_lists_the_keys_own_choices(
+    tmp_path: Path, key: str, value: str, wanted: str, unwanted: str
+) -> None:
+    err = error_of(write(tmp_path, engine()), overrides=[f"{key}={value}"])
+    assert err.path == _msgspec_path(key)
+    assert err.hint is not None and wanted in err.hint and unwanted not in err.hint
+
+
+def test_routing_models_hint(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, engine() + '[routing.models]\nx = "fastest"\n'))
+    assert err.path == "$.routing.models[...]"  # msgspec does not say which key
+    assert err.hint == "one of round_robin, least_outstanding, prefix_affinity"
+
+
+# --------------------------------------------------------------------------- socket paths
+
+
+def _dir_of_length(tmp_path: Path, size: int) -> str:
+    """A directory path of exactly ``size`` bytes under tmp_path (not created)."""
+    base = str(tmp_path) + "/"
+    assert size > len(base)
+    return base + "d" * (size - len(base))
+
+
+def test_run_dir_whose_sockets_do_not_fit_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, engine("a"))
+    # <run_dir>/a/out.sock: 11 bytes after the directory; 107 is the limit.
+    fits = _dir_of_length(tmp_path, 107 - len("/a/out.sock"))
+    load_config(path, environ={}, overrides=[f'run_dir="{fits}"'])
+    err = error_of(path, overrides=[f'run_dir="{fits}d"'])
+    assert err.path == "$.run_dir"
+    assert "108 bytes" in err.message and "107-byte" in err.message
+
+
+def test_default_run_dir_from_a_long_xdg_runtime_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", _dir_of_length(tmp_path, 100))
+    err = error_of(write(tmp_path, engine()))
+    assert err.path == "$.run_dir"
+    assert "(default run_dir)" in err.message
+
+
+def test_ipc_dir_too_long_names_the_engine(tmp_path: Path) -> None:
+    long = _dir_of_length(tmp_path, 100)
+    err = error_of(write(tmp_path, engine() + engine("b", model="y") + f'ipc_dir = "{long}"\n'))
+    assert err.path == "$.engines[1].ipc_dir"
+
+
+def test_admin_socket_counts_only_when_it_is_a_socket(tmp_path: Path) -> None:
+    # Engines with short ipc dirs, a run_dir only admin.sock would live in.
+    text = engine() + 'ipc_dir = "/tmp/e"\n'
+    run = _dir_of_length(tmp_path, 107 - len("/admin.sock") + 1)
+    path = write(tmp_path, f'run_dir = "{run}"\n' + text)
+    assert error_of(path).path == "$.run_dir"
+    load_config(path, environ={}, overrides=["admin.port=9000"])  # TCP admin: no socket
+
+
+def test_explicit_addresses_move_the_engine_sockets(tmp_path: Path) -> None:
+    long = _dir_of_length(tmp_path, 100)
+    tcp = 'input = "tcp://127.0.0.1:5001"\noutput = "tcp://127.0.0.1:5002"\n'
+    text = f'run_dir = "{long}"\n[admin]\nport = 9000\n' + engine() + "[engines.addresses]\n"
+    load_config(write(tmp_path, text + tcp), environ={})  # nothing is bound in run_dir
+    err = error_of(
+        write(tmp_path, text + tcp.replace("tcp://127.0.0.1:5002", f"ipc://{long}/out.sock"))
+    )
+    assert err.path == "$.engines[0].addresses.output"
+    vllm = text.replace('wire = "mock"', 'wire = "vllm"') + tcp
+    assert error_of(write(tmp_path, vllm)).path == "$.run_dir"  # hs.sock is still there
+
+
+def test_check_config_refuses_a_long_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, f'run_dir = "{_dir_of_length(tmp_path, 120)}"\n' + engine())
+    assert main(["check-config", str(path)]) == 2
+    assert "config error at $.run_dir" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- builtin paths
+
+
+def test_builtin_model_dir_names_the_packaged_model(tmp_path: Path) -> None:
+    text = engine().replace('"m"', '"builtin:tiny-model"')
+    config = load_config(write(tmp_path, text), environ={})
+    assert resolve_path(config, config.engines[0].model_dir) == TINY_MODEL_DIR
+
+
+def test_unknown_builtin_is_refused_even_without_path_checks(tmp_path: Path) -> None:
+    text = engine().replace('"m"', '"builtin:huge-model"')
+    err = error_of(write(tmp_path, text), check_paths=False)
+    assert err.path == "$.engines[0].model_dir"
+    assert err.hint is not None and "builtin:tiny-model" in err.hint
+
+
+def test_missing_model_dir_hint_names_the_builtin(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, engine().replace('"m"', '"smgd/assets/tiny-model"')))
+    assert err.hint is not None and "builtin:tiny-model" in err.hint
+
+
+def test_repo_config_is_the_packaged_default() -> None:
+    root = Path(__file__).resolve().parent.parent
+    assert (root / "smgd.toml").read_text() == DEFAULT_CONFIG.read_text()
+
+
+def test_default_config_loads_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config(DEFAULT_CONFIG, environ={})
+    assert config.engines[0].model_dir == "builtin:tiny-model"
+    assert config.server.keepalive_interval_s == 0.0  # keep-alives off by default
+
+
+def test_run_dir_is_a_top_level_key_in_the_default_config() -> None:
+    # Uncommenting the documented `# run_dir = ...` line must give a valid config.
+    text = DEFAULT_CONFIG.read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("# run_dir ="))
+    tree = tomllib.loads(text.replace(line, line[2:], 1))
+    assert tree["run_dir"] == "/run/smgd"
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def _server(tmp_path: Path, **server: str) -> Config:
+    return Config(server=ServerConfig(**server), base_dir=str(tmp_path))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [None, "", " ", " , ,"])
+def test_api_keys_env_without_a_key_is_an_error(tmp_path: Path, value: str | None) -> None:
+    env = {} if value is None else {"SMGD_API_KEYS": value}
+    with pytest.raises(ConfigError) as info:
+        load_api_keys(_server(tmp_path, api_keys_env="SMGD_API_KEYS"), env)
+    assert info.value.path == "$.server.api_keys_env"
+    assert info.value.message == "SMGD_API_KEYS is unset or empty"
+
+
+@pytest.mark.parametrize("content", ["", "# only a comment\n", "\n  \n# a\n"])
+def test_api_keys_file_without_a_key_is_an_error(tmp_path: Path, content: str) -> None:
+    (tmp_path / "keys").write_text(content)
+    with pytest.raises(ConfigError) as info:
+        load_api_keys(_server(tmp_path, api_keys_file="keys"), {})
+    assert info.value.path == "$.server.api_keys_file"
+    assert "holds no key" in info.value.message
+
+
+def test_api_keys_file_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_api_keys(_server(tmp_path, api_keys_file="missing"), {})
+    assert info.value.path == "$.server.api_keys_file"
+
+
+def test_api_keys_from_both_sources(tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("# ops\nk3\n k1 \n")
+    config = _server(tmp_path, api_keys_env="K", api_keys_file="keys")
+    assert load_api_keys(config, {"K": "k1, k2"}) == (b"k1", b"k2", b"k3")
+    assert load_api_keys(_server(tmp_path), {}) == ()  # nothing configured: no auth
+
+
+@pytest.mark.parametrize("value", [None, "", "  "])
+def test_admin_token_env_without_a_token_is_an_error(value: str | None) -> None:
+    config = Config(admin=AdminConfig(port=9000, token_env="SMGD_ADMIN_TOKEN"))
+    env = {} if value is None else {"SMGD_ADMIN_TOKEN": value}
+    with pytest.raises(ConfigError) as info:
+        load_admin_token(config, env)
+    assert info.value.path == "$.admin.token_env"
+    assert load_admin_token(config, {"SMGD_ADMIN_TOKEN": " t "}) == b"t"
+    assert load_admin_token(Config(), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (
+            ["--server-api-keys-env", "SMGD_TEST_UNSET"],
+            "$.server.api_keys_env: SMGD_TEST_UNSET is unset or empty",
+        ),
+        (["--server-api-keys-file", "empty-keys"], "$.server.api_keys_file: api_keys_file"),
+        (
+            ["--admin-token-env", "SMGD_TEST_UNSET", "--admin-port", "9000"],
+            "$.admin.token_env: SMGD_TEST_UNSET is unset or empty",
+        ),
+    ],
+)
+def test_check_config_refuses_a_key_source_without_keys(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    needle: str,
+) -> None:
+    monkeypatch.delenv("SMGD_TEST_UNSET", raising=False)
+    (tmp_path / "empty-keys").write_text("# nothing yet\n")
+    assert main(["check-config", str(write(tmp_path, engine())), *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        ("Bearer k1", True),
+        ("bearer k1", True),
+        ("BEARER k2", True),
+        ("  bearer   k2  ", True),
+        ("Bearer k3", False),
+        ("Basic k1", False),
+        ("Bearerk1", False),
+        ("Bearer", False),
+        ("Bearer ", False),
+        ("k1", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_bearer_scheme_is_case_insensitive(header: str | None, ok: bool) -> None:
+    assert authorized((b"k1", b"k2"), header) is ok
+
+
+async def test_lowercase_bearer_on_the_api(autojump_clock: trio.abc.Clock) -> None:
+    server = ServerConfig(api_keys_env="SMGD_TEST_KEYS")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    async with open_app(FakeEngine(), server=server, environ={"SMGD_TEST_KEYS": "k1"}) as (app, _):
+        models = await get(app, "/v1/models", {"Authorization": "bearer k1"})
+        completion = await post(app, "/v1/completions", body, {"Authorization": "BEARER k1"})
+        wrong = await post(app, "/v1/completions", body, {"Authorization": "bearer k2"})
+    assert (models.status, completion.status, wrong.status) == (200, 200, 401)
+
+
+async def test_admin_token(autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMGD_TEST_ADMIN", "tok")
+    async with open_gateway() as gateway:
+        gateway.config = msgspec.structs.replace(
+            gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_ADMIN")
+        )
+        app = create_admin_app(gateway)
+        async with app.test_app():
+            client = app.test_client()
+            statuses = [
+                (await client.get("/admin/engines", headers=headers)).status_code
+                for headers in (
+                    {"Authorization": "bearer tok"},
+                    {"Authorization": "Bearer tok"},
+                    {"Authorization": "Bearer nope"},
+                    {},
+                )
+            ]
+    assert statuses == [200, 200, 401, 401]
+
+
+async def test_admin_app_refuses_an_unset_token_env(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SMGD_TEST_UNSET", raising=False)
+    async with open_gateway() as gateway:
+        gateway.config = msgspec.structs.replace(
+            gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_UNSET")
+        )
+        with pytest.raises(ConfigError):
+            create_admin_app(gateway)  # never an admin listener without its token
+
+
+async def test_reload_that_would_open_auth_is_refused(autojump_clock: trio.abc.Clock) -> None:
+    server = ServerConfig(api_keys_env="SMGD_TEST_KEYS")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    async with open_app(FakeEngine(), server=server, environ={"SMGD_TEST_KEYS": "k1"}) as (
+        app,
+        gateway,
+    ):
+        for broken in (
+            ServerConfig(api_keys_env="SMGD_TEST_UNSET"),
+            ServerConfig(api_keys_file="/nonexistent/keys"),
+        ):
+            new = msgspec.structs.replace(gateway.config, server=broken)
+            with pytest.raises(ConfigError):
+                gateway.prepare_reload(new)
+        new = msgspec.structs.replace(
+            gateway.config, admin=AdminConfig(token_env="SMGD_TEST_UNSET")
+        )
+        with pytest.raises(ConfigError):
+            gateway.prepare_reload(new)
+        missing = await post(app, "/v1/completions", body)
+    assert missing.status == 401  # the old keys still guard the API

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
+
+from smgd.api.server import bind_public
+from smgd.config import Config, ServerConfig
+from smgd.errors import TransportError
+from smgd.gateway import Gateway
+from smgd.workers import reuseport_sockets
 
 from .daemon_harness import (
     config_text,
@@ -128,20 +136,42 @@ async def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path: Path) -> N
         proc.communicate()
 
 
-async def test_startup_failure_port_in_use_exits_nonzero_with_message(tmp_path: Path) -> None:
-    import socket
-
+@pytest.mark.parametrize("listener", ["server", "admin"])
+async def test_port_in_use_names_the_address_and_launches_no_engine(
+    tmp_path: Path, listener: str
+) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         path = tmp_path / "smgd.toml"
-        path.write_text(config_text(engine_toml("a", "m-a")).replace("port = 0", f"port = {port}"))
+        text = config_text(engine_toml("a", "m-a"))
+        if listener == "server":
+            text = text.replace("port = 0", f"port = {port}")
+        else:
+            text = text.replace("[logging]", f"[admin]\nport = {port}\n[logging]")
+        path.write_text(text.replace('level = "warning"', 'level = "info"'))
         proc = serve_process(path)
         _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
-    assert proc.returncode != 0
-    assert "smgd:" in err
+    assert proc.returncode == 1
+    assert f"smgd: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "launching" not in err  # the port is bound before any engine is launched
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_bind_error_names_host_and_port(host: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as busy:
+        busy.bind((host, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        gateway = Gateway.from_config(Config(server=ServerConfig(host=host, port=port)))
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        with pytest.raises(TransportError, match=re.escape(f"cannot listen on {where}: ")):
+            bind_public(gateway)
+        with pytest.raises(TransportError, match=re.escape(f"cannot listen on {where}: ")):
+            reuseport_sockets(host, port, 2)  # the supervisor's bind, with server.workers > 1
 
 
 async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

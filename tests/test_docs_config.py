@@ -36,3 +36,39 @@ def test_key_in_reference(key: str) -> None:
 @pytest.mark.parametrize("key", KEYS)
 def test_key_in_default_config(key: str) -> None:
     assert key in (ROOT / "smgd.toml").read_text()
+
+
+def _ranges(node: msgspec.inspect.Type, name: str, found: dict[str, set[str]]) -> None:
+    """key name -> the range text config.md's type column gives (``0 ≤ x ≤ 86400``)."""
+
+    def num(value: float | None) -> str:
+        assert value is not None  # every number has both bounds (tests/test_config.py)
+        return str(int(value)) if float(value).is_integer() else str(value)
+
+    if isinstance(node, msgspec.inspect.UnionType):
+        for inner in node.types:
+            _ranges(inner, name, found)
+    elif isinstance(node, msgspec.inspect.StructType):
+        for field in node.fields:
+            _ranges(field.type, field.name, found)
+    elif isinstance(node, msgspec.inspect.ListType):
+        _ranges(node.item_type, name, found)
+    elif isinstance(node, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+        low = f"{num(node.gt)} < x" if node.gt is not None else f"{num(node.ge)} ≤ x"
+        found.setdefault(name, set()).add(f"{low} ≤ {num(node.le)}")
+
+
+RANGES: dict[str, set[str]] = {}
+_ranges(msgspec.inspect.type_info(Config), "", RANGES)
+
+
+@pytest.mark.parametrize("key", sorted(RANGES))
+def test_reference_gives_each_numbers_range(key: str) -> None:
+    rows = [
+        line
+        for line in (ROOT / "docs/reference/config.md").read_text().splitlines()
+        if line.startswith(f"| `{key}` |")
+    ]
+    assert rows, f"no row for {key}"
+    for row in rows:
+        assert any(f", {r} |" in row for r in RANGES[key]), f"{row!r} lacks {RANGES[key]}"

@@ -153,6 +153,7 @@ CASES: list[tuple[str, bytes, dict[str, str]]] = [
     ("/v1/completions", json.dumps({**STREAM, "temperature": 3}).encode(), RID),
     ("/v1/completions", json.dumps({**STREAM, "max_tokens": 10**9}).encode(), RID),
     ("/v1/completions", json.dumps(STREAM).encode(), {"X-Request-Id": "no spaces allowed"}),
+    ("/v1/completions", json.dumps(STREAM).encode(), {"X-Request-Id": "first, second"}),
     ("/v1/completions", json.dumps(STREAM).encode(), {}),
     ("/v1/completions", b"x" * 5000, RID),  # over the 4 KiB limit below: 413
 ]
@@ -333,7 +334,7 @@ async def test_a_stalled_body_gets_408_through_the_app(autojump_clock: trio.abc.
         answer = Answer(messages)
         assert trio.current_time() - start == pytest.approx(app.config["BODY_TIMEOUT"])
         assert answer.status == 408
-        assert json.loads(answer.body)["error"]["code"] == 408
+        assert json.loads(answer.body)["error"]["code"] is None
         assert answer.headers["x-request-id"] == "parity-1"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -10,6 +11,7 @@ import trio
 from hypercorn.config import Config
 
 from smgd.api import http_worker
+from smgd.daemon import DRAIN_MARGIN_S
 
 from .http_helpers import SendPathCounter, dechunk
 
@@ -224,3 +226,137 @@ async def test_a_connection_the_server_closes_leaves_no_task_behind(
         start = trio.current_time()
         stop.set()
     assert trio.current_time() - start < 1  # serve() returned without waiting
+
+
+# -- requests h11 refuses: the error envelope as the body, then the connection closes -------
+
+
+async def _raw_answer(port: int, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` bytes; (status line and headers, body) of the answer, read to EOF."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        data = bytearray()
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(1 << 16):  # EOF: the server closed it
+                data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    return head, body
+
+
+BIG_HEADER = b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (1 << 17) + b"\r\n\r\n"
+BOTH_LENGTHS = (
+    b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+    b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "message"),
+    [
+        (b"NOT AN HTTP REQUEST\r\n\r\n", 400, "malformed HTTP/1.1 request"),
+        (BIG_HEADER, 431, "larger than 65536 bytes"),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 501, "only chunked"),
+        (BOTH_LENGTHS, 400, "both Content-Length and Transfer-Encoding"),
+    ],
+)
+async def test_a_request_h11_refuses_gets_the_error_envelope_and_the_connection_closes(
+    request_bytes: bytes, status: int, message: str
+) -> None:
+    config = _config()
+    config.h11_max_incomplete_size = 1 << 16
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, config)
+        head, body = await _raw_answer(port, request_bytes)
+        nursery.cancel_scope.cancel()
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    assert headers[b"content-type"] == b"application/json"
+    assert headers[b"connection"] == b"close"
+    error = json.loads(body)["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None
+    assert error["code"] is None
+
+
+# -- the graceful deadline: responses still running are asked to end, then cut ---------------
+
+GRACEFUL_S = 10.0
+
+
+def endless_app(ended: trio.Event | None) -> Any:
+    """A response that runs until ``ended`` is set (then writes "end;"), or forever."""
+
+    async def serve_one(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await app(scope, receive, send)
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"start;", "more_body": True})
+        if ended is None:
+            await trio.sleep_forever()
+        else:
+            await ended.wait()
+        await send({"type": "http.response.body", "body": b"end;", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return serve_one
+
+
+async def _read_to_eof(stream: trio.SocketStream) -> bytes:
+    data = bytearray()
+    try:
+        while chunk := await stream.receive_some(1 << 16):
+            data += chunk
+    except trio.BrokenResourceError:
+        pass
+    return bytes(data)
+
+
+@pytest.mark.parametrize("ends", [True, False])
+async def test_responses_running_at_the_graceful_deadline_are_ended_then_cut(
+    socket_autojump_clock: trio.testing.MockClock, ends: bool
+) -> None:
+    ended = trio.Event()
+    called_at: list[float] = []
+
+    def end_responses() -> None:
+        called_at.append(trio.current_time())
+        if ends:
+            ended.set()  # the app ends its responses (smgd's: an error event and [DONE])
+
+    config = _config()
+    config.graceful_timeout = GRACEFUL_S
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(
+                http_worker.serve,
+                endless_app(ended if ends else None),
+                config,
+                shutdown_trigger=stop.wait,
+                end_responses=end_responses,
+            )
+        )
+        port = int(binds[0].rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert b"start;" in await stream.receive_some(1 << 16)
+            stop.set()
+            stopped_at = trio.current_time()
+            data = await _read_to_eof(stream)
+            closed_at = trio.current_time()
+    assert called_at == [pytest.approx(stopped_at + GRACEFUL_S)]
+    if ends:
+        # The response ended on the call: its last chunk and the body's end were written.
+        assert data.endswith(b"4\r\nend;\r\n0\r\n\r\n")
+        assert closed_at - called_at[0] < http_worker.END_GRACE_S
+    else:
+        # It did not end: cut END_GRACE_S after the call, no end of body.
+        assert not data.endswith(b"0\r\n\r\n")
+        assert closed_at - called_at[0] == pytest.approx(http_worker.END_GRACE_S, abs=0.1)
+
+
+def test_the_daemon_waits_for_the_http_server_longer_than_its_end_grace() -> None:
+    assert DRAIN_MARGIN_S > http_worker.END_GRACE_S

@@ -27,6 +27,10 @@ class Fake:
     def ready(self) -> bool:
         return self.state is EngineState.READY
 
+    @property
+    def state_name(self) -> str:
+        return self.state.value
+
 
 def router(policy: RoutingPolicy, *engines: Fake) -> Router:
     r = Router(RoutingConfig(policy=policy, prefix_tokens=8))

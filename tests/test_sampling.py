@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from smgd.errors import InvalidRequest
-from smgd.sampling import MAX_N, from_native, from_openai
+from smgd.sampling import MAX_N, for_choice, from_native, from_openai
 from smgd.wire.common import SamplingParams
 
 CTX = {"prompt_len": 10, "context_len": 100, "vocab_size": 1024, "eos_token_ids": (2, 5)}
@@ -56,7 +56,7 @@ def test_full_openai_body() -> None:
             "logprobs": True,
             "top_logprobs": 5,
             "logit_bias": {"17": -100, "3": 2.5},
-            "n": 2,
+            "n": 1,  # greedy: more would be a 400
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
             "response_format": {"type": "text"},
@@ -73,7 +73,7 @@ def test_full_openai_body() -> None:
     assert params.logprobs == 5
     assert params.logit_bias == {17: -100.0, 3: 2.5}
     assert opts.stop == ("\n\n", "User:")
-    assert (opts.n, opts.include_stop_str_in_output, opts.skip_special_tokens) == (2, True, False)
+    assert (opts.n, opts.include_stop_str_in_output, opts.skip_special_tokens) == (1, True, False)
 
 
 def test_chat_logprobs_forms() -> None:
@@ -284,3 +284,30 @@ def test_native_logprobs_range_and_shape() -> None:
     assert info.value.param == "top_logprobs_num"
     with pytest.raises(InvalidRequest):
         native([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, 9e-6])
+@pytest.mark.parametrize("is_chat", [True, False])
+def test_n_above_1_with_greedy_sampling_is_refused(temperature: float, is_chat: bool) -> None:
+    err = rejected({"n": 3, "temperature": temperature}, is_chat=is_chat)
+    assert err.param == "n"
+    assert err.message == "n must be 1 when using greedy sampling, got 3."
+
+
+def test_n_above_1_is_fine_when_sampling() -> None:
+    assert chat({"n": 2, "temperature": 1e-5})[1].n == 2  # vLLM's bound: below 1e-5 is greedy
+    assert chat({"n": 2})[1].n == 2  # the default temperature is 1
+    assert chat({"n": 1, "temperature": 0})[1].n == 1
+
+
+def test_each_choice_gets_seed_plus_its_index() -> None:
+    params = chat({"n": 3, "seed": 41})[0]
+    assert [for_choice(params, j).seed for j in range(3)] == [41, 42, 43]
+    assert for_choice(params, 0) is params
+    unseeded = chat({"n": 3})[0]
+    assert for_choice(unseeded, 2) is unseeded
+    no_seed = chat({"n": 3, "seed": -1})[0]  # vLLM's "no seed"
+    assert for_choice(no_seed, 2).seed == -1
+    top = chat({"n": 2, "seed": 2**63 - 1})[0]  # wraps within a signed 64-bit integer
+    assert for_choice(top, 1).seed == -(2**63)
+    assert for_choice(top, 1).max_tokens == top.max_tokens

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import traceback
+from functools import partial
+
 import pytest
 import trio
 import trio.testing
@@ -56,11 +59,67 @@ async def test_failure_reaches_consumer_after_pending_output() -> None:
     stream = RequestStream("r", "e")
     stream.push(delta([1]))
     streams = {"r": stream}
-    assert fail_all(streams, EngineDead("boom")) == 1
+    assert fail_all(streams, partial(EngineDead, "boom")) == 1
     assert streams == {}
     assert (await stream.receive()).token_ids == [1]
     with pytest.raises(EngineDead, match="boom"):
         await stream.receive()
+
+
+async def _error_of(stream: RequestStream) -> BaseException:
+    """What one consumer's receive raises (the pending output drained first)."""
+    try:
+        while True:
+            await stream.receive()
+    except EngineDead as exc:
+        return exc
+    raise AssertionError("the stream did not fail")
+
+
+async def test_every_failed_stream_gets_its_own_error_object() -> None:
+    streams = {rid: RequestStream(rid, "e") for rid in ("a", "b")}
+    for stream in streams.values():
+        stream.push(delta([1]))
+    views = list(streams.values())
+    assert fail_all(streams, partial(EngineDead, "engine e failed: gone")) == 2
+    first, second = [await _error_of(s) for s in views]
+    assert first is not second
+    assert str(first) == str(second) == "engine e failed: gone"
+
+
+async def _traceback_lengths(count: int) -> set[int]:
+    """Traceback lengths of the errors ``count`` consumers of failed streams catch."""
+    streams = {str(i): RequestStream(str(i), "e") for i in range(count)}
+    views = list(streams.values())
+    fail_all(streams, partial(EngineDead, "boom"))
+    errors: list[BaseException] = []
+
+    async def consume(stream: RequestStream) -> None:
+        errors.append(await _error_of(stream))
+
+    async with trio.open_nursery() as nursery:
+        for stream in views:
+            nursery.start_soon(consume, stream)
+    assert len(errors) == count
+    return {len(traceback.extract_tb(e.__traceback__)) for e in errors}
+
+
+async def test_a_failed_streams_traceback_does_not_grow_with_other_streams() -> None:
+    # Each consumer's error holds its own raise only: as long with 50 streams as with 1.
+    alone = await _traceback_lengths(1)
+    assert await _traceback_lengths(50) == alone
+    assert len(alone) == 1 and min(alone) <= 3  # _error_of -> receive -> receive_nowait
+
+
+async def test_receiving_again_from_a_failed_stream_does_not_grow_its_traceback() -> None:
+    stream = RequestStream("r", "e")
+    fail_all({"r": stream}, partial(EngineDead, "boom"))
+    lengths = []
+    for _ in range(3):
+        with pytest.raises(EngineDead) as info:
+            stream.receive_nowait()
+        lengths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert lengths[0] == lengths[1] == lengths[2]
 
 
 async def test_second_receiver_is_an_error() -> None:

@@ -130,6 +130,25 @@ def test_decode_stream_error_switches_to_fallback(fail_after: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
+@given(ids=IDS, skip=st.booleans(), fast=st.booleans(), fail_after=st.integers(0, 45))
+def test_push_each_equals_push_of_one_id_at_a_time(
+    ids: list[int], skip: bool, fast: bool, fail_after: int
+) -> None:
+    # Also when DecodeStream fails partway (on its first step, in the middle, or never).
+    one = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    each = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    if fast:
+        one._stream = _BrokenStream(one._stream, fail_after)  # type: ignore[assignment]
+        each._stream = _BrokenStream(each._stream, fail_after)  # type: ignore[assignment]
+    half = len(ids) // 2
+    want = [one.push([i]) for i in ids] + [one.flush()]
+    got = [*each.push_each(ids[:half]), *each.push_each(ids[half:]), each.flush()]
+    assert got == want
+    assert "".join(got) == tok().decode(ids, skip_special_tokens=skip)
+    assert each.using_fallback == one.using_fallback
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     text=TEXT,
     sizes=SIZES,
@@ -165,3 +184,47 @@ def test_text_stream_after_stop_is_silent() -> None:
     assert (text, hit) == ("Hel", "lo")
     assert ts.push(ids) == ("", None)
     assert ts.finish() == ""
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=TEXT,
+    sizes=SIZES,
+    stops=st.lists(st.text(st.sampled_from("ab c🙂日"), min_size=1, max_size=3), max_size=3),
+    include=st.booleans(),
+)
+def test_text_stream_keeps_ids_through_the_one_completing_the_stop(
+    text: str, sizes: list[int], stops: list[str], include: bool
+) -> None:
+    # However the ids are grouped into deltas, the output ends at the first id after which
+    # the text holds a stop: what an engine that checks stops after every token would make.
+    # The text after id j is the decode of the longest prefix up to j that does not end in an
+    # unfinished character (the text of an id with such bytes waits for the next one).
+    ids = tok().encode(text, add_special_tokens=False)
+    ts = TextStream(tok(), stops=stops, include_stop=include)
+    used = 0
+    for part in chunks(ids, sizes):
+        _, hit = ts.push(part)
+        if hit is not None:
+            assert 1 <= ts.kept <= len(part)
+            used += ts.kept
+            break
+        used += len(part)
+    prefixes: list[str] = []
+    for j in range(1, len(ids) + 1):
+        whole = tok().decode(ids[:j])
+        held = whole.endswith("\ufffd")
+        prefixes.append((prefixes[-1] if prefixes else "") if held else whole)
+    want = next(
+        (j + 1 for j, p in enumerate(prefixes) if reference_cut(p, stops, include)[1] is not None),
+        len(ids),
+    )
+    assert used == want
+
+
+def test_text_stream_merged_delta_ends_at_the_stop() -> None:
+    ids = tok().encode("Hello world, hello", add_special_tokens=False)
+    ts = TextStream(tok(), stops=["wor"])
+    assert ts.push(ids) == ("Hello ", "wor")
+    assert "wor" in tok().decode(ids[: ts.kept])
+    assert "wor" not in tok().decode(ids[: ts.kept - 1])

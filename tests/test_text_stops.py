@@ -90,3 +90,10 @@ def test_no_stops_passes_through() -> None:
 def test_empty_stop_is_refused() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         StopMatcher(["ok", ""])
+
+
+def test_hit_end_is_where_the_stop_ends_in_the_fed_text() -> None:
+    m = StopMatcher(["\n\nUser:"])
+    assert m.feed("Answer.\n\nUs") == ("Answe", None)
+    assert m.feed("er: more") == ("r.", "\n\nUser:")
+    assert m.hit_end == 3  # "er:" of the second piece

@@ -7,11 +7,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HfTokenizer
 
 from smgd.assets import TINY_MODEL_DIR
 from smgd.assets.make_tiny_model import write_model_dir
 from smgd.errors import ConfigError, InvalidRequest
-from smgd.text.tokenizer import load_tokenizer
+from smgd.text.tokenizer import load_tokenizer, max_token_chars
 
 
 @pytest.fixture
@@ -126,3 +130,98 @@ def test_builder_is_byte_identical_and_small(tmp_path: Path) -> None:
     for name in shipped:
         assert (tmp_path / name).read_bytes() == (TINY_MODEL_DIR / name).read_bytes(), name
     assert sum((TINY_MODEL_DIR / n).stat().st_size for n in shipped) < 200_000
+
+
+def test_a_chat_too_deeply_nested_to_render_is_a_client_error() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    deep: object = 1
+    for _ in range(5000):  # far past the recursion limit of the template's `tojson`
+        deep = {"a": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(InvalidRequest, match="nested too deeply") as info:
+        tok.render_chat([{"role": "user", "content": "hi"}], tools=[tool])
+    assert info.value.param == "messages"
+
+
+# -- max_token_chars: a prompt too long to fit is refused without tokenizing it --------------
+
+
+def _bpe(
+    *,
+    normalizer: normalizers.Normalizer | None = None,
+    pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
+    byte_fallback: bool = False,
+    fuse_unk: bool = False,
+) -> HfTokenizer:
+    """A small BPE tokenizer: a few merges, an unknown token, the given pipeline."""
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4, "\u2581": 5, "\u2581ab": 6}
+    vocab |= {f"<0x{i:02X}>": 7 + i for i in range(256)}
+    merges = [("a", "b"), ("ab", "ab"), ("\u2581", "ab")]
+    model = models.BPE(
+        vocab, merges, unk_token="<unk>", byte_fallback=byte_fallback, fuse_unk=fuse_unk
+    )
+    hf = HfTokenizer(model)
+    if normalizer is not None:
+        hf.normalizer = normalizer
+    if pre_tokenizer is not None:
+        hf.pre_tokenizer = pre_tokenizer
+    return hf
+
+
+def test_the_tiny_models_longest_token_bounds_its_characters_per_token() -> None:
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    longest = max(map(len, tok.hf.get_vocab(with_added_tokens=True)))
+    assert tok.max_token_chars == longest == 12
+    assert not tok.cannot_fit("x" * 4096 * 12, 4096)
+    assert tok.cannot_fit("x" * (4096 * 12 + 1), 4096)
+
+
+LLAMA2_NORMALIZER = normalizers.Sequence(
+    [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+)
+
+
+@pytest.mark.parametrize(
+    ("hf", "bound"),
+    [
+        # SentencePiece-style (Llama 2): byte fallback, a space becomes one "▁".
+        (_bpe(normalizer=LLAMA2_NORMALIZER, byte_fallback=True, fuse_unk=True), 6),
+        # Unknown characters one token each: the longest piece ("<0xFF>") still bounds them.
+        (_bpe(normalizer=LLAMA2_NORMALIZER), 6),
+        # Composing normalizers: up to 4 code points become one character.
+        (_bpe(normalizer=normalizers.NFC(), pre_tokenizer=pre_tokenizers.ByteLevel()), 24),
+        # Text the pipeline may drop or merge: no bound, the tokenizer decides.
+        (_bpe(normalizer=LLAMA2_NORMALIZER, fuse_unk=True), None),  # a run of unknowns = 1
+        (_bpe(pre_tokenizer=pre_tokenizers.Whitespace()), None),
+        (_bpe(pre_tokenizer=pre_tokenizers.Split(" ", "removed")), None),
+        (_bpe(normalizer=normalizers.Strip()), None),
+        (_bpe(normalizer=normalizers.Replace(Regex(" +"), " ")), None),
+        (HfTokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), None),
+    ],
+)
+def test_max_token_chars_follows_the_tokenizer_pipeline(hf: HfTokenizer, bound: int | None) -> None:
+    assert max_token_chars(hf) == bound
+
+
+BOUNDED = [
+    load_tokenizer(TINY_MODEL_DIR).hf,
+    _bpe(normalizer=LLAMA2_NORMALIZER, byte_fallback=True, fuse_unk=True),
+    _bpe(normalizer=LLAMA2_NORMALIZER),
+    _bpe(normalizer=normalizers.NFC(), pre_tokenizer=pre_tokenizers.ByteLevel()),
+]
+
+
+# Characters the vocabularies above merge, compose (NFC) or do not know, and any others but
+# lone surrogates (which no JSON body can carry: msgspec refuses them).
+ALPHABET = st.sampled_from("ab \u00e9e\u0301\u03b1\u0313\u0300\u0345\u1f82x\U0001f600<>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(ALPHABET | st.characters(exclude_categories=["Cs"]), max_size=200),
+       which=st.integers(0, len(BOUNDED) - 1))  # fmt: skip
+def test_no_token_stands_for_more_characters_than_the_bound(text: str, which: int) -> None:
+    hf = BOUNDED[which]
+    bound = max_token_chars(hf)
+    assert bound is not None
+    tokens = len(hf.encode(text, add_special_tokens=False).ids)
+    assert len(text) <= tokens * bound

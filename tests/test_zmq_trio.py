@@ -317,7 +317,7 @@ async def test_router_mandatory_unknown_peer_is_transport_error_with_errno(
         router.socket.bind(ipc_endpoint(tmp_path / "r.sock"))
         with pytest.raises(TransportError) as info:
             await router.send_multipart([b"nobody", b"", b"x"])
-        assert info.value.code == zmq.EHOSTUNREACH
+        assert info.value.code == "EHOSTUNREACH"
         assert isinstance(info.value.__cause__, zmq.ZMQError)
         with pytest.raises(TransportError):
             router.send_multipart_nowait([b"nobody", b"x"])

@@ -3,14 +3,12 @@
 By default it listens on a unix socket, ``<run_dir>/admin.sock``, inside the 0700 run
 directory, so only smgd's user can reach it. ``[admin] port > 0`` moves it to TCP on
 ``admin.host`` (loopback by default); ``admin.token_env`` then names an env var holding a bearer
-token that every admin request must carry.
+token that every admin request must carry (an unset or empty one is a config error at start).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,7 +18,9 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from smgd.config import run_dir
+from smgd.api.hot import authorized
+from smgd.api.server import listen_tcp
+from smgd.config import load_admin_token, run_dir
 
 if TYPE_CHECKING:
     from smgd.gateway import Gateway
@@ -42,23 +42,19 @@ def _json(body: Any, status: int = 200) -> Response:
 
 
 def _error(message: str, status: int, kind: str) -> Response:
-    return _json(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
-    )
+    return _json({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
 def create_admin_app(gateway: Gateway) -> QuartTrio:
     app = QuartTrio("smgd-admin")
     app.config["RESPONSE_TIMEOUT"] = None
-    token_env = gateway.config.admin.token_env
-    token = os.environ.get(token_env, "") if token_env else ""
+    # Configured but unset or empty is a ConfigError here (and already at start): never open.
+    token = load_admin_token(gateway.config)
 
     @app.before_request
     async def _auth() -> Response | None:
-        if token:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return _error("invalid or missing admin token", 401, "authentication_error")
+        if token is not None and not authorized((token,), request.headers.get("Authorization")):
+            return _error("invalid or missing admin token", 401, "authentication_error")
         return None
 
     @app.post("/admin/reload")
@@ -100,6 +96,10 @@ async def serve_admin(
         prepare_ipc_endpoint(bind[len("unix:") :])  # 0700 dir, stale socket cleared, live refused
     cfg = HypercornConfig()
     cfg.bind = [bind]
+    admin = gateway.config.admin
+    if admin.port > 0:
+        # Bound here, so a taken port is an error naming the address; hypercorn owns the fd.
+        cfg.bind = [f"fd://{listen_tcp(admin.host, admin.port, cfg.backlog).detach()}"]
     cfg.graceful_timeout = 1.0  # admin requests are short
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once

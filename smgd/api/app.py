@@ -3,11 +3,13 @@
 Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai`,
 :mod:`~smgd.api.native` and :mod:`~smgd.api.ops`.
 
-- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400) or
-  minted, echoed on every response, and used in the request's log line.
-- API keys (``Authorization: Bearer``) guard the inference endpoints only; keys come from the
-  env var named by ``server.api_keys_env`` (comma-separated) and/or ``server.api_keys_file``
-  (one per line). Keys are never logged.
+- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400; of a
+  list ``a, b``, as proxies merge repeated headers, the first) or minted, echoed on every
+  response, and used in the request's log line.
+- API keys (``Authorization: Bearer``, the scheme name in any case) guard the inference
+  endpoints only; keys come from the env var named by ``server.api_keys_env`` (comma-separated)
+  and/or ``server.api_keys_file`` (one per line). A configured source without a key is a
+  config error at start and a refused reload, never "no auth". Keys are never logged.
 - While draining, new inference requests get 503 + ``Retry-After``.
 - Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
   (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
@@ -34,12 +36,12 @@ from smgd.api import native, openai, ops
 from smgd.api.asgi_connection import InlineHTTPConnection
 from smgd.api.errors import error_body, error_headers, http_error
 from smgd.api.execute import RECORDER_KEY
-from smgd.api.hot import HotRoutes, SmgdApp, check_access
+from smgd.api.hot import HotRoutes, SmgdApp, check_access, client_request_id
 from smgd.api.pacer import LoadPacer
-from smgd.api.pipeline import check_request_id, new_request_id
+from smgd.api.pipeline import new_request_id
 from smgd.api.prepare import ApiContext, api
-from smgd.config import resolve_path
-from smgd.errors import ConfigError, InvalidRequest, SmgdError
+from smgd.config import load_admin_token, load_api_keys
+from smgd.errors import InvalidRequest, SmgdError
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
 from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
 
@@ -57,28 +59,10 @@ log = logging.getLogger("smgd.api")
 # Time to receive a whole request body. The largest allowed body (max_body_bytes, 8 MiB by
 # default) arrives in milliseconds on a local socket; 60 s only cuts stalled uploads.
 BODY_TIMEOUT_S = 60
-# Worker threads tokenizing big prompts at once: one per core on the 2-core target, so
-# tokenization cannot starve the event loop's own core of CPU.
-TOKENIZE_THREADS = 2
-
-
-def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
-    """Bearer keys from the configured env var and/or file; () means no auth."""
-    server = config.server
-    env = os.environ if environ is None else environ
-    keys: list[str] = []
-    if server.api_keys_env:
-        keys += [k.strip() for k in env.get(server.api_keys_env, "").split(",")]
-    if server.api_keys_file:
-        path = resolve_path(config, server.api_keys_file)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read api_keys_file {path}: {exc.strerror}", path="$.server.api_keys_file"
-            ) from None
-        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
-    return tuple(dict.fromkeys(k.encode() for k in keys if k))
+# Worker threads tokenizing big prompts at once: every core but one (at least one thread), so
+# tokenization never takes the core the event loop streams every response from. Two threads
+# on the 2-core target left the loop competing with them for CPU.
+TOKENIZE_THREADS = max(1, (os.cpu_count() or 1) - 1)
 
 
 def _error_response(err: SmgdError) -> Response:
@@ -133,7 +117,11 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             scope.cancel()
 
     def on_reload(config: Config) -> Callable[[], None]:
-        keys = load_api_keys(config, environ)  # an unreadable key file rejects the reload
+        # A key source that yields no key (or an unreadable file) refuses the whole reload, so
+        # it can never leave auth open. The admin token is checked too: it applies at restart,
+        # and a config that could not restart must not be accepted now.
+        keys = load_api_keys(config, environ)
+        load_admin_token(config, environ)
 
         def apply() -> None:
             ctx = app.extensions["smgd"]
@@ -163,8 +151,7 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         header = request.headers.get("X-Request-Id")
         g.request_id = new_request_id()
         if header is not None:
-            check_request_id(header, "X-Request-Id")
-            g.request_id = header
+            g.request_id = client_request_id(header)
         check_access(api(), request.path, request.headers.get("Authorization"))
 
     @app.after_request

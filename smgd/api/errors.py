@@ -25,7 +25,8 @@ __all__ = [
     "stream_error",
 ]
 
-# werkzeug HTTPExceptions Quart raises itself (routing, body limits) → OpenAI error types.
+# werkzeug HTTPExceptions Quart raises itself (routing, body limits) and the requests h11
+# refuses (smgd.api.http_worker) → OpenAI error types.
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
     404: "not_found_error",
@@ -33,6 +34,8 @@ HTTP_ERRORS: Mapping[int, str] = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    431: "invalid_request_error",
+    501: "invalid_request_error",  # h11: a transfer coding it does not implement; the client's
 }
 
 
@@ -55,7 +58,7 @@ def error_headers(err: SmgdError, request_id: str | None) -> dict[str, str]:
 def http_error(status: int, message: str) -> bytes:
     """Envelope for an error that is not a :class:`SmgdError` (routing, 413, internal)."""
     kind = HTTP_ERRORS.get(status, "internal_error" if status >= 500 else "invalid_request_error")
-    return encode_json({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return encode_json({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
 def stream_error(err: SmgdError) -> bytes:
@@ -64,9 +67,13 @@ def stream_error(err: SmgdError) -> bytes:
 
 
 def engine_finish_error(finish: Finish) -> SmgdError:
-    """An engine-side ABORT/ERROR finish the client did not ask for, as an error."""
+    """An engine-side ABORT/ERROR finish the client did not ask for, as an error.
+
+    The engine's own status code picks the class (and so the HTTP status); it is not the
+    envelope's ``code``, which is a string or null.
+    """
     message = finish.message or f"the engine ended the request ({finish.reason.value})"
     status = finish.status_code
     if finish.reason is FinishReason.ABORT and (status is None or 400 <= status < 500):
-        return EngineRejected(message, code=status)
-    return EngineDead(message, code=status)
+        return EngineRejected(message)
+    return EngineDead(message)

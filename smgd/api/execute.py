@@ -11,6 +11,10 @@ Leaving ``EngineClient.open_stream`` early (client gone → ``trio.Cancelled`` i
 stop string hit, error) sends the engine abort from its ``finally``; ``Cancelled`` is never
 caught here.
 
+A drain that runs out of time ends the requests still running through :class:`Cutoff`, and
+each one ends as any failed request does: a stream with its error event, ``[DONE]`` and the
+end of its body, a non-streamed request with a 503; each engine request is aborted.
+
 Metrics: each output event notes its time on the request state (TTFT, inter-event gaps);
 :func:`log_request`, run once from every path's ``finally``, hands the state to the app's
 recorder (:mod:`smgd.metrics`), which observes everything in one go.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
@@ -29,11 +33,12 @@ from quart import current_app, has_app_context
 
 from smgd.api.pipeline import new_engine_rid
 from smgd.api.sse import KEEPALIVE
-from smgd.errors import EngineDead, EngineNotReady, SmgdError
+from smgd.errors import Draining, EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator
+    from collections.abc import AsyncGenerator, Callable
+    from contextlib import AbstractAsyncContextManager
 
     from smgd.api.direct import DirectWriter
     from smgd.api.pacer import LoadPacer
@@ -43,12 +48,132 @@ if TYPE_CHECKING:
     from smgd.router import Router
     from smgd.wire.common import GenerateRequest
 
-__all__ = ["RECORDER_KEY", "Job", "Renderer", "attach_sink", "collect", "log_request", "stream"]
+__all__ = [
+    "RECORDER_KEY",
+    "Cutoff",
+    "Job",
+    "Renderer",
+    "attach_sink",
+    "collect",
+    "log_request",
+    "stream",
+]
 
 log = logging.getLogger("smgd.api")
 
 # app.extensions key of the per-request metrics recorder, (state, end time) -> None.
 RECORDER_KEY = "smgd.record"
+
+
+class Cutoff:
+    """Ends an app's running requests properly when smgd's drain runs out of time.
+
+    Every running request watches the cutoff (:meth:`watch`) with an *ender*, a callback that
+    wakes it wherever it waits: its engine stream (:meth:`RequestStream.notify`), its fan-in
+    channel, the cancel scope around a wait that sends nothing to the client (an admission
+    slot, a non-streamed request). :meth:`cut` calls every ender; each request then finds the
+    cutoff's error (:meth:`check`) and ends through its ordinary error path, so a stream sends
+    its error event, ``[DONE]`` and the end of its chunked body, and leaving
+    ``open_stream`` aborts its engine request. Nothing is cancelled while it writes to its
+    client: a cancel there could leave half a chunk on the wire.
+
+    A request that starts after the cut fails at once. Each failure gets its own error object
+    (one shared exception would carry every request's traceback).
+    """
+
+    __slots__ = ("_enders", "message")
+
+    def __init__(self) -> None:
+        self.message: str | None = None  # set by cut(): every request ends with this message
+        self._enders: set[Callable[[], None]] = set()
+
+    def watch(self, ender: Callable[[], None]) -> None:
+        self._enders.add(ender)
+
+    def unwatch(self, ender: Callable[[], None]) -> None:
+        self._enders.discard(ender)
+
+    def cut(self, message: str) -> int:
+        """End every request watching: each gets :class:`Draining` with ``message``; how many."""
+        self.message = message
+        enders = list(self._enders)
+        self._enders.clear()
+        for end in enders:
+            end()
+        return len(enders)
+
+    def error(self) -> Draining:
+        """A new error for one request the cut ended."""
+        assert self.message is not None, "not cut"
+        return Draining(self.message, code="drain_timeout")
+
+    def check(self) -> None:
+        """Raise the cutoff's error once it was cut."""
+        if self.message is not None:
+            raise self.error()
+
+
+_NEVER_CUT = Cutoff()  # for callers without an app (its cut() is never called)
+
+
+class _StreamWatch:
+    """One streamed choice's ender, and the context manager around its engine stream.
+
+    ``async with watch.opening(job) as rs`` is ``job.engine.open_stream(job.request)``, except
+    that a cut ends its wait for an admission slot (the one wait in it, and nothing has been
+    sent to the client from there). Then the ender wakes the stream's task where it waits for
+    output. It runs once per request, so it is cheap: a class rather than a generator-based
+    context manager, and a cancel scope (~3.7 µs to enter and leave here) only where the
+    engine caps its requests in flight; without a cap, admission never waits.
+    """
+
+    __slots__ = ("_may_wait", "_opened", "admitting", "cutoff", "rs")
+
+    def __init__(self, cutoff: Cutoff) -> None:
+        self.cutoff = cutoff
+        self.rs: RequestStream | None = None
+        self.admitting: trio.CancelScope | None = None
+        self._opened: AbstractAsyncContextManager[RequestStream] | None = None
+        self._may_wait = False
+        cutoff.check()
+        cutoff.watch(self.end)
+
+    def end(self) -> None:
+        if self.admitting is not None:
+            self.admitting.cancel()  # waiting for an admission slot: nothing sent yet
+        if self.rs is not None:
+            self.rs.notify()  # the stream's task wakes and finds the cutoff's error
+
+    def opening(self, job: Job) -> _StreamWatch:
+        self._opened = job.engine.open_stream(job.request)
+        self._may_wait = job.engine.config.max_inflight > 0
+        return self
+
+    async def __aenter__(self) -> RequestStream:
+        opened = self._opened
+        assert opened is not None, "use `async with watch.opening(job)`"
+        if self._may_wait:
+            with trio.CancelScope() as self.admitting:
+                self.rs = await opened.__aenter__()
+            self.admitting = None
+        else:
+            self.rs = await opened.__aenter__()
+        if self.cutoff.message is not None:  # cut while it waited, or as it got its slot
+            err = self.cutoff.error()
+            if self.rs is not None:  # it got one: leaving open_stream aborts the request
+                await opened.__aexit__(type(err), err, None)
+            raise err
+        assert self.rs is not None
+        return self.rs
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        opened, self._opened, self.rs = self._opened, None, None
+        assert opened is not None
+        return await opened.__aexit__(*exc_info)
+
+    def close(self) -> None:
+        self.rs = None
+        self.cutoff.unwatch(self.end)
 
 
 @dataclass(slots=True)
@@ -102,6 +227,12 @@ def attach_sink(state: RequestState) -> None:
 
 
 def log_request(state: RequestState) -> None:
+    """Hand the ended request to the metrics recorder and write its one log line.
+
+    The line is at info, or at warning when smgd or an engine failed the request (a 5xx-class
+    error: the engine died, went silent, the drain ran out): that one asks an operator to look.
+    A client error or a client that went away stays at info.
+    """
     now = trio.current_time()
     if state.sink is not None:
         try:
@@ -109,11 +240,15 @@ def log_request(state: RequestState) -> None:
         except Exception:  # metrics must never break a response
             log.exception("%s: recording metrics failed", state.request_id)
     fields = state.log_fields(now)
-    log.info(
-        "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s",
+    failure = state.failure
+    level = logging.WARNING if failure is not None and failure.status >= 500 else logging.INFO
+    error = "" if state.error is None else f", error: {state.error}"
+    log.log(
+        level,
+        "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s%s",
         fields["request_id"], fields["endpoint"], fields["prompt_tokens"],
         fields["completion_tokens"], fields["ttft_ms"], fields["e2e_ms"],
-        fields["finish_reason"], extra=fields,
+        fields["finish_reason"], error, extra=fields,
     )  # fmt: skip
 
 
@@ -155,10 +290,14 @@ async def _collect_attempt(job: Job, state: RequestState) -> None:
     raise EngineDead(f"engine {job.engine.name} ended the request without a finish")
 
 
-async def collect(jobs: list[Job], state: RequestState) -> None:
-    """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled)."""
+async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = None) -> None:
+    """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled).
+
+    ``cutoff`` cancels the jobs (their engine requests are aborted) and raises its error.
+    """
     attach_sink(state)
     errors: list[SmgdError] = []
+    cutoff = cutoff or _NEVER_CUT
 
     async def run(job: Job, scope: trio.CancelScope) -> None:
         try:
@@ -167,19 +306,26 @@ async def collect(jobs: list[Job], state: RequestState) -> None:
             errors.append(err)
             scope.cancel()
 
+    scope = trio.CancelScope()  # no byte goes to the client meanwhile: a cancel is safe
     try:
-        if len(jobs) == 1:
-            await _collect_one(jobs[0], state)
-        else:
-            async with trio.open_nursery() as nursery:
-                for job in jobs:
-                    nursery.start_soon(run, job, nursery.cancel_scope)
-            if errors:
-                raise errors[0]
+        cutoff.check()
+        cutoff.watch(scope.cancel)
+        with scope:
+            if len(jobs) == 1:
+                await _collect_one(jobs[0], state)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for job in jobs:
+                        nursery.start_soon(run, job, nursery.cancel_scope)
+        if scope.cancelled_caught:
+            cutoff.check()
+        if errors:
+            raise errors[0]
     except SmgdError as err:
         state.fail(err)
         raise
     finally:
+        cutoff.unwatch(scope.cancel)
         log_request(state)
 
 
@@ -195,13 +341,16 @@ def stream(
     nursery: trio.Nursery | None,
     pacer: LoadPacer | None = None,
     writer: DirectWriter | None = None,
+    cutoff: Cutoff | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack."""
+    """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack; ``cutoff``
+    ends the stream with its error event."""
     attach_sink(state)  # here, in the request context: the body runs after it is gone
+    cutoff = cutoff or _NEVER_CUT
     if len(jobs) == 1:
-        return _stream_one(jobs[0], state, render, keepalive_s, pacer, writer)
+        return _stream_one(jobs[0], state, render, keepalive_s, pacer, writer, cutoff)
     assert nursery is not None, "n > 1 streams need the app nursery for their pumps"
-    return _stream_many(jobs, state, render, keepalive_s, nursery)
+    return _stream_many(jobs, state, render, keepalive_s, nursery, cutoff)
 
 
 class _ClientGone(Exception):
@@ -216,6 +365,7 @@ async def _direct(
     writer: DirectWriter,
     keepalive_s: float,
     pacer: LoadPacer | None = None,
+    cutoff: Cutoff = _NEVER_CUT,
 ) -> None:
     """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
 
@@ -293,6 +443,7 @@ async def _direct(
                 raise failures[0]
             if choice.done:
                 return
+            cutoff.check()  # after the backlog's flush: the error event must not overtake it
             delta = rs.receive_nowait()  # output from before the sink, or the engine's error
             if delta is not None:
                 sink(delta)
@@ -314,33 +465,40 @@ async def _stream_one(
     state: RequestState,
     render: Renderer,
     keepalive_s: float,
-    pacer: LoadPacer | None = None,
-    writer: DirectWriter | None = None,
+    pacer: LoadPacer | None,
+    writer: DirectWriter | None,
+    cutoff: Cutoff,
 ) -> AsyncGenerator[bytes, None]:
     choice = job.choice
+    watch: _StreamWatch | None = None
     try:
+        watch = _StreamWatch(cutoff)
         while True:
             try:
-                async with job.engine.open_stream(job.request) as rs:
+                async with watch.opening(job) as rs:
                     if writer is not None:
                         # Quart sent the response head before it asked for the body: every
                         # event can go straight to the socket, the first one included.
                         try:
-                            await _direct(rs, choice, state, render, writer, keepalive_s, pacer)
+                            await _direct(
+                                rs, choice, state, render, writer, keepalive_s, pacer, cutoff
+                            )
                         except _ClientGone:
                             return  # leaving open_stream aborts the engine request
                         break
                     while True:
+                        cutoff.check()
                         delta = rs.receive_nowait()  # raises the engine's error / EndOfChannel
                         if delta is None:
-                            if keepalive_s > 0:
-                                with trio.move_on_after(keepalive_s):
-                                    delta = await rs.receive()
-                                if delta is None:
-                                    yield KEEPALIVE
-                                    continue
-                            else:
-                                delta = await rs.receive()
+                            # Wait without taking: the cutoff's ender wakes this wait too.
+                            if keepalive_s <= 0:
+                                await rs.wait()
+                                continue
+                            with trio.move_on_after(keepalive_s) as idle:
+                                await rs.wait()
+                            if idle.cancelled_caught:
+                                yield KEEPALIVE
+                            continue
                         text = choice.apply(delta)
                         state.output_event(choice, trio.current_time())
                         out = render.delta(choice, text)
@@ -365,6 +523,8 @@ async def _stream_one(
     except Exception as exc:
         yield render.error(_failed(state, exc))
     finally:
+        if watch is not None:
+            watch.close()
         log_request(state)
 
 
@@ -412,11 +572,18 @@ async def _stream_many(
     render: Renderer,
     keepalive_s: float,
     nursery: trio.Nursery,
+    cutoff: Cutoff,
 ) -> AsyncGenerator[bytes, None]:
     send, recv = trio.open_memory_channel[_Item](math.inf)
     by_index = {job.choice.index: job.choice for job in jobs}
     scopes: dict[int, trio.CancelScope] = {}
+
+    def end() -> None:  # the cutoff's ender: its error reaches the consumer as a pump's would
+        send.send_nowait((-1, cutoff.error()))
+
     try:
+        cutoff.check()
+        cutoff.watch(end)
         for job in jobs:
             scopes[job.choice.index] = await nursery.start(_pump, job, send, state.model)
         while any(not c.done for c in by_index.values()):
@@ -439,6 +606,7 @@ async def _stream_many(
     except Exception as exc:
         yield render.error(_failed(state, exc))
     finally:
+        cutoff.unwatch(end)
         for scope in scopes.values():
             scope.cancel()
         send.close()

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     Handler = Callable[[Call, dict[str, Any]], Awaitable[Reply]]
 
-__all__ = ["AUTH_PATHS", "HOT_ROUTES", "HotRoutes", "SmgdApp", "check_access"]
+__all__ = ["AUTH_PATHS", "HOT_ROUTES", "HotRoutes", "SmgdApp", "check_access", "client_request_id"]
 
 log = logging.getLogger("smgd.api")
 
@@ -75,13 +75,24 @@ BodyOutcome = Literal["complete", "too_large", "timeout", "disconnected"]
 
 
 def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
-    if not header or not header.startswith("Bearer "):
+    """``Authorization: Bearer <one of keys>``; the scheme name is case-insensitive (RFC 9110)."""
+    scheme, _, credentials = (header or "").strip().partition(" ")
+    given = credentials.strip().encode()
+    if scheme.lower() != "bearer" or not given:
         return False
-    given = header[len("Bearer ") :].strip().encode()
     ok = False
     for key in keys:  # compare with every key: the time taken does not reveal which matched
         ok |= hmac.compare_digest(given, key)
     return ok
+
+
+def client_request_id(header: str) -> str:
+    """The client's request id from an ``X-Request-Id`` header value (400 if malformed).
+
+    A proxy that receives the header twice may merge the two into one list, ``a, b``
+    (RFC 9110 §5.3): the first value is the original client's, and the one used.
+    """
+    return check_request_id(header.split(",", 1)[0].strip(), "X-Request-Id")
 
 
 def check_access(ctx: ApiContext, path: str, authorization: str | None) -> None:
@@ -97,6 +108,21 @@ class SmgdApp(QuartTrio):
     """quart-trio's app, with the generation routes served by :class:`HotRoutes`."""
 
     hot: HotRoutes | None = None  # set by create_app once the metrics exist
+
+    def end_responses(self) -> None:
+        """The drain's deadline passed: end every request still running, each properly.
+
+        Streams send their error event (``code: "drain_timeout"``) and ``[DONE]``; the HTTP
+        server (:func:`smgd.api.http_worker.serve`) lets them write it before it closes.
+        """
+        ctx: ApiContext = self.extensions["smgd"]
+        timeout = ctx.gateway.config.server.drain_timeout_s
+        ended = ctx.cutoff.cut(
+            "smgd is shutting down: the request was still running when the drain timeout "
+            f"({timeout:g} s) ran out"
+        )
+        if ended:
+            log.warning("drain timeout: ending %d request(s) with an error", ended)
 
     async def __call__(
         self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -173,7 +199,7 @@ class HotRoutes:
         try:
             header = _header(scope, b"x-request-id")
             if header is not None:
-                request_id = check_request_id(header, "X-Request-Id")
+                request_id = client_request_id(header)
             check_access(self._ctx, path, _header(scope, b"authorization"))
             if outcome == "too_large":
                 limit = self._app.config["MAX_CONTENT_LENGTH"]

@@ -19,11 +19,21 @@ TLS), graceful shutdown on ``shutdown_trigger`` within ``config.graceful_timeout
 built from hypercorn's own parts (``Lifespan``, ``WorkerContext``, ``TCPServer``), so request
 parsing and the ASGI interface are hypercorn's, unchanged.
 
+Graceful shutdown ends responses properly even when they outlast it: at the graceful
+deadline ``end_responses`` asks the app to end what still runs (smgd's streams send their
+error event and ``[DONE]``), and only :data:`END_GRACE_S` later are the connections that are
+still busy cancelled, which cuts their bodies.
+
 Keep-alive is the one part done differently (:class:`KeepAliveTimer`): hypercorn starts a new
 idle-timeout task, through ``nursery.start`` and two lock round-trips, every time a
 connection goes idle, i.e. once per request. In a profile of short requests (C=256, 8 tokens
 each) that was ~10 % of smgd's CPU. The timer keeps one task per connection and moves its
 deadline instead.
+
+Requests h11 cannot parse (a malformed request line, headers over ``h11_max_incomplete_size``,
+a transfer coding other than chunked) and requests with both ``Content-Length`` and
+``Transfer-Encoding`` are answered by :class:`H11Protocol`: the OpenAI error envelope as the
+body (hypercorn's own answer has none), then the connection is closed.
 """
 
 from __future__ import annotations
@@ -33,8 +43,10 @@ import os
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import h11
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol.h11 import H11Protocol as HypercornH11Protocol
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -42,17 +54,68 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from smgd.api.direct import BODY_END, CONNECTION_KEY
+from smgd.api.errors import http_error
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from hypercorn.config import Config, Sockets
     from hypercorn.events import Event
+    from hypercorn.protocol import ProtocolWrapper
 
-__all__ = ["DirectSendTCPServer", "KeepAliveTimer", "serve"]
+__all__ = ["END_GRACE_S", "DirectSendTCPServer", "H11Protocol", "KeepAliveTimer", "serve"]
 
 # hypercorn's TCPServer reads at most this much per receive (its own MAX_RECV).
 _MAX_RECV = 1 << 16
+# From the graceful deadline (end_responses) to the cancel of connections still busy: the
+# time the responses just ended have to write their last bytes (an SSE error event, [DONE],
+# the chunk terminator: a few hundred bytes, milliseconds on any live connection). A client
+# that reads nothing for a whole second loses its end. smgd's daemon waits for the server
+# DRAIN_MARGIN_S past the graceful deadline, which must stay larger (tests check it).
+END_GRACE_S = 1.0
+
+
+class H11Protocol(HypercornH11Protocol):
+    """hypercorn's HTTP/1.1 protocol; a request it refuses gets an error envelope as its body.
+
+    h11 refuses a request with only a status (400 malformed, 431 headers too large, 501 an
+    unsupported transfer coding), and hypercorn answers that status with an empty body, which
+    an OpenAI client reports as an unreadable error. This answer carries the envelope.
+
+    A request with both ``Content-Length`` and ``Transfer-Encoding`` is refused too (h11 would
+    frame it by its chunks and keep the connection): a proxy in front that framed it by its
+    length would see a different request, the start of request smuggling. RFC 9112 §6.1: a
+    server may refuse it, and must close the connection after answering it.
+    """
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        names = {name for name, _ in request.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            message = "a request may not have both Content-Length and Transfer-Encoding"
+            await self._send_error_response(400, message)
+            await self.send(Closed())
+            return
+        await super()._create_stream(request)
+
+    async def _send_error_response(self, status_code: int, message: str | None = None) -> None:
+        body = http_error(status_code, message or self._refusal(status_code))
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+            *self.config.response_headers("h11"),
+        ]
+        await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
+    def _refusal(self, status: int) -> str:
+        if status == 431:
+            limit = self.config.h11_max_incomplete_size
+            return f"the request line and headers are larger than {limit} bytes"
+        if status == 501:
+            return "the request's Transfer-Encoding is not supported (only chunked is)"
+        return "malformed HTTP/1.1 request"
 
 
 class DirectSendTCPServer(TCPServer):
@@ -73,6 +136,19 @@ class DirectSendTCPServer(TCPServer):
         self._keep_alive = KeepAliveTimer(self)
         # TCPServer only calls restart() and stop() on it, which the timer has.
         self.idle_task = self._keep_alive  # type: ignore[assignment]
+
+    @property
+    def protocol(self) -> ProtocolWrapper:
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        # TCPServer.run() builds the connection's protocol and sets it here, before the first
+        # byte is read: an HTTP/1.1 one becomes smgd's H11Protocol (same state, one method
+        # more). Only the class changes, so hypercorn's constructor stays the one that runs.
+        if type(wrapper.protocol) is HypercornH11Protocol:
+            wrapper.protocol.__class__ = H11Protocol
+        self._protocol = wrapper
 
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData and self.body_end_written and event.data == BODY_END:
@@ -200,17 +276,25 @@ class _Shutdown(Exception):
     """Raised inside the serving nursery to stop accepting (never escapes :func:`serve`)."""
 
 
+async def _end_at(deadline: float, end_responses: Callable[[], None]) -> None:
+    await trio.sleep_until(deadline)
+    end_responses()
+
+
 async def serve(
     app: Any,
     config: Config,
     *,
     sockets: Sockets | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    end_responses: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI ``app`` until ``shutdown_trigger`` returns; started with nursery.start.
 
     ``sockets``: already-bound listening sockets (else ``config.create_sockets()``).
+    ``end_responses``: called at the graceful deadline, to end the app's responses still
+    running (a connection still busy :data:`END_GRACE_S` later is cancelled).
     ``task_status.started`` gets the ``http://host:port`` of every listener.
     """
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
@@ -249,6 +333,12 @@ async def serve(
             finally:
                 # Stop accepting; connections in flight get the graceful timeout to finish.
                 await context.terminated.set()
-                handlers.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+                deadline = trio.current_time() + config.graceful_timeout
+                if end_responses is not None:
+                    # In the outer nursery, cancelled once the handlers are done: it must
+                    # not keep them waiting for a deadline they have all beaten.
+                    lifespan_nursery.start_soon(_end_at, deadline, end_responses)
+                    deadline += END_GRACE_S
+                handlers.cancel_scope.deadline = deadline
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()

@@ -29,6 +29,7 @@ from smgd.api.pipeline import MIN_LOGPROB, check_request_id
 from smgd.api.prepare import (
     JSON_HEADERS,
     Reply,
+    context_len,
     encode,
     plan_jobs,
     quart_call,
@@ -175,7 +176,12 @@ async def generate_reply(call: Call, body: dict[str, Any]) -> Reply:
                 "`text` must be a string (batched requests are not supported)", param="text"
             )
         ids = await encode(
-            text.tokenizer, prompt_text, add_special_tokens=True, limiter=call.ctx.tokenize_limiter
+            text.tokenizer,
+            prompt_text,
+            add_special_tokens=True,
+            limiter=call.ctx.tokenize_limiter,
+            context=context_len(call.ctx.gateway, model),
+            param="text",
         )
     else:
         if not isinstance(input_ids, list) or not all(
@@ -219,9 +225,10 @@ async def generate_reply(call: Call, body: dict[str, Any]) -> Reply:
             nursery=call.nursery,
             pacer=call.ctx.pacer,
             writer=call.writer,
+            cutoff=call.ctx.cutoff,
         )
         return Reply(body_iter, SSE_HEADERS)
-    await collect(jobs, state)
+    await collect(jobs, state, call.ctx.cutoff)
     outs = [_final(state, job, max_tokens, lp) for job in jobs]
     payload: Any = outs[0] if len(outs) == 1 else outs
     return Reply(encode_json(payload), JSON_HEADERS)

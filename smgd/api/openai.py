@@ -7,9 +7,11 @@ prompts become one engine request per choice, with ``index = prompt_index * n + 
 
 Logprobs (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs: k``) come in OpenAI's
 two shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions
-``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. A streamed chunk
-carries the entries of the tokens whose text it carries (see
-:class:`~smgd.api.pipeline.LogprobTrack`). Token strings come from :class:`TokenText`.
+``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, one entry per
+token counted in ``usage``. A streamed chunk carries the entries of the tokens whose text it
+completes (see :class:`~smgd.api.pipeline.LogprobTrack`). Completions ``tokens`` are each
+token's contribution to the returned text, which ``text_offset`` indexes; every other token
+string comes from :class:`TokenText`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from smgd.api.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.prepare import (
     JSON_HEADERS,
     Reply,
+    context_len,
     encode,
     plan_jobs,
     quart_call,
@@ -53,6 +56,7 @@ __all__ = [
     "chat_reply",
     "completion_logprobs",
     "completion_reply",
+    "stop_reason",
 ]
 
 blueprint = Blueprint("openai", __name__)
@@ -139,24 +143,45 @@ def chat_logprobs(tt: TokenText, entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    tt: TokenText, entries: list[TokenLogprob], offsets: list[int]
+    tt: TokenText, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
 ) -> dict[str, Any]:
-    """Legacy completions' ``choices[i].logprobs``; ``top_logprobs`` also holds the sampled
-    token (OpenAI: "up to logprobs+1 elements")."""
-    tokens, values, tops = [], [], []
+    """Legacy completions' ``choices[i].logprobs``.
+
+    ``tokens`` are the tokens' contributions to the returned text (they concatenate to it and
+    ``text_offset`` indexes it; see :class:`~smgd.api.pipeline.LogprobTrack`); the keys of
+    ``top_logprobs`` are tokens' own texts, and also hold the sampled token (OpenAI: "up to
+    logprobs+1 elements").
+    """
+    values, tops = [], []
     for e in entries:
-        token = tt.get(e.token_id)[0]
         top = {tt.get(t.token_id)[0]: _lp(t.logprob) for t in e.top or ()}
-        top.setdefault(token, _lp(e.logprob))
-        tokens.append(token)
+        top.setdefault(tt.get(e.token_id)[0], _lp(e.logprob))
         values.append(_lp(e.logprob))
         tops.append(top)
     return {
-        "tokens": tokens,
+        "tokens": texts,
         "token_logprobs": values,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def stop_reason(choice: Choice, sampling: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string, or the id of the client's ``stop_token_ids``,
+    that ended the choice; None for EOS and length. (Engines name the EOS id a finish hit,
+    which native ``/generate`` reports as SGLang does.)"""
+    matched = choice.matched
+    if choice.finish_reason != "stop":
+        return None
+    if isinstance(matched, str):
+        return matched
+    if (
+        matched is not None
+        and matched in sampling.stop_token_ids
+        and (sampling.ignore_eos or matched not in sampling.eos_token_ids)
+    ):
+        return matched
+    return None
 
 
 class OpenAIRenderer:
@@ -190,9 +215,9 @@ class OpenAIRenderer:
         choice.sent_role = True
         logprobs = b"null"
         if self.tokens is not None and choice.logprobs is not None:
-            entries, offsets = choice.logprobs.unsent()
+            entries, offsets, texts = choice.logprobs.unsent()
             if entries:
-                logprobs = encode_json(self._logprobs(entries, offsets))
+                logprobs = encode_json(self._logprobs(entries, offsets, texts))
         return self.fmt.chunk(
             choice.index,
             text,
@@ -201,11 +226,13 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
-    def _logprobs(self, entries: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
+    def _logprobs(
+        self, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
+    ) -> dict[str, Any]:
         assert self.tokens is not None
         if self.fmt.chat:
             return chat_logprobs(self.tokens, entries)
-        return completion_logprobs(self.tokens, entries, offsets)
+        return completion_logprobs(self.tokens, entries, offsets, texts)
 
     def end(self) -> bytes:
         if self.include_usage:
@@ -274,9 +301,10 @@ async def _respond(
             nursery=call.nursery,
             pacer=call.ctx.pacer,
             writer=call.writer,
+            cutoff=call.ctx.cutoff,
         )
         return Reply(body, SSE_HEADERS)
-    await collect(jobs, state)
+    await collect(jobs, state, call.ctx.cutoff)
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
@@ -294,10 +322,10 @@ async def _respond(
             entry["logprobs"] = (
                 chat_logprobs(tokens, track.entries)
                 if chat
-                else completion_logprobs(tokens, track.entries, track.offsets)
+                else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
         entry["finish_reason"] = choice.finish_reason
-        entry["stop_reason"] = choice.matched  # vLLM extension: the stop string / token
+        entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
     payload = {
         "id": response_id,
@@ -377,6 +405,8 @@ async def chat_reply(call: Call, body: dict[str, Any]) -> Reply:
         prompt,
         add_special_tokens=_flag(body, "add_special_tokens", False),
         limiter=call.ctx.tokenize_limiter,
+        context=context_len(call.ctx.gateway, model),
+        param="messages",
     )
     state = call.new_state("chat", model)
     jobs, options = plan_jobs(
@@ -430,6 +460,7 @@ async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)
     add_special = _flag(body, "add_special_tokens", True)
+    context = context_len(call.ctx.gateway, model)
     prompts: list[list[int]] = []
     for item in raw:
         if isinstance(item, str):
@@ -439,6 +470,7 @@ async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
                     item,
                     add_special_tokens=add_special,
                     limiter=call.ctx.tokenize_limiter,
+                    context=context,
                 )
             )
         else:

@@ -3,7 +3,7 @@
 - ``GET /health`` and ``GET /liveness``: 200 whenever the event loop answers (a failing
   liveness probe restarts the process, so it checks nothing else).
 - ``GET /readiness``: 200 only when every required engine is ready and smgd is not draining;
-  otherwise 503 with a reason per engine.
+  otherwise 503 with a reason per engine (its state, its last error, how often it restarted).
 - ``GET /v1/models``: served model names with the context length the engines reported at
   their handshake (``max_model_len``), falling back to the model's config.json.
 - ``POST /v1/tokenize`` (also ``/tokenize``): ``{"model", "prompt" | "messages",
@@ -53,7 +53,7 @@ def readiness_report(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
     ready = not gateway.draining
     for config in gateway.config.engines:
         engine = engines.get(config.name)
-        state = engine.state.value if engine is not None else "absent"
+        state = engine.state_name if engine is not None else "absent"
         up = engine is not None and engine.ready
         if config.required and not up:
             ready = False
@@ -61,7 +61,9 @@ def readiness_report(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
             "state": state,
             "ready": up,
             "required": config.required,
+            # Kept across relaunches: a crash or handshake loop shows why, not null.
             "last_error": engine.last_error if engine is not None else None,
+            "restarts": gateway.engine_restarts.get(config.name, 0),
         }
     status = "ready" if ready else ("draining" if gateway.draining else "not_ready")
     return ready, {"status": status, "draining": gateway.draining, "engines": report}

@@ -135,6 +135,7 @@ class Choice:
         if self.finish_reason is not None:
             return ""
         ids = delta.token_ids
+        counted = self.completion_tokens
         self.completion_tokens += len(ids)
         if delta.completion_tokens is not None:
             self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
@@ -162,8 +163,14 @@ class Choice:
         if hit is not None:
             self.finish_reason, self.matched = "stop", hit
             self.stopped_here = finish is None
+            # The output ends at the token that completed the stop: what the engine made
+            # after it (in this same delta) is neither counted nor returned.
+            kept = self.text.kept
+            self.completion_tokens = counted + kept
+            if self.output_ids is not None:
+                del self.output_ids[len(self.output_ids) - len(ids) + kept :]
         elif finish is not None:
-            text += self.text.finish()
+            text += self.text.finish() if track is None else track.finish(self.text)
             if self.text.stop_hit is not None:  # the held-back tail completed a stop
                 self.finish_reason, self.matched = "stop", self.text.stop_hit
             else:
@@ -174,7 +181,7 @@ class Choice:
                     else (finish.matched_text)
                 )
         if track is not None:
-            track.release(len(text), done=self.done, cut=self.text.stop_hit is not None)
+            track.release(len(text), done=self.done)
         return text
 
 
@@ -278,21 +285,37 @@ class LogprobTrack:
     """One choice's logprob entries, released in step with the text the client was sent.
 
     ``aligned`` (the OpenAI endpoints): each output id goes through the detokenizer on its
-    own, so every entry knows at which character its token's text starts. An entry is
-    released once the client text reaches past that start; when a stop string ends the output,
-    entries of tokens wholly past the cut are dropped, and the matched EOS / stop token's
-    entry goes with its text (never sent). Not aligned (native ``/generate``): every entry is
-    kept, one per id of ``output_ids``, as SGLang reports them.
+    own, so every entry knows its token's *contribution*: the text the detokenizer produced
+    when that token arrived (``""`` for a byte of an unfinished character or a skipped special
+    token; the whole character for the token completing it). Contributions, cut where a stop
+    string cuts the output, concatenate to the choice's text; ``offsets`` says where each
+    starts in it. An entry is released once its contribution has been sent; at the end every
+    entry of a counted token is (through the token completing a stop string, and the EOS /
+    stop token, whose contribution is ``""``), so there is one entry per token of
+    ``usage.completion_tokens``. Not aligned (native ``/generate``): every entry is kept, one
+    per id of ``output_ids``, as SGLang reports them.
     """
 
-    __slots__ = ("_chars", "_emitted", "_pending", "aligned", "entries", "offsets", "sent")
+    __slots__ = (
+        "_chars",
+        "_emitted",
+        "_last",
+        "_pending",
+        "aligned",
+        "entries",
+        "offsets",
+        "sent",
+        "texts",
+    )
 
     def __init__(self, *, aligned: bool = True) -> None:
         self.aligned = aligned
         self.entries: list[TokenLogprob] = []  # released, in output order
         self.offsets: list[int] = []  # aligned: where each released token's text starts
+        self.texts: list[str] = []  # aligned: each released token's contribution
         self.sent = 0  # entries a streaming renderer has already written
-        self._pending: list[tuple[int, TokenLogprob]] = []  # (text start, entry)
+        self._pending: list[tuple[int, str, TokenLogprob]] = []  # (text start, text, entry)
+        self._last: TokenLogprob | None = None  # the EOS / stop token's entry, released last
         self._chars = 0  # detokenized characters so far (client text is a prefix of them)
         self._emitted = 0  # client characters so far
 
@@ -304,44 +327,80 @@ class LogprobTrack:
         *,
         stop_token: bool,
     ) -> tuple[str, str | None]:
-        """``TextStream.push`` for a request with logprobs; keeps each entry's text start."""
+        """``TextStream.push`` for a request with logprobs; keeps each entry's contribution."""
         if not self.aligned:
+            sent, hit = text.push(ids, stop_token=stop_token)
             if logprobs:
-                self.entries.extend(logprobs)
-            return text.push(ids, stop_token=stop_token)
+                self.entries.extend(logprobs if hit is None else logprobs[: text.kept])
+            return sent, hit
         if text.stops.done:
             return "", None
-        if stop_token and ids and not text.stops.include_stop:
-            ids = ids[:-1]  # the EOS / stop token: no text, no entry
         entries = logprobs or ()
+        if stop_token and ids and not text.stops.include_stop:
+            # The EOS / stop token: no text, an entry (it counts), released at the end.
+            if len(entries) >= len(ids):
+                self._last = entries[len(ids) - 1]
+            ids = ids[:-1]
         out: list[str] = []
-        for k, token_id in enumerate(ids):
+        # Past a stop the detokenizer's state no longer matters: all ids go in at once.
+        for k, piece in enumerate(text.detok.push_each(ids)):
             if k < len(entries):
-                self._pending.append((self._chars, entries[k]))
-            piece = text.detok.push((token_id,))
+                self._pending.append((self._chars, piece, entries[k]))
             self._chars += len(piece)
             sent, hit = text.stops.feed(piece)
             out.append(sent)
             if hit is not None:
+                text.kept = k + 1
+                self._last = None  # the engine's EOS came after the stop: not counted
                 return "".join(out), hit
         return "".join(out), None
 
-    def release(self, new_chars: int, *, done: bool, cut: bool) -> None:
+    def finish(self, text: TextStream) -> str:
+        """``TextStream.finish``; text the detokenizer still held goes to the last token."""
+        if text.stops.done:
+            return ""
+        tail = text.detok.flush()
+        if tail and self._pending:
+            start, piece, entry = self._pending[-1]
+            self._pending[-1] = (start, piece + tail, entry)
+        self._chars += len(tail)
+        sent, _ = text.stops.feed(tail)
+        return sent + text.stops.flush()
+
+    def release(self, new_chars: int, *, done: bool) -> None:
         """The client was sent ``new_chars`` more characters; ``done``: output is complete."""
         if not self.aligned:
             return
-        self._emitted += new_chars
+        self._emitted = sent = self._emitted + new_chars
+        if done:
+            # Everything left goes; a stop string's cut clips contributions to the text sent.
+            if self._last is not None:
+                self._pending.append((self._chars, "", self._last))
+                self._last = None
+            for start, piece, entry in self._pending:
+                if start + len(piece) > sent:
+                    piece = piece[: max(0, sent - start)]
+                    start = min(start, sent)
+                self.offsets.append(start)
+                self.texts.append(piece)
+                self.entries.append(entry)
+            self._pending = []
+            return
         take = 0
-        for start, _ in self._pending:
-            if start >= self._emitted and not (done and not cut):
+        for start, piece, _ in self._pending:
+            # Fully sent; an empty contribution waits for the text after it (the character
+            # its byte is part of goes out with the token completing it).
+            if start >= sent or start + len(piece) > sent:
                 break
             take += 1
-        for start, entry in self._pending[:take]:
-            self.offsets.append(start)
-            self.entries.append(entry)
-        self._pending = [] if done else self._pending[take:]
+        if take:
+            for start, piece, entry in self._pending[:take]:
+                self.offsets.append(start)
+                self.texts.append(piece)
+                self.entries.append(entry)
+            del self._pending[:take]
 
-    def unsent(self) -> tuple[list[TokenLogprob], list[int]]:
-        """Released entries (and text offsets) not yet written by a streaming renderer."""
+    def unsent(self) -> tuple[list[TokenLogprob], list[int], list[str]]:
+        """Released entries (text offsets, contributions) not yet written by a renderer."""
         start, self.sent = self.sent, len(self.entries)
-        return self.entries[start:], self.offsets[start:]
+        return self.entries[start:], self.offsets[start:], self.texts[start:]

@@ -13,8 +13,13 @@ One :class:`EngineClient` per configured engine. ``run()`` owns a nursery with:
   flight means the engine is wedged.
 
 Any death signal (process exit, decode-error streak, send deadline, silence, the engine's own
-dead sentinel) fails every in-flight stream with one :class:`~smgd.errors.EngineDead` and
-ends ``run()`` by raising it; the supervisor decides whether to relaunch.
+dead sentinel) fails every in-flight stream with an :class:`~smgd.errors.EngineDead` of its own
+and ends ``run()`` by raising one; the supervisor decides whether to relaunch.
+
+A reload changes a running client in two ways (:mod:`smgd.reload`): :meth:`reconfigure` takes
+the settings smgd alone reads (admission limits, timeouts, served names) with no disruption,
+and :meth:`start_draining` stops new requests while the in-flight ones finish, before the
+client is stopped and replaced by one with the new settings.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import enum
 import logging
 import math
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -87,6 +93,8 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.load: EngineLoad | None = None
         self.last_error: str | None = None
+        # Set when a reload replaces this engine: no new requests, in-flight ones finish.
+        self.draining = False
         self._fallback_info = fallback_info
         self._streams: dict[str, RequestStream] = {}
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[list[bytes]](math.inf)
@@ -94,6 +102,8 @@ class EngineClient:
         self._dead = trio.Event()
         self._death: EngineDead | None = None
         self._last_frame = 0.0
+        # Set (and replaced) by reconfigure(): wakes the timer tasks to re-read the settings.
+        self._reconfigured = trio.Event()
         self._decode_streak = 0
         self._decode_errors = 0
         self._requests_total = 0
@@ -108,7 +118,15 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return self.state is EngineState.READY
+        """Takes new requests: handshake done, not dead, not draining for a replacement."""
+        return self.state is EngineState.READY and not self.draining
+
+    @property
+    def state_name(self) -> str:
+        """The state as reported (readiness, status): ``draining`` while a reload replaces it."""
+        if self.draining and self.state is EngineState.READY:
+            return "draining"
+        return self.state.value
 
     @property
     def in_flight(self) -> int:
@@ -118,7 +136,7 @@ class EngineClient:
         return EngineStatistics(
             name=self.name,
             wire=self.wire,
-            state=self.state.value,
+            state=self.state_name,
             in_flight=len(self._streams),
             requests_total=self._requests_total,
             tokens_total=self._tokens_total,
@@ -132,6 +150,28 @@ class EngineClient:
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Take a reload's new settings for this engine, in place (``smgd.reload.IN_PLACE``).
+
+        Only settings smgd itself reads: admission limits (a raised ``max_inflight`` admits
+        waiters at once, a lowered one admits nobody until enough streams end), timeouts
+        (the watchdogs re-read them at once), the served names and ``required``. Streams in
+        flight are not touched.
+        """
+        self.config = config
+        self.models = tuple(config.models)
+        self.admission.reconfigure(
+            max_inflight=config.max_inflight,
+            max_queue=config.max_queue,
+            queue_timeout_s=config.queue_timeout_s,
+        )
+        changed, self._reconfigured = self._reconfigured, trio.Event()
+        changed.set()
+
+    def start_draining(self) -> None:
+        """Take no new request (readiness and the router see it not ready); streams go on."""
+        self.draining = True
 
     def validate(self, req: GenerateRequest) -> None:
         """Reject what would kill or wedge the engine. Raises InvalidRequest."""
@@ -170,12 +210,12 @@ class EngineClient:
         outbox is unbounded, so the abort is queued synchronously and cannot be lost to a
         cancellation.
         """
-        if self.state is not EngineState.READY:
-            raise EngineNotReady(f"engine {self.name} is {self.state.value}")
+        if not self.ready:
+            raise EngineNotReady(f"engine {self.name} is {self.state_name}")
         self.validate(req)
         async with self.admission.slot(req.rid):
-            if self.state is not EngineState.READY:  # it may have died while we queued
-                raise EngineNotReady(f"engine {self.name} is {self.state.value}")
+            if not self.ready:  # it may have died (or begun draining) while we queued
+                raise EngineNotReady(f"engine {self.name} is {self.state_name}")
             stream = RequestStream(req.rid, self.name)
             frames = self._encode_request(req)
             self._streams[req.rid] = stream
@@ -188,7 +228,7 @@ class EngineClient:
                 self._streams.pop(req.rid, None)
                 if still_running:
                     stream.state = StreamState.CLOSED
-                    if self.state is EngineState.READY:
+                    if self.state is EngineState.READY:  # draining included: it is alive
                         self._outbox_send.send_nowait(self._encode_abort(req.rid))
 
     # ------------------------------------------------------------------ lifecycle
@@ -221,14 +261,13 @@ class EngineClient:
                     info.max_model_len,
                     info.vocab_size,
                 )
-                if self.config.timeouts.health_interval_s > 0:
-                    nursery.start_soon(self._health_prober)
+                nursery.start_soon(self._health_prober)
         finally:
             with trio.CancelScope(shield=True):
                 await self._close()
             if self._death is None:
                 self.state = EngineState.STOPPED
-                fail_all(self._streams, EngineDead(f"engine {self.name} stopped"))
+                fail_all(self._streams, partial(EngineDead, f"engine {self.name} stopped"))
         if self._death is not None:
             raise self._death
 
@@ -237,13 +276,14 @@ class EngineClient:
         scope.cancel()
 
     def die(self, reason: str) -> None:
-        """Declare the engine dead: fail every stream with one error, stop run()."""
+        """Declare the engine dead: fail every stream (each with its own error), stop run()."""
         if self._death is not None:
             return
         self.state = EngineState.DEAD
         self.last_error = reason
-        self._death = EngineDead(f"engine {self.name} failed: {reason}")
-        failed = fail_all(self._streams, self._death)
+        message = f"engine {self.name} failed: {reason}"
+        self._death = EngineDead(message)
+        failed = fail_all(self._streams, partial(EngineDead, message))
         log.error("engine %s dead: %s (%d in-flight request(s) failed)", self.name, reason, failed)
         self._dead.set()
 
@@ -271,7 +311,6 @@ class EngineClient:
 
     async def _sender_task(self) -> None:
         sock = self._input_socket()
-        send_s = self.config.timeouts.send_s
         async for frames in self._outbox_recv:
             try:
                 # Everything queued goes out in this one wakeup. Each awaited send is a
@@ -282,6 +321,7 @@ class EngineClient:
                     try:
                         sock.send_multipart_nowait(frames)
                     except trio.WouldBlock:  # HWM or no peer yet: wait for room
+                        send_s = self.config.timeouts.send_s  # per send: a reload may change it
                         await sock.send_multipart(frames, deadline=trio.current_time() + send_s)
                     try:
                         frames = self._outbox_recv.receive_nowait()
@@ -291,12 +331,19 @@ class EngineClient:
                 self.die(f"send failed: {exc.message}")
                 return
 
+    async def _sleep_unless_reconfigured(self, seconds: float) -> bool:
+        """Sleep ``seconds`` (may be inf); False if :meth:`reconfigure` woke us earlier."""
+        changed = self._reconfigured
+        with trio.move_on_after(seconds):
+            await changed.wait()
+            return False
+        return True
+
     async def _silence_watchdog(self) -> None:
-        silence = self.config.timeouts.silence_s
-        # Check at a fraction of the limit so detection lags the limit by at most 25 %.
-        period = silence / 4
         while True:
-            await trio.sleep(period)
+            # Check at a fraction of the limit so detection lags the limit by at most 25 %.
+            await self._sleep_unless_reconfigured(self.config.timeouts.silence_s / 4)
+            silence = self.config.timeouts.silence_s  # after the sleep: a reload may change it
             if self._streams and trio.current_time() - self._last_frame > silence:
                 self.die(
                     f"no output for {silence:g} s with {len(self._streams)} request(s) in flight"
@@ -310,12 +357,14 @@ class EngineClient:
 
         With requests in flight the silence watchdog already proves liveness, so the probe
         only runs when nothing is in flight: that is when a wedged engine would go unnoticed.
+        ``health_interval_s = 0`` (no probe) waits for a reload that sets one.
         """
-        timeouts = self.config.timeouts
         while True:
-            await trio.sleep(timeouts.health_interval_s)
+            interval = self.config.timeouts.health_interval_s
+            if not await self._sleep_unless_reconfigured(interval if interval > 0 else math.inf):
+                continue  # new settings: start over with the new interval
             if not self._streams and self.state is EngineState.READY:
-                await self.probe_health(timeouts.health_timeout_s)
+                await self.probe_health(self.config.timeouts.health_timeout_s)
 
     async def probe_health(self, limit_s: float) -> None:
         """Check the engine answers; call :meth:`die` if not. Default: no probe on this wire."""

@@ -90,7 +90,8 @@ class RequestStream:
             return delta
         if self.state is StreamState.FAILED:
             assert self._error is not None
-            raise self._error
+            # A fresh traceback on every raise: raising one object again appends to its old one.
+            raise self._error.with_traceback(None)
         if self.state is not StreamState.OPEN:
             raise trio.EndOfChannel
         return None
@@ -146,12 +147,17 @@ class RequestStream:
             raise StopAsyncIteration from None
 
 
-def fail_all(streams: dict[str, RequestStream], error: EngineError) -> int:
-    """Fail every stream with one shared error; return how many were failed."""
+def fail_all(streams: dict[str, RequestStream], error: Callable[[], EngineError]) -> int:
+    """Fail every stream with an error of its own from ``error()``; return how many failed.
+
+    One object per stream, not one shared: each consumer raises its error, and a raise
+    appends that frame's traceback to the object. A shared error would grow by every
+    consumer's frames and keep all of them (and their requests) alive as long as any holds it.
+    """
     count = 0
     for stream in list(streams.values()):
         if stream.state is StreamState.OPEN:
-            stream.fail(error)
+            stream.fail(error())
             count += 1
     streams.clear()
     return count

@@ -7,6 +7,7 @@ byte-checked against SGLang's encoder, so the mock speaks the real wire.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import zmq
@@ -19,6 +20,8 @@ from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+log = logging.getLogger("smgd.mock")
 
 _FINISH = {
     MockFinish.LENGTH: FinishReason.LENGTH,
@@ -51,6 +54,8 @@ class SglangMockWire:
             for item in msg.batch:
                 self._add(item, sched)
         elif isinstance(msg, codec.AbortReq):
+            # Logged: an abort is what a client cannot see, and the fault suite checks for it.
+            log.info("abort %s", "all" if msg.abort_all else msg.rid)
             sched.abort("" if msg.abort_all else (msg.rid or ""))
         elif isinstance(msg, codec.FlushCacheReqInput):
             return [[codec.encode_flush_output(True)]]

@@ -94,14 +94,45 @@ class IncrementalDetokenizer:
                 ids = token_ids if type(token_ids) is list else list(token_ids)
                 text = self._stream.step(self._hf, ids)
             except Exception:  # DecodeStream's Rust errors are plain Exceptions
-                self._stream = None
-                self._prefix = max(self._base, self._emitted - _CONTEXT_IDS)
-                self._read = self._emitted
-                return self._fallback_step()
+                return self._to_fallback()
             if text is None:
                 return ""
             self._emitted = len(self._ids)
             return str(text)
+        return self._fallback_step()
+
+    def push_each(self, token_ids: Sequence[int]) -> list[str]:
+        """``push`` of each id in turn: the text each one completed, in order.
+
+        One call per id costs more than one ``push`` of them all (0.5 vs 0.25 µs per id on
+        the 2-core test VM, stepping DecodeStream with a bare int), so only a caller that must
+        know which id produced which text uses it.
+        """
+        stream = self._stream
+        if stream is None:
+            return [self.push((token_id,)) for token_id in token_ids]
+        out: list[str] = []
+        hf, ids = self._hf, self._ids
+        for k, token_id in enumerate(token_ids):
+            ids.append(token_id)
+            try:
+                text = stream.step(hf, token_id)
+            except Exception:  # as in push(): the rest goes through the fallback
+                out.append(self._to_fallback())
+                out.extend(self.push((t,)) for t in token_ids[k + 1 :])
+                return out
+            if text is None:
+                out.append("")
+            else:
+                self._emitted = len(ids)
+                out.append(str(text))
+        return out
+
+    def _to_fallback(self) -> str:
+        """DecodeStream failed on the ids just added: continue (and retry them) without it."""
+        self._stream = None
+        self._prefix = max(self._base, self._emitted - _CONTEXT_IDS)
+        self._read = self._emitted
         return self._fallback_step()
 
     def _fallback_step(self) -> str:

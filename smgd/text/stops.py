@@ -64,6 +64,9 @@ class StopMatcher:
         self._any = re.compile("|".join(map(re.escape, self.stops))) if self.stops else None
         self._pending = ""
         self.hit: str | None = None
+        # Once a stop matched: where it ends in the text of the feed() call that found it
+        # (the caller maps that back to the token that completed the stop).
+        self.hit_end = 0
 
     @property
     def done(self) -> bool:
@@ -83,6 +86,7 @@ class StopMatcher:
         if found is not None:
             start, stop = found
             self.hit = stop
+            self.hit_end = start + len(stop) - len(self._pending)
             self._pending = ""
             return buf[: start + len(stop) if self.include_stop else start], stop
         if len(buf) <= self._hold:

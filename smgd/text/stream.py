@@ -3,10 +3,17 @@
 Chains the incremental detokenizer and the stop-string matcher. The API handler makes one per
 choice, calls ``push`` for each engine delta and ``finish`` when the engine says it is done (or
 when ``push`` reported a stop hit, after which it aborts the engine request).
+
+A delta may hold several tokens (the engine batched them, or smgd coalesced deltas for a slow
+reader). When a stop string completes inside one, the output ends at the token that completed
+it, as with an engine that checks stops after every token: ``kept`` says how many of the
+delta's ids that is, so usage, ``output_ids`` and logprobs drop the rest.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from smgd.text.detok import IncrementalDetokenizer
@@ -42,6 +49,9 @@ class TextStream:
         # No stop strings: the matcher would hand every text through as it is, so push()
         # skips it (two calls per token fewer on the hot path).
         self._no_stops = not self.stops.stops
+        # After a push() that reported a stop hit: how many of its ids were generated up to
+        # and including the one that completed the stop.
+        self.kept = 0
 
     @property
     def stop_hit(self) -> str | None:
@@ -61,7 +71,18 @@ class TextStream:
             return self.detok.push(token_ids), None
         if self.stops.hit is not None:
             return "", None
-        return self.stops.feed(self.detok.push(token_ids))
+        if len(token_ids) < 2:
+            text, hit = self.stops.feed(self.detok.push(token_ids))
+            if hit is not None:
+                self.kept = 1
+            return text, hit
+        # Several ids: detokenized one at a time to know where each one's text ends, so a
+        # stop can be traced to the id that completed it.
+        pieces = self.detok.push_each(token_ids)
+        text, hit = self.stops.feed("".join(pieces))
+        if hit is not None:
+            self.kept = bisect_left(list(accumulate(map(len, pieces))), self.stops.hit_end) + 1
+        return text, hit
 
     def finish(self) -> str:
         """Final text: held-back bytes and characters. Check ``stop_hit`` afterwards."""

@@ -12,6 +12,11 @@ BOS handling: ``encode(text, add_special_tokens=True)`` runs the tokenizer's own
 Threads: ``encode`` holds the GIL for the whole call; ``encode_many`` goes through
 ``encode_batch``, which releases it, so big prompts should be tokenized with
 ``trio.to_thread.run_sync(tok.encode_many, [text])``.
+
+Tokenizing costs CPU in proportion to the text (about a second per MB here, far more for
+some texts), so a text that cannot fit the context should be refused before that:
+``max_token_chars`` is the most characters of input one token can stand for, computed once
+from the vocabulary and the normalizer / pre-tokenizer, or None where no such bound holds.
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ __all__ = ["Tokenizer", "load_tokenizer"]
 # config.json keys that carry the context length, most common first (Llama/Qwen, GPT-2,
 # MPT/others). Multimodal configs nest them under `text_config`.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+# Normalizers that never make text shorter: a token's piece is then at least as long as the
+# input it stands for. (Lowercasing can lengthen a character, never shorten one.)
+_KEEPING_NORMALIZERS = frozenset({"Prepend", "Lowercase", "NFD", "NFKD"})
+# Composing normalizers turn a base character and its combining marks into one character: at
+# most 4 code points become one (the longest canonical decomposition, e.g. U+1F82 GREEK SMALL
+# LETTER ALPHA WITH PSILI AND VARIA AND YPOGEGRAMMENI; UAX #15's NFD expansion factor is 4).
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
+_COMPOSE_FACTOR = 4
+# Pre-tokenizers that only split text or map it one character (or byte) to one character.
+# Whitespace, WhitespaceSplit, BertPreTokenizer and CharDelimiterSplit drop what they split on.
+_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+)
 
 
 def _read_json(path: Path, *, required: bool, config_path: str) -> dict[str, Any]:
@@ -68,6 +87,86 @@ def _int_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
     return ()
+
+
+def _text_factor(normalizer: Mapping[str, Any] | None) -> int | None:
+    """How many input characters one normalized character can stand for; None: unbounded."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for step in normalizer.get("normalizers") or ():
+            inner = _text_factor(step)
+            if inner is None:
+                return None
+            factor *= inner
+        return factor
+    if kind in _KEEPING_NORMALIZERS:
+        return 1
+    if kind in _COMPOSING_NORMALIZERS:
+        return _COMPOSE_FACTOR
+    if kind == "Replace":  # a fixed string replaced by one at least as long keeps the length
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content")
+        if isinstance(pattern, str) and isinstance(content, str) and len(content) >= len(pattern):
+            return 1
+    return None  # Strip, StripAccents, BertNormalizer, Precompiled, regex Replace: may drop text
+
+
+def _keeps_text(pre_tokenizer: Mapping[str, Any] | None) -> bool:
+    """Whether the pre-tokenizer hands on every character of its input."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(step) for step in pre_tokenizer.get("pretokenizers") or ())
+    if kind in ("Split", "Punctuation") and str(pre_tokenizer.get("behavior")) == "Removed":
+        return False
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _unknowns_fuse(hf: HfTokenizer) -> bool:
+    """Whether a run of characters outside the vocabulary can become one unknown token.
+
+    BPE and Unigram with ``fuse_unk`` and no byte fallback do that (a megabyte of unknown
+    characters is one token); WordPiece turns a whole word it cannot split into one; WordLevel
+    maps whole words.
+    """
+    model = hf.model
+    kind = type(model).__name__
+    if kind == "BPE":
+        return bool(getattr(model, "fuse_unk", False)) and not getattr(
+            model, "byte_fallback", False
+        )
+    if kind == "Unigram":  # its options are only in its serialized form
+        state = json.loads(model.__getstate__())
+        return bool(state.get("fuse_unk", True)) and not state.get("byte_fallback", False)
+    return True
+
+
+def max_token_chars(hf: HfTokenizer) -> int | None:
+    """The most characters of input text one token can stand for; None if there is no bound.
+
+    A token's piece in the vocabulary is at least as long as the text it covers when the
+    normalizer and pre-tokenizer never shorten the text: a byte-level piece has one character
+    per byte, a SentencePiece piece one per character (``▁`` for a space), a byte-fallback
+    piece (``<0xE4>``) is longer than its byte. Added tokens match their own content. So the
+    longest piece bounds the characters per token, times the normalizer's composition factor.
+    """
+    normalizer = None if hf.normalizer is None else hf.normalizer.__getstate__()
+    pre_tokenizer = None if hf.pre_tokenizer is None else hf.pre_tokenizer.__getstate__()
+    factor = _text_factor(None if normalizer is None else json.loads(normalizer))
+    if factor is None or not _keeps_text(
+        None if pre_tokenizer is None else json.loads(pre_tokenizer)
+    ):
+        return None
+    # Byte-level text has no unknown characters (every byte is in the vocabulary).
+    byte_level = pre_tokenizer is not None and b'"ByteLevel"' in pre_tokenizer
+    if not byte_level and _unknowns_fuse(hf):
+        return None
+    longest = max(map(len, hf.get_vocab(with_added_tokens=True)), default=0)
+    return longest * factor if longest else None
 
 
 def _context_len(config: Mapping[str, Any]) -> int | None:
@@ -113,6 +212,13 @@ class Tokenizer:
         self.add_bos = bool(tokenizer_config.get("add_bos_token", False))
         self.add_eos = bool(tokenizer_config.get("add_eos_token", False))
         self.max_model_len: int | None = _context_len(model_config)
+        # Once per tokenizer: a pass over the vocabulary (~30 ms for 150 K entries).
+        self.max_token_chars: int | None = max_token_chars(hf)
+
+    def cannot_fit(self, text: str, tokens: int) -> bool:
+        """True if ``text`` is surely more than ``tokens`` tokens, decided without tokenizing."""
+        per_token = self.max_token_chars
+        return per_token is not None and len(text) > tokens * per_token
 
     def _special_id(
         self, name: str, generation_config: Mapping[str, Any], model_config: Mapping[str, Any]
@@ -177,9 +283,17 @@ class Tokenizer:
                 "chat_template for the engine",
                 param="messages",
             )
-        return self.chat.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
-        )
+        try:
+            return self.chat.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+            )
+        except RecursionError:
+            # A template's `tojson` (or its own loops) walks nested values recursively: a body
+            # nested just shallowly enough to be decoded can still be too deep to render.
+            raise InvalidRequest(
+                "the request's JSON is nested too deeply to render the chat template",
+                param="messages",
+            ) from None
 
 
 def load_tokenizer(

@@ -1,0 +1,168 @@
+"""Fault suite: hostile requests against the real daemon; each refused with an envelope, none
+harms the daemon or the streams it is serving."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import trio
+
+from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import httpx
+
+pytestmark = pytest.mark.slow
+
+
+def _envelope(body: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+async def _raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes; (status, headers, body) of the answer, read until the server closes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as conn:
+        await conn.send_all(request)
+        data = bytearray()
+        with trio.fail_after(10):
+            while chunk := await conn.receive_some(1 << 16):
+                data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+    )
+
+
+# Issue 18's reproduction: 1,000 levels of arrays under an ignored key.
+NESTED = b'{"model": "m", "prompt": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+
+
+async def test_hostile_requests_get_an_error_envelope_and_the_daemon_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    config = daemon_toml(mock_engine_toml("e0", "m"))
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        url = daemon.url
+        # Deeply nested JSON, on every JSON route: 400, not a 500 with a traceback.
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/tokenize"):
+            response = await client.post(path, content=NESTED)
+            assert response.status_code == 400, (path, response.text)
+            assert "nested too deeply" in _envelope(response.content)["message"]
+        # Invalid UTF-8 in the prompt.
+        response = await client.post(
+            "/v1/completions", content=b'{"model": "m", "prompt": "\xff\xfe bad"}'
+        )
+        assert response.status_code == 400
+        assert "UTF-8" in _envelope(response.content)["message"]
+        # Both Content-Length and Transfer-Encoding (request smuggling): refused and closed.
+        chunked = b'{"model": "m", "prompt": "hi", "max_tokens": 2}'
+        both = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(chunked), chunked)
+        )
+        status, headers, body = await _raw(url, both)
+        assert status == 400 and headers["connection"] == "close"
+        assert "Content-Length and Transfer-Encoding" in _envelope(body)["message"]
+        # Headers over 64 KiB: 431 with the envelope (hypercorn's own answer had no body).
+        status, headers, body = await _raw(
+            url, _post("/v1/completions", b"{}", b"x-big: " + b"a" * (1 << 17) + b"\r\n")
+        )
+        assert status == 431 and headers["content-type"] == "application/json"
+        assert _envelope(body)["type"] == "invalid_request_error"
+        # A malformed request line.
+        status, headers, body = await _raw(url, b"HELLO THERE\r\n\r\n")
+        assert status == 400
+        assert _envelope(body)["message"] == "malformed HTTP/1.1 request"
+        # X-Request-Id as a proxy merges it: the first value is the id.
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-Id": "client-1, proxy-2"},
+        )
+        assert response.status_code == 200
+        assert response.headers["x-request-id"] == "client-1"
+        # Still serving, and nothing above was an internal error.
+        assert (await client.get("/readiness")).status_code == 200
+        after = await stream(client, "m", "still fine", 5)
+        assert after.error is None and after.done and len(after.chunks) == 5
+        assert "Traceback" not in daemon.log()
+        assert "internal error" not in daemon.log()
+
+
+HUGE = 8_000_000  # characters: just under the default max_body_bytes (8 MiB)
+STEP_MS = 20.0
+
+
+async def _huge(url: str, answers: list[tuple[int, float, dict[str, Any]]]) -> None:
+    body = b'{"model": "m", "max_tokens": 1, "prompt": "' + b"x" * HUGE + b'"}'
+    start = time.monotonic()
+    status, _, answer = await _raw(url, _post("/v1/completions", body))
+    answers.append((status, time.monotonic() - start, _envelope(answer)))
+
+
+async def _gaps(client: httpx.AsyncClient, outcome: StreamOutcome, gaps: list[float]) -> None:
+    """A long stream; the time between its events, measured as they arrive."""
+    last: float | None = None
+
+    async def note() -> None:  # stream() fills the outcome in; polled every millisecond
+        nonlocal last
+        while True:
+            seen = len(outcome.chunks)
+            await trio.sleep(0.001)
+            if len(outcome.chunks) != seen:
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(note)
+        await stream(client, "m", "the quick brown fox", 150, into=outcome)
+        nursery.cancel_scope.cancel()
+
+
+async def test_four_8mb_prompts_at_once_are_refused_fast_and_a_stream_keeps_flowing(
+    tmp_path: Path,
+) -> None:
+    config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        outcome = StreamOutcome(status=0)
+        gaps: list[float] = []
+        answers: list[tuple[int, float, dict[str, Any]]] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_gaps, client, outcome, gaps)
+                while len(outcome.chunks) < 20:  # noqa: ASYNC110 - another process streams
+                    await trio.sleep(0.01)
+                before = list(gaps)
+                for _ in range(4):
+                    nursery.start_soon(_huge, daemon.url, answers)
+    # Each refused before any tokenizing: in well under a second of work each (issue 18:
+    # 26-45 s of tokenizer CPU each before the same 400).
+    assert len(answers) == 4
+    for status, seconds, error in answers:
+        assert status == 400
+        assert error["code"] == "context_length_exceeded"
+        assert seconds < 5
+    # The stream ran on, whole, its pace barely touched while 32 MB arrived and were refused.
+    assert outcome.error is None and outcome.done and len(outcome.chunks) == 150
+    during = gaps[len(before) :]
+    print(f"ITL before: p50 {sorted(before)[len(before) // 2]:.4f} max {max(before):.4f}; "
+          f"during: p50 {sorted(during)[len(during) // 2]:.4f} max {max(during):.4f}")  # fmt: skip
+    assert max(during) < 0.5, sorted(during)[-5:]
+    assert sorted(during)[len(during) // 2] < 2 * sorted(before)[len(before) // 2] + 0.01

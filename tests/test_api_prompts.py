@@ -1,0 +1,121 @@
+"""Huge prompts: refused before tokenizing when they cannot fit; big ones tokenized off the loop."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import trio
+
+from smgd.api.prepare import BIG_PROMPT_CHARS, encode
+from smgd.assets import TINY_MODEL_DIR
+from smgd.errors import InvalidRequest
+from smgd.text.tokenizer import Tokenizer, load_tokenizer
+from tests.fake_engine import MODEL, FakeEngine, open_app, post
+
+CONTEXT = 4096  # the fake engine's max_model_len
+PER_TOKEN = 12  # the tiny model's longest token, in characters
+TOO_LONG = "x" * (CONTEXT * PER_TOKEN + 1)  # cannot be 4096 tokens or fewer
+
+
+class Calls:
+    """Counts the tokenizer's encode calls, and the threads they ran on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tok: Tokenizer) -> None:
+        self.threads: list[int] = []
+        for name in ("encode", "encode_many"):
+            monkeypatch.setattr(tok, name, self._wrap(getattr(tok, name)))
+
+    def _wrap(self, method: Any) -> Any:
+        def counted(*args: Any) -> Any:
+            self.threads.append(threading.get_ident())
+            return method(*args)
+
+        return counted
+
+
+@pytest.fixture
+def tok() -> Tokenizer:
+    return load_tokenizer(TINY_MODEL_DIR)
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(
+    monkeypatch: pytest.MonkeyPatch, tok: Tokenizer
+) -> None:
+    calls = Calls(monkeypatch, tok)
+    limiter = trio.CapacityLimiter(1)
+    with pytest.raises(InvalidRequest) as info:
+        await encode(tok, TOO_LONG, add_special_tokens=True, limiter=limiter, context=CONTEXT)
+    assert info.value.code == "context_length_exceeded"
+    assert info.value.param == "prompt"
+    assert f"{CONTEXT * PER_TOKEN + 1} characters" in info.value.message
+    assert calls.threads == []
+    # One character less could fit (were it 12-character tokens): the tokenizer decides.
+    await encode(tok, TOO_LONG[1:], add_special_tokens=False, limiter=limiter, context=CONTEXT)
+    assert len(calls.threads) == 1
+
+
+async def test_big_prompts_are_tokenized_in_a_thread_under_the_limiter(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch, tok: Tokenizer
+) -> None:
+    text = "hello world " * (BIG_PROMPT_CHARS // 12 + 1)
+    inline = tok.encode(text)
+    calls = Calls(monkeypatch, tok)
+    limiter = trio.CapacityLimiter(1)
+    results: list[list[int]] = []
+
+    async def tokenize() -> None:
+        results.append(
+            await encode(tok, text, add_special_tokens=True, limiter=limiter, context=CONTEXT)
+        )
+
+    # The limiter's only token is taken: the prompt must wait for it.
+    async with trio.open_nursery() as nursery, limiter:
+        nursery.start_soon(tokenize)
+        await trio.sleep(10)
+        assert results == []
+        assert calls.threads == []
+        assert limiter.statistics().tasks_waiting == 1
+    assert results == [inline]
+    assert calls.threads != [threading.get_ident()]  # not on the event loop's thread
+
+
+async def test_small_prompts_are_tokenized_inline(
+    monkeypatch: pytest.MonkeyPatch, tok: Tokenizer
+) -> None:
+    calls = Calls(monkeypatch, tok)
+    limiter = trio.CapacityLimiter(1)
+    async with limiter:  # would block a prompt that needed it
+        with trio.fail_after(1):
+            await encode(tok, "hello", add_special_tokens=True, limiter=limiter, context=CONTEXT)
+    assert calls.threads == [threading.get_ident()]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": TOO_LONG}, "prompt"),
+        ("/v1/completions", {"prompt": ["short", TOO_LONG]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
+        ("/generate", {"text": TOO_LONG}, "text"),
+    ],
+)
+async def test_every_generation_route_refuses_a_prompt_that_cannot_fit_before_tokenizing(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    body: dict[str, Any],
+    param: str,
+) -> None:
+    fake = FakeEngine(max_model_len=CONTEXT)
+    async with open_app(fake) as (app, gateway):
+        tok = gateway.text(MODEL).tokenizer
+        calls = Calls(monkeypatch, tok)
+        reply = await post(app, path, {"model": MODEL, "max_tokens": 1, **body})
+    assert reply.status == 400, reply.body
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == param
+    assert len(calls.threads) == (1 if isinstance(body.get("prompt"), list) else 0)  # "short"
+    assert fake.requests == []
