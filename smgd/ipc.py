@@ -26,6 +26,7 @@ __all__ = [
     "SUN_PATH_MAX",
     "check_ipc_path",
     "clear_stale_socket",
+    "command_line",
     "ipc_endpoint",
     "peer_pid",
     "prepare_ipc_dir",
@@ -110,7 +111,9 @@ def clear_stale_socket(path: str | os.PathLike[str]) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise TransportError(f"{text!r} exists and is not a socket, refusing to remove it")
     if _has_listener(text):
-        holders = ", ".join(f"pid {pid} ({_command(pid)})" for pid in socket_holders(text))
+        holders = ", ".join(
+            f"pid {pid} ({command_line(pid) or 'gone'})" for pid in socket_holders(text)
+        )
         raise TransportError(
             f"ipc socket {text!r} is in use by a live process" + (f": {holders}" if holders else "")
         )
@@ -175,11 +178,12 @@ def _fd_links(proc: Path) -> set[str]:
     return links
 
 
-def _command(pid: int) -> str:
+def command_line(pid: int) -> str:
+    """``pid``'s command line, for an error message (empty if it is gone)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return "gone"
+        return ""
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 

@@ -33,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import trio
 
+from smgd import ipc
 from smgd.errors import TransportError
 
 if TYPE_CHECKING:
@@ -87,15 +88,6 @@ def proc_stat(pid: int) -> ProcStat | None:
     return ProcStat(
         ppid=int(fields[1]), pgid=int(fields[2]), sid=int(fields[3]), start=int(fields[19]), uid=uid
     )
-
-
-def command_line(pid: int) -> str:
-    """``pid``'s command line for a log line (empty if it is gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 def session_members(sid: int) -> list[int]:
@@ -256,7 +248,7 @@ async def _kill_session(sid: int, members: list[int], name: str) -> None:
             except PermissionError:
                 raise TransportError(
                     f"engine {name}: cannot kill process {pid} of a leftover engine "
-                    f"({command_line(pid)}): it belongs to another user"
+                    f"({ipc.command_line(pid)}): it belongs to another user"
                 ) from None
     with trio.move_on_after(REAP_TIMEOUT_S):
         while session_members(sid):  # noqa: ASYNC110 - no event tells when a process is gone

@@ -565,16 +565,13 @@ class HandshakeEngineClient(EngineClient):
 
     def _foreign_peers(self) -> str:
         """The input socket's peers that are not part of the launched engine, for a message."""
-        pids = sorted(
-            {
-                pid
-                for pid in self._peer_pids.values()
-                if self.child is None or not self.child.owns(pid)
-            }
-        )
-        if self.child is None or not pids:
+        child = self.child
+        if child is None:
+            return ""  # an external engine's ranks may be any processes
+        pids = sorted({pid for pid in self._peer_pids.values() if not child.owns(pid)})
+        if not pids:
             return ""
-        described = ", ".join(f"pid {pid} ({launch.command_line(pid) or 'gone'})" for pid in pids)
+        described = ", ".join(f"pid {pid} ({ipc.command_line(pid) or 'gone'})" for pid in pids)
         return f"; connected to it but not launched by smgd: {described}"
 
     def _registered(self) -> list[tuple[int, EngineInfo]] | None:

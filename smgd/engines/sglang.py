@@ -153,7 +153,7 @@ class SglangEngineClient(EngineClient):
 
     def _foreign_message(self, pid: int) -> str:
         return (
-            f"a process smgd did not launch (pid {pid}: {launch.command_line(pid) or 'gone'}) "
+            f"a process smgd did not launch (pid {pid}: {ipc.command_line(pid) or 'gone'}) "
             f"is connected to the request socket {self.input_endpoint} and would take a share "
             "of the requests (an engine left running by an earlier smgd?); stop it"
         )
