@@ -76,7 +76,7 @@ DEFAULT_FAMILY = {
 }
 FIRST_SPECIAL_ID = 100_000  # ordinary text pieces get ids below, markup above
 PROMPT_IDS = [11, 12, 13]  # a prompt with no markup: reasoning is open when output starts
-RANDOM_SPLITS = 2  # plus one token per delta and everything in one delta
+RANDOM_SPLITS = 4  # plus one token per delta and everything in one delta
 
 
 class FakeTokenizer:
