@@ -65,7 +65,9 @@ def call_arguments(text: str) -> tuple[str, str] | None:
     """``name(k=v, ...)`` as (name, arguments JSON), or None if it is not such a call."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SyntaxWarning)  # "\d" in a model's string
+            # "\d" in a model's string: a DeprecationWarning (3.11) / SyntaxWarning (3.12+)
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
             node = ast.parse(text, mode="eval").body
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
