@@ -99,7 +99,11 @@ def test_markup_soup_any_split_equals_whole(
 # ------------------------------------------------------------------------- the JSON scanner
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
 )
@@ -157,7 +161,20 @@ def test_scanner_agrees_with_json_loads(text: str, cuts: list[int]) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ['"\x01"', '"\\x"', '"\\u12g4"', "01", "1.", "-", "1e", "[1,]", '{"a":1,}', "{,}", "tru", "nul"],
+    [
+        '"\x01"',
+        '"\\x"',
+        '"\\u12g4"',
+        "01",
+        "1.",
+        "-",
+        "1e",
+        "[1,]",
+        '{"a":1,}',
+        "{,}",
+        "tru",
+        "nul",
+    ],
 )
 def test_scanner_rejects(text: str) -> None:
     assert not _scan(text, [])[0]
@@ -191,10 +208,7 @@ def test_scanner_stops_at_member_values() -> None:
 def test_call_header_reads_any_spacing_and_split(
     name: str, key: str, ws: list[str], cuts: list[int]
 ) -> None:
-    head = (
-        f'{ws[0]}{{{ws[1]}"name"{ws[2]}:{ws[3]}{json.dumps(name)}{ws[4]},{ws[5]}'
-        f'"{key}"{ws[6]}:'
-    )
+    head = f'{ws[0]}{{{ws[1]}"name"{ws[2]}:{ws[3]}{json.dumps(name)}{ws[4]},{ws[5]}"{key}"{ws[6]}:'
     text = head + ' {"x": 1}}'
     header = CallHeader(("arguments", "parameters"))
     pos, found = 0, -1
@@ -222,4 +236,3 @@ def test_call_header_reads_any_spacing_and_split(
 )
 def test_call_header_rejects_other_shapes(text: str) -> None:
     assert CallHeader(("arguments",)).feed(text) == -2
-

@@ -112,4 +112,3 @@ class StreamParser:
 
 def _content(delta: str) -> list[Event]:
     return [ContentDelta(delta)] if delta else []
-

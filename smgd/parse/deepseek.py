@@ -94,7 +94,7 @@ class DeepSeekV3(ToolParser):
             if pos < 0:
                 break
             i = pos + len(found)
-            if found == CALLS_BEGIN or found == CALL_END:
+            if found in (CALLS_BEGIN, CALL_END):
                 self._state = _CALLS
             elif found == CALLS_END:
                 self._state = _AFTER

@@ -19,7 +19,7 @@ clients see ``finish_reason`` "length" for a cut-off call.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from smgd.parse.base import ToolParser
 from smgd.parse.scan import (
@@ -27,7 +27,6 @@ from smgd.parse.scan import (
     JsonScanner,
     Out,
     find_marker,
-    is_ws,
     partial_marker,
     random_id,
 )
@@ -547,7 +546,9 @@ class Mistral(ToolParser):
                     self._state = _NAME
             elif state in (_ARRAY, _ARRAY_NEXT):
                 j = i
-                while j < len(buf) and (buf[j].isspace() or (state == _ARRAY_NEXT and buf[j] == ",")):
+                while j < len(buf) and (
+                    buf[j].isspace() or (state == _ARRAY_NEXT and buf[j] == ",")
+                ):
                     j += 1
                 self._region.append(buf[i:j])
                 i = j
@@ -574,7 +575,12 @@ class Mistral(ToolParser):
                     self._state = _ARRAY_NEXT if self._array else _AFTER
             elif state == _NAME:
                 pos, found = find_marker(buf, (self.ARGS, "{", self.MARKER), i)
-                end = pos if pos >= 0 else len(buf) - (0 if final else partial_marker(buf[i:], (self.ARGS, self.MARKER)))
+                end = (
+                    pos
+                    if pos >= 0
+                    else len(buf)
+                    - (0 if final else partial_marker(buf[i:], (self.ARGS, self.MARKER)))
+                )
                 self._name.append(buf[i:end])
                 self._name_len += end - i
                 i = end
@@ -599,7 +605,11 @@ class Mistral(ToolParser):
                 value = self._value
                 assert value is not None
                 pos, _ = find_marker(buf, markers, i)
-                stop = pos if pos >= 0 else len(buf) - (0 if final else partial_marker(buf[i:], markers))
+                stop = (
+                    pos
+                    if pos >= 0
+                    else len(buf) - (0 if final else partial_marker(buf[i:], markers))
+                )
                 i = value.feed(buf, i, stop)
                 if value.done or pos >= 0:
                     self._value = None

@@ -26,9 +26,7 @@ __all__ = [
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (DeepSeekV3, Hermes, Llama3Json, Mistral, Pythonic, Qwen3Coder)
 }
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1, Qwen3)
-}
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {cls.name: cls for cls in (DeepSeekR1, Qwen3)}
 
 
 class UnknownParser(ValueError):

@@ -138,9 +138,7 @@ class JsonScanner:
         self._num = None
         return ok
 
-    def feed(
-        self, text: str, start: int = 0, end: int | None = None, stop_depth: int = -1
-    ) -> int:
+    def feed(self, text: str, start: int = 0, end: int | None = None, stop_depth: int = -1) -> int:
         """Read ``text[start:end]``; see the class docstring for what the result means."""
         i, n = start, len(text) if end is None else end
         self.stopped = False
