@@ -38,10 +38,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Hermes", "JsonCall", "Llama3Json", "Mistral"]
 
+# JsonCall's states: reading the header; streaming the arguments; the rest of the object
+# (ignored); holding an object written in another order; arguments that stopped being JSON;
+# not a call; finished.
 _HEADER, _ARGS, _TAIL, _HELD, _BROKEN, _REJECTED, _DONE = range(7)
 
-# Decides whether a decoded object is a call: (name, arguments JSON text) or None.
-Accept = "Callable[[Any], tuple[str, str] | None]"
+# The parsers' states (each uses its subset): plain text; inside <tool_call>; after a malformed
+# call (the rest is content); the start of the output / just after [TOOL_CALLS]; between
+# llama3 objects; in a call object; text that cannot hold calls; after the calls; a v11 name;
+# in a [...] list of calls; after a list element; the arguments of a v11 call.
+(_TEXT, _CALL, _FALLBACK, _START, _SEP, _OBJECT, _PLAIN, _AFTER) = range(8)
+(_NAME, _ARRAY, _ARRAY_NEXT, _ELEMENT, _V11_ARGS) = range(8, 13)
 
 
 class JsonCall:
@@ -89,7 +96,7 @@ class JsonCall:
         i = start
         while i < end and self.state not in (_DONE, _REJECTED):
             if self.state == _HEADER:
-                h = self._header.feed(text[:end], i)
+                h = self._header.feed(text, i, end)
                 stop = h if h >= 0 else end
                 j = self._scan.feed(text, i, stop)
                 self._raw.append(text[i:j])
@@ -169,8 +176,6 @@ def _dumps(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------- hermes
 
-_TEXT, _CALL, _FALLBACK = range(3)
-
 
 class Hermes(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them."""
@@ -241,11 +246,9 @@ class Hermes(ToolParser):
                     self._reject(call)
                     i = j
                     continue
-                if j < stop and not call.done:
-                    i = j
-                    continue
-                i = stop  # what follows a finished object inside the tags is ignored
+                # (text after a finished object, inside the tags, is ignored)
                 if pos < 0:
+                    i = stop
                     break
                 i = pos + len(self.END)
                 self._end_call(closed=True)
@@ -268,8 +271,6 @@ class Hermes(ToolParser):
 
 
 # -------------------------------------------------------------------------------- llama3_json
-
-_START, _SEP, _OBJECT, _PLAIN, _AFTER = range(3, 8)
 
 
 class Llama3Json(ToolParser):
@@ -429,9 +430,6 @@ class JsonValue:
 
     def close(self) -> None:
         self._scan.finish()
-
-
-_NAME, _ARRAY, _ARRAY_NEXT, _ELEMENT, _V11_ARGS = range(8, 13)
 
 
 class Mistral(ToolParser):

@@ -293,9 +293,10 @@ class CallHeader:
         self.name = ""
         self.key = ""
 
-    def feed(self, text: str, start: int = 0) -> int:
-        i = start
-        while i < len(text):
+    def feed(self, text: str, start: int = 0, end: int | None = None) -> int:
+        """Read ``text[start:end]``; see the class docstring for the result."""
+        i, n = start, len(text) if end is None else end
+        while i < n:
             c = text[i]
             if self._str is not None:
                 self._str.append(c)
