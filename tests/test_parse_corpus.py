@@ -9,9 +9,13 @@ The recording is made by tests/parse_corpus/make_expected.py; the real-engine or
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.parse_corpus import check
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reference" / "parsers.md"
 
 CORPUS = check.load()
 EXPECTED = check.load_expected()
@@ -28,6 +32,12 @@ def test_every_reason_is_used() -> None:
     used_stream = {k for c in CORPUS.cases for k in c.vllm_stream}
     assert set(CORPUS.smgd_differs) == used_differs - {None}
     assert set(CORPUS.vllm_stream) == used_stream
+
+
+def test_docs_list_every_reason() -> None:
+    docs = DOCS.read_text(encoding="utf-8")
+    for key in [*CORPUS.smgd_differs, *CORPUS.vllm_stream]:
+        assert f"| `{key}` |" in docs, key
 
 
 def test_corpus_covers_every_parser() -> None:
