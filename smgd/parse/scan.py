@@ -84,13 +84,13 @@ _VALUE, _KEY_OR_END, _KEY, _COLON, _OBJ_NEXT, _VALUE_OR_END, _ARR_NEXT = range(7
 class JsonScanner:
     """Checks one JSON value (RFC 8259, as ``json.loads`` reads it) fed in pieces.
 
-    ``feed(text, start)`` consumes ``text[start:]`` and returns where it stopped:
+    ``feed(text, start, end)`` reads ``text[start:end]`` and returns where it stopped:
 
     - ``done`` set: the value ended; the return value is the index just past it;
     - ``error`` set: ``text[return value]`` makes the value invalid (nothing after it is read);
-    - otherwise all of ``text`` was consumed and more is needed; with ``stop_depth=d``, the
-      scan also stops (returning the index just past it) when a value nested ``d`` levels deep
-      ends, e.g. ``d=1`` for each member value of an object.
+    - ``stopped`` set (only with ``stop_depth=d``): a value nested ``d`` levels deep ended
+      just before the return value, e.g. ``d=1`` for each member value of an object;
+    - otherwise everything up to ``end`` was read and more is needed.
 
     A number's end is only known at the character after it: :meth:`finish` completes a
     top-level number at the end of the input. Work per call is proportional to the text read;
