@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import ipaddress
 import os
 import re
 import tomllib
@@ -405,6 +406,29 @@ def load_config(
     return config
 
 
+def _check_admin_exposure(admin: AdminConfig) -> None:
+    """An admin listener reachable from other hosts needs a token: reload and drain are not
+    for whoever can reach the port (loopback and the unix socket trust the host's users)."""
+    if admin.port == 0 or admin.token_env is not None or _is_loopback(admin.host):
+        return
+    raise ConfigError(
+        f"the admin listener on {admin.host}:{admin.port} is reachable from other hosts "
+        "but has no token",
+        path="$.admin.token_env",
+        hint="set admin.token_env to an env var holding a bearer token, or admin.host = "
+        '"127.0.0.1"',
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
 def _check_workers(config: Config, served: dict[str, str]) -> None:
     """Every model must have an engine in every worker's share (engines[i], i % workers)."""
     count = config.server.workers
@@ -491,6 +515,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             )
     _check_workers(config, served)
     _check_socket_paths(config)
+    _check_admin_exposure(config.admin)
     for model in config.routing.models:
         if model not in served:
             raise ConfigError(

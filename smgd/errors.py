@@ -27,6 +27,7 @@ the HTTP status (that is the response's status line).
 
 from __future__ import annotations
 
+import errno
 from typing import ClassVar
 
 
@@ -140,3 +141,14 @@ class Draining(SmgdError):
 class TransportError(SmgdError):
     status = 502
     openai_type = "engine_error"
+
+
+def errno_name(number: int | None) -> str | None:
+    """An OS error number as the ``code`` of an error envelope (``"EADDRINUSE"``).
+
+    libzmq's own numbers (ETERM, EFSM...) have no name in :data:`errno.errorcode`: those read
+    ``"errno <n>"``.
+    """
+    if number is None:
+        return None
+    return errno.errorcode.get(number, f"errno {number}")

@@ -20,7 +20,7 @@ import stat
 import struct
 from pathlib import Path
 
-from smgd.errors import TransportError
+from smgd.errors import TransportError, errno_name
 
 __all__ = [
     "SUN_PATH_MAX",
@@ -140,7 +140,7 @@ def _has_listener(path: str) -> bool:
         return False
     raise TransportError(
         f"cannot probe ipc socket {path!r}: {os.strerror(code)}",
-        code=errno.errorcode.get(code, f"errno {code}"),
+        code=errno_name(code),
     )
 
 

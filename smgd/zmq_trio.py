@@ -23,7 +23,6 @@ recv never loses a message; a cancelled send either sent the whole multipart mes
 
 from __future__ import annotations
 
-import errno
 import math
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from smgd.errors import TransportError
+from smgd.errors import TransportError, errno_name
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -259,10 +258,7 @@ class TrioSocket:
 
 def _transport_error(op: str, exc: zmq.ZMQError) -> TransportError:
     """Wrap a libzmq error; ``code`` names the errno (``"EHOSTUNREACH"`` = dead vLLM peer)."""
-    number = exc.errno or 0
-    # libzmq's own errnos (ETERM, EFSM...) have no name in errno.errorcode.
-    name = errno.errorcode.get(number, f"errno {number}")
-    return TransportError(f"zmq {op} failed: {exc.strerror}", code=name)
+    return TransportError(f"zmq {op} failed: {exc.strerror}", code=errno_name(exc.errno or 0))
 
 
 @asynccontextmanager

@@ -555,3 +555,29 @@ async def test_reload_that_would_open_auth_is_refused(autojump_clock: trio.abc.C
             gateway.prepare_reload(new)
         missing = await post(app, "/v1/completions", body)
     assert missing.status == 401  # the old keys still guard the API
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "token_env", "refused"),
+    [
+        ("0.0.0.0", 9000, None, True),  # every interface, no token: fail closed
+        ("10.1.2.3", 9000, None, True),
+        ("admin.example", 9000, None, True),  # a name may resolve anywhere
+        ("0.0.0.0", 9000, "SMGD_ADMIN_TOKEN", False),
+        ("127.0.0.1", 9000, None, False),  # loopback trusts the host's users
+        ("::1", 9000, None, False),
+        ("localhost", 9000, None, False),
+        ("0.0.0.0", 0, None, False),  # port 0: the unix socket, host unused
+    ],
+)
+def test_an_admin_port_other_hosts_reach_needs_a_token(
+    tmp_path: Path, host: str, port: int, token_env: str | None, refused: bool
+) -> None:
+    token = f'token_env = "{token_env}"\n' if token_env else ""
+    path = write(tmp_path, f'[admin]\nhost = "{host}"\nport = {port}\n{token}' + engine())
+    if refused:
+        error = error_of(path)
+        assert error.path == "$.admin.token_env"
+        assert f"{host}:{port}" in str(error)
+    else:
+        assert load_config(path, environ={}).admin.host == host

@@ -26,7 +26,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 
 from smgd.api.http_worker import serve
-from smgd.errors import TransportError
+from smgd.errors import TransportError, errno_name
 from smgd.sdnotify import take_listen_fds
 from smgd.workers import worker_listen_fds
 
@@ -117,7 +117,7 @@ def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
             else ""
         )
         raise TransportError(
-            f"cannot listen on {where}: {exc.strerror or exc}{hint}", code=exc.errno
+            f"cannot listen on {where}: {exc.strerror or exc}{hint}", code=errno_name(exc.errno)
         ) from None
     return sock
 
