@@ -5,7 +5,7 @@ several daemons in one process, so nothing touches the global registry):
 
 - :class:`RequestMetrics` is plain counters and pre-bucketed histograms, updated by
   :meth:`RequestMetrics.record` once when a request ends (from the request's
-  :class:`~smgd.api.pipeline.RequestState`), and by :meth:`RequestMetrics.refused` /
+  :class:`~smgd.api.core.pipeline.RequestState`), and by :meth:`RequestMetrics.refused` /
   :meth:`RequestMetrics.http` once per HTTP response. No per-token work, no locks: every
   update and every scrape runs on the trio thread.
 - :class:`GatewayCollector` reads ``gateway.router.engines()`` statistics and the gateway's
@@ -43,7 +43,7 @@ from smgd.errors import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
 
-    from smgd.api.pipeline import RequestState
+    from smgd.api.core.pipeline import RequestState
     from smgd.gateway import Gateway
 
 __all__ = [

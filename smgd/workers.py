@@ -70,7 +70,7 @@ WORKER_FDS_ENV = "SMGD_WORKER_FDS"  # its listening fds, comma-separated
 RESTART_INITIAL_S = 1.0
 RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0
-# Same as the single-process listener (smgd.api.server): bursts of connects from many clients.
+# Same as the single-process listener (smgd.api.http.server): bursts of connects from many clients.
 LISTEN_BACKLOG = 4096
 # Environment a worker must not see: systemd's notification, watchdog and activation variables
 # are the supervisor's (a worker answering them would confuse systemd).

@@ -22,7 +22,7 @@ from typing import Any
 import trio
 from quart_trio import QuartTrio
 
-from smgd.api.app import create_app
+from smgd.api.http.app import create_app
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.base import EngineClient, EngineState
 from smgd.gateway import Gateway

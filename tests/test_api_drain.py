@@ -13,10 +13,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from smgd.admission import Admission
-from smgd.api import http_worker
-from smgd.api.app import create_app
-from smgd.api.execute import Cutoff, _StreamWatch
-from smgd.api.hot import SmgdApp
+from smgd.api.core.execute import Cutoff, _StreamWatch
+from smgd.api.http import worker_loop
+from smgd.api.http.app import create_app
+from smgd.api.http.dispatch import SmgdApp
 from smgd.errors import Draining
 from tests.fake_engine import (
     MODEL,
@@ -141,7 +141,7 @@ async def serving(engine: FakeEngine) -> AsyncIterator[tuple[SmgdApp, int]]:
         config.bind = ["127.0.0.1:0"]
         config.accesslog = None
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(http_worker.serve, app, config)
+            binds = await nursery.start(worker_loop.serve, app, config)
             yield app, int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
 

@@ -11,7 +11,7 @@ import trio.testing
 from quart import request
 from quart_trio import QuartTrio
 
-from smgd.api.asgi_connection import QUEUED_BODY_KEY, InlineHTTPConnection, read_body
+from smgd.api.http.asgi_connection import QUEUED_BODY_KEY, InlineHTTPConnection, read_body
 
 
 def _scope(method: str = "POST", path: str = "/echo") -> dict[str, Any]:

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import trio
 
-from smgd.api.admin import create_admin_app
-from smgd.api.hot import authorized
+from smgd.api.handlers.admin import create_admin_app
+from smgd.api.http.dispatch import authorized
 from smgd.assets import DEFAULT_CONFIG, TINY_MODEL_DIR
 from smgd.cli import main
 from smgd.config import (

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import trio
 
-from smgd.api.server import bind_public
+from smgd.api.http.server import bind_public
 from smgd.config import Config, ServerConfig
 from smgd.errors import TransportError
 from smgd.gateway import Gateway

@@ -1,4 +1,4 @@
-"""Direct SSE writes (smgd.api.direct) through smgd's real worker loop, over real sockets."""
+"""Direct SSE writes (smgd.api.http.direct) through smgd's real worker loop, over real sockets."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol.h11 import H11Protocol
 
-from smgd.api import http_worker
-from smgd.api.app import create_app
-from smgd.api.direct import DirectWriter, direct_writer
-from smgd.api.pacer import LoadPacer
+from smgd.api.core.pacer import LoadPacer
+from smgd.api.http import worker_loop
+from smgd.api.http.app import create_app
+from smgd.api.http.direct import DirectWriter, direct_writer
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
@@ -36,7 +36,7 @@ async def serving(*engines: FakeEngine) -> AsyncIterator[int]:
         config.accesslog = None
         config.graceful_timeout = 1
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(http_worker.serve, app, config)
+            binds = await nursery.start(worker_loop.serve, app, config)
             yield int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
 
@@ -271,7 +271,7 @@ async def test_a_finished_direct_stream_leaves_no_reference_cycle_behind() -> No
                 type(o).__qualname__
                 for o in gc.garbage
                 if type(o).__module__.startswith("smgd.")
-                and type(o).__module__ != "smgd.api.http_worker"
+                and type(o).__module__ != "smgd.api.http.worker_loop"
             )
         finally:
             gc.set_debug(0)
@@ -420,7 +420,8 @@ async def test_chat_streams_directly_with_role_first_and_usage_last() -> None:
 async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from smgd.api import direct, openai
+    from smgd.api.handlers import openai
+    from smgd.api.http import direct
 
     engine = FakeEngine(behaviour=Behaviour(step_s=0.0, tokens_per_step=1))
     tokens = 2000

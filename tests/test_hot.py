@@ -1,4 +1,5 @@
-"""The generation routes served without Quart (smgd.api.hot): same answers, fewer layers."""
+"""The generation routes served without Quart (smgd.api.http.dispatch): same answers, fewer
+layers."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import trio
 import trio.testing
 from quart import request
 
-from smgd.api.app import create_app
-from smgd.api.hot import HOT_ROUTES, SmgdApp, read_body
+from smgd.api.http.app import create_app
+from smgd.api.http.dispatch import HOT_ROUTES, SmgdApp, read_body
 from smgd.config import ServerConfig
 from smgd.metrics import REGISTRY_KEY
 

@@ -1,7 +1,7 @@
 """The quart-trio application: ``create_app(gateway)``.
 
-Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai`,
-:mod:`~smgd.api.native` and :mod:`~smgd.api.ops`.
+Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.handlers.openai`,
+:mod:`~smgd.api.handlers.native` and :mod:`~smgd.api.handlers.ops`.
 
 - Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400; of a
   list ``a, b``, as proxies merge repeated headers, the first) or minted, echoed on every
@@ -13,7 +13,7 @@ Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.openai
 - While draining, new inference requests get 503 + ``Retry-After``.
 - Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
   (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
-- Every error is the OpenAI envelope (:mod:`smgd.api.errors`).
+- Every error is the OpenAI envelope (:mod:`smgd.api.core.errors`).
 - Metrics (:mod:`smgd.metrics`): one private registry per app, in ``app.extensions``; every
   response is counted by route template and status, every error answered before a stream
   started by cause, and each generation request once when it ends (``RECORDER_KEY``).
@@ -32,14 +32,14 @@ from prometheus_client import generate_latest
 from quart import Response, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
-from smgd.api import native, openai, ops
-from smgd.api.asgi_connection import InlineHTTPConnection
-from smgd.api.errors import error_body, error_headers, http_error
-from smgd.api.execute import RECORDER_KEY
-from smgd.api.hot import HotRoutes, SmgdApp, check_access, client_request_id
-from smgd.api.pacer import LoadPacer
-from smgd.api.pipeline import new_request_id
-from smgd.api.prepare import ApiContext, api
+from smgd.api.core.errors import error_body, error_headers, http_error
+from smgd.api.core.execute import RECORDER_KEY
+from smgd.api.core.pacer import LoadPacer
+from smgd.api.core.pipeline import new_request_id
+from smgd.api.core.prepare import ApiContext, api
+from smgd.api.handlers import native, openai, ops
+from smgd.api.http.asgi_connection import InlineHTTPConnection
+from smgd.api.http.dispatch import HotRoutes, SmgdApp, check_access, client_request_id
 from smgd.config import load_admin_token, load_api_keys
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
@@ -48,7 +48,7 @@ from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
 
-    from smgd.api.pipeline import RequestState
+    from smgd.api.core.pipeline import RequestState
     from smgd.config import Config
     from smgd.gateway import Gateway
 

@@ -18,18 +18,18 @@ import msgspec
 import trio
 from quart import Response, current_app, g, request
 
-from smgd.api.asgi_connection import QUEUED_BODY_KEY
-from smgd.api.direct import direct_writer
-from smgd.api.execute import RECORDER_KEY, Cutoff, Job
-from smgd.api.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
+from smgd.api.core.execute import RECORDER_KEY, Cutoff, Job
+from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
+from smgd.api.http.asgi_connection import QUEUED_BODY_KEY
+from smgd.api.http.direct import direct_writer
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
 if TYPE_CHECKING:
-    from smgd.api.direct import DirectWriter
-    from smgd.api.pacer import LoadPacer
+    from smgd.api.core.pacer import LoadPacer
+    from smgd.api.http.direct import DirectWriter
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
     from smgd.sampling import TextOptions
@@ -91,9 +91,10 @@ Recorder = Callable[["RequestState", float], None]
 class Call:
     """What a generation handler needs beyond its body, passed explicitly.
 
-    The handlers (:mod:`smgd.api.openai`, :mod:`smgd.api.native`) take one instead of reading
-    Quart's context, so the same code serves Quart's routes (:func:`quart_call`) and the
-    hot-route path that bypasses Quart (:mod:`smgd.api.hot`).
+    The handlers (:mod:`smgd.api.handlers.openai`, :mod:`smgd.api.handlers.native`) take one
+    instead of reading Quart's context, so the same code serves Quart's routes
+    (:func:`quart_call`) and the hot-route path that bypasses Quart
+    (:mod:`smgd.api.http.dispatch`).
     """
 
     ctx: ApiContext
@@ -163,7 +164,7 @@ def app_nursery() -> trio.Nursery:
 
 
 def response_writer() -> DirectWriter | None:
-    """Direct SSE writes for this request's connection, where they apply (smgd.api.direct)."""
+    """Direct SSE writes for this request's connection, where they apply (smgd.api.http.direct)."""
     return direct_writer(request.scope)
 
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import generate_latest
 from quart import Blueprint, Response, current_app
 
-from smgd.api.prepare import api, encode, read_json, resolve_model
-from smgd.api.sse import encode_json
+from smgd.api.core.prepare import api, encode, read_json, resolve_model
+from smgd.api.core.sse import encode_json
 from smgd.errors import InvalidRequest
 from smgd.metrics import REGISTRY_KEY
 from smgd.worker_peers import PEERS_KEY, ask_all, merge_load, merge_metrics, merge_readiness

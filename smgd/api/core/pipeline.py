@@ -18,7 +18,7 @@ import re
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from smgd.api.errors import engine_finish_error
+from smgd.api.core.errors import engine_finish_error
 from smgd.errors import InvalidRequest
 from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 

@@ -18,8 +18,8 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from smgd.api.hot import authorized
-from smgd.api.server import listen_tcp
+from smgd.api.http.dispatch import authorized
+from smgd.api.http.server import listen_tcp
 from smgd.config import load_admin_token, run_dir
 
 if TYPE_CHECKING:

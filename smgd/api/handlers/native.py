@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Blueprint, Response, g
 
-from smgd.api.errors import stream_error
-from smgd.api.execute import collect, stream
-from smgd.api.openai import TokenText
-from smgd.api.pipeline import MIN_LOGPROB, check_request_id
-from smgd.api.prepare import (
+from smgd.api.core.errors import stream_error
+from smgd.api.core.execute import collect, stream
+from smgd.api.core.pipeline import MIN_LOGPROB, check_request_id
+from smgd.api.core.prepare import (
     JSON_HEADERS,
     Reply,
     context_len,
@@ -37,14 +36,15 @@ from smgd.api.prepare import (
     resolve_model,
     to_response,
 )
-from smgd.api.sse import DONE, SSE_HEADERS, encode_json, event
+from smgd.api.core.sse import DONE, SSE_HEADERS, encode_json, event
+from smgd.api.handlers.openai import TokenText
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.sampling import from_native
 
 if TYPE_CHECKING:
-    from smgd.api.execute import Job
-    from smgd.api.pipeline import Choice, LogprobTrack, RequestState
-    from smgd.api.prepare import Call
+    from smgd.api.core.execute import Job
+    from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState
+    from smgd.api.core.prepare import Call
     from smgd.sampling import TextOptions
     from smgd.wire.common import SamplingParams
 
@@ -143,7 +143,7 @@ class NativeRenderer:
 
 @blueprint.post("/generate")
 async def generate() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
+    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.http.dispatch`."""
     call = quart_call()
     try:
         return to_response(await generate_reply(call, await read_json()))

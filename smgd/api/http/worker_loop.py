@@ -53,8 +53,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from smgd.api.direct import BODY_END, CONNECTION_KEY
-from smgd.api.errors import http_error
+from smgd.api.core.errors import http_error
+from smgd.api.http.direct import BODY_END, CONNECTION_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -121,14 +121,14 @@ class H11Protocol(HypercornH11Protocol):
 class DirectSendTCPServer(TCPServer):
     def __init__(self, app: Any, config: Config, context: Any, state: Any, stream: Any) -> None:
         # A state dict of its own, naming this connection: hypercorn copies it into every
-        # request's scope, where smgd.api.direct finds the connection to write to.
+        # request's scope, where smgd.api.http.direct finds the connection to write to.
         super().__init__(
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
         # A direct stream wrote its body's terminator itself (DirectWriter.finish): the one
         # h11 writes when the response completes must not reach the client a second time.
         self.body_end_written = False
-        # The hot routes (smgd.api.hot) run with no task reading ASGI messages; a request
+        # The hot routes (smgd.api.http.dispatch) run with no task reading ASGI messages; a request
         # that must stop when its client goes away sets this instead, and the read loop calls
         # it when it ends.
         self.on_disconnect: Callable[[], None] | None = None

@@ -14,7 +14,7 @@ C=256, a request spent ~56 ms before its handler ran and ~64 ms more waiting for
   ``receive_nowait`` of the trio memory channel behind hypercorn's ``receive``, without a
   scheduler pass; any other ``receive`` (Quart's test client, another server) is awaited;
 - a whole body is also kept in the scope (:data:`QUEUED_BODY_KEY`), where
-  :func:`smgd.api.prepare.read_json` takes it without awaiting Quart's body (an await on an
+  :func:`smgd.api.core.prepare.read_json` takes it without awaiting Quart's body (an await on an
   event that is already set is still a scheduler pass);
 - the handler then runs in the same task; the message reader still runs beside it and still
   cancels the handler when the client disconnects.
@@ -54,7 +54,7 @@ BodyOutcome = Literal["complete", "too_large", "disconnected"]
 
 
 class InlineHTTPConnection(TrioASGIHTTPConnection):
-    """Set as the app's ``asgi_http_class`` (:func:`smgd.api.app.create_app`)."""
+    """Set as the app's ``asgi_http_class`` (:func:`smgd.api.http.app.create_app`)."""
 
     async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         request = self._create_request_from_scope(send)

@@ -1,6 +1,6 @@
 """The HTTP server: hypercorn's HTTP/1.1 protocol serving the quart-trio app (nursery.start).
 
-The worker loop is :func:`smgd.api.http_worker.serve` (hypercorn's parts, with a direct socket
+The worker loop is :func:`smgd.api.http.worker_loop.serve` (hypercorn's parts, with a direct socket
 write for each response chunk), not ``hypercorn.trio.serve``.
 
 The public listener binds ``server.host:server.port``, unless systemd socket activation passed
@@ -25,7 +25,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 
-from smgd.api.http_worker import serve
+from smgd.api.http.worker_loop import serve
 from smgd.errors import TransportError, errno_name
 from smgd.sdnotify import take_listen_fds
 from smgd.workers import worker_listen_fds
@@ -135,7 +135,7 @@ async def serve_http(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the app on ``listener`` (bound here if None) until the drain closes it."""
-    from smgd.api.app import create_app
+    from smgd.api.http.app import create_app
 
     app = create_app(gateway)
     if listener is None:

@@ -18,7 +18,7 @@ cancellation and a ``Cancelled`` raised and caught, which under load (hundreds o
 only time windows open) is a tenth of smgd's CPU. The pacer task wakes a whole bucket with one
 ``unpark_all`` at its tick; a window is rounded up to the next tick.
 
-Streams written directly by the engine's reader task (:mod:`smgd.api.direct`) have no task to
+Streams written directly by the engine's reader task (:mod:`smgd.api.http.direct`) have no task to
 park: they hold output themselves and ask for a callback at a tick (:meth:`LoadPacer.call_at`),
 and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 
@@ -54,7 +54,7 @@ LAG_LOW_S = 0.001
 # a 20 ms ceiling settled at ~3 tokens per event and 77 µs of CPU per token; 5-8 ms settles at
 # ~4 tokens per event and 58-65 µs per token with the same delivered throughput.
 LAG_HIGH_S = 0.006
-# Smoothed lag at which direct-mode streams (smgd.api.direct) start to coalesce too: the same
+# Smoothed lag at which direct-mode streams (smgd.api.http.direct) start to coalesce too: the same
 # point where the ordinary window is fully open. Measured with `smgd bench` (20 ms steps): with
 # the ordinary 1 ms threshold, the lag of each burst of 256 new requests opened direct windows
 # at C=256 (ITL p99 28 -> 123 ms) for no CPU saved. Gated here, C=256 stays at ~1 token per

@@ -1,4 +1,4 @@
-"""The trio shell around :mod:`smgd.api.pipeline`: run a request's engine streams.
+"""The trio shell around :mod:`smgd.api.core.pipeline`: run a request's engine streams.
 
 - :func:`collect`: non-streamed; one task per choice, the first error cancels the rest.
 - :func:`stream`: an async generator of SSE bytes for the response body. One choice (the hot
@@ -31,8 +31,8 @@ import msgspec
 import trio
 from quart import current_app, has_app_context
 
-from smgd.api.pipeline import new_engine_rid
-from smgd.api.sse import KEEPALIVE
+from smgd.api.core.pipeline import new_engine_rid
+from smgd.api.core.sse import KEEPALIVE
 from smgd.errors import Draining, EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
     from contextlib import AbstractAsyncContextManager
 
-    from smgd.api.direct import DirectWriter
-    from smgd.api.pacer import LoadPacer
-    from smgd.api.pipeline import Choice, RequestState
+    from smgd.api.core.pacer import LoadPacer
+    from smgd.api.core.pipeline import Choice, RequestState
+    from smgd.api.http.direct import DirectWriter
     from smgd.engines.base import EngineClient
     from smgd.engines.stream import RequestStream
     from smgd.router import Router
@@ -367,7 +367,7 @@ async def _direct(
     pacer: LoadPacer | None = None,
     cutoff: Cutoff = _NEVER_CUT,
 ) -> None:
-    """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
+    """Let the reader task write this stream's events (:mod:`smgd.api.http.direct`) until it ends.
 
     Returns once the choice is done and every byte is written: the reader wrote the last
     event, the end and the body's terminator together (:meth:`DirectWriter.finish`), so the

@@ -7,7 +7,7 @@ most of smgd's CPU per token (docs/performance.md). Once a stream's response has
 of it is needed: the bytes on the wire are one HTTP/1.1 chunk per event, and the connection
 has nothing else to send until the stream ends.
 
-So a stream on an HTTP/1.1 connection of smgd's own worker loop (:mod:`smgd.api.http_worker`)
+So a stream on an HTTP/1.1 connection of smgd's own worker loop (:mod:`smgd.api.http.worker_loop`)
 hands its engine stream a *sink* as soon as the body starts (Quart has sent the response head
 through h11 by then, so even the first event, the one that sets TTFT, is direct): the
 reader task applies each delta (detokenize, stop strings), renders the event and writes it as

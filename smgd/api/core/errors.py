@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from smgd.api.sse import DONE, encode_json, event
+from smgd.api.core.sse import DONE, encode_json, event
 from smgd.errors import EngineDead, EngineRejected, SmgdError
 from smgd.wire.common import Finish, FinishReason
 
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # werkzeug HTTPExceptions Quart raises itself (routing, body limits) and the requests h11
-# refuses (smgd.api.http_worker) → OpenAI error types.
+# refuses (smgd.api.http.worker_loop) → OpenAI error types.
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
     404: "not_found_error",

@@ -8,16 +8,16 @@ and two tasks (quart-trio's message reader and handler), a request context, the 
 hooks, werkzeug's URL matching, request and response objects and Quart's send loop; profiled
 at C = 256 with 8-token requests that was about a third of smgd's CPU.
 
-:class:`SmgdApp` (the app :func:`smgd.api.app.create_app` builds) sends these three routes to
+:class:`SmgdApp` (the app :func:`smgd.api.http.app.create_app` builds) sends these three routes to
 :class:`HotRoutes` and everything else to Quart. The handlers are the same functions Quart's
-routes call (:func:`~smgd.api.openai.completion_reply` and the others take an explicit
-:class:`~smgd.api.prepare.Call`), and everything around them is kept, in the same order:
+routes call (:func:`~smgd.api.handlers.openai.completion_reply` and the others take an explicit
+:class:`~smgd.api.core.prepare.Call`), and everything around them is kept, in the same order:
 
 - the body is read first, without a scheduler pass when it is already queued; over
   ``MAX_CONTENT_LENGTH`` → 413, not complete within ``BODY_TIMEOUT`` → 408, the client gone
   before its end → nothing is answered;
 - ``X-Request-Id`` (checked, or minted) is echoed on every response; API keys and drain
-  (:func:`check_access`) as for Quart's routes (:mod:`smgd.api.app`);
+  (:func:`check_access`) as for Quart's routes (:mod:`smgd.api.http.app`);
 - errors are the OpenAI envelope with the same status and headers; the ``smgd_http_requests``
   and ``smgd_requests_refused`` counts are kept as Quart's hooks keep them;
 - a client that disconnects cancels the request (the engine request is aborted): on smgd's
@@ -40,12 +40,12 @@ import trio
 from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestTimeout
 
-from smgd.api import native, openai
-from smgd.api.asgi_connection import nowait_receiver
-from smgd.api.direct import CONNECTION_KEY, direct_writer
-from smgd.api.errors import error_body, error_headers, http_error
-from smgd.api.pipeline import check_request_id, new_request_id
-from smgd.api.prepare import Call, decode_body
+from smgd.api.core.errors import error_body, error_headers, http_error
+from smgd.api.core.pipeline import check_request_id, new_request_id
+from smgd.api.core.prepare import Call, decode_body
+from smgd.api.handlers import native, openai
+from smgd.api.http.asgi_connection import nowait_receiver
+from smgd.api.http.direct import CONNECTION_KEY, direct_writer
 from smgd.errors import Draining, InvalidRequest, SmgdError, Unauthorized
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 
-    from smgd.api.http_worker import DirectSendTCPServer
-    from smgd.api.prepare import ApiContext, Recorder, Reply
+    from smgd.api.core.prepare import ApiContext, Recorder, Reply
+    from smgd.api.http.worker_loop import DirectSendTCPServer
     from smgd.metrics import RequestMetrics
 
     Handler = Callable[[Call, dict[str, Any]], Awaitable[Reply]]
@@ -113,7 +113,7 @@ class SmgdApp(QuartTrio):
         """The drain's deadline passed: end every request still running, each properly.
 
         Streams send their error event (``code: "drain_timeout"``) and ``[DONE]``; the HTTP
-        server (:func:`smgd.api.http_worker.serve`) lets them write it before it closes.
+        server (:func:`smgd.api.http.worker_loop.serve`) lets them write it before it closes.
         """
         ctx: ApiContext = self.extensions["smgd"]
         timeout = ctx.gateway.config.server.drain_timeout_s
