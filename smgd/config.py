@@ -526,7 +526,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
 
 # The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,
 # and hs.sock for a vLLM handshake) unless [engines.addresses] names them, and admin.sock in
-# run_dir (smgd.api.handlers.admin, admin.port 0). The longest name decides whether a
+# run_dir (smgd.api.http.server, admin.port 0). The longest name decides whether a
 # directory fits.
 ENGINE_SOCKET = "out.sock"
 ADMIN_SOCKET = "admin.sock"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from smgd.api.http.server import bind_public, serve_http
+from smgd.api.http.server import bind_public, serve_admin, serve_http
 from smgd.errors import SmgdError, TransportError
 from smgd.gateway import Gateway
 from smgd.logs import announce, setup_logging
@@ -138,7 +138,6 @@ async def run_daemon(
     install_signals: bool = True,
     task_status: trio.TaskStatus[tuple[Gateway, list[str]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    from smgd.api.handlers.admin import serve_admin
     from smgd.sdnotify import watchdog_interval
 
     gateway = Gateway.from_config(config)

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 __all__ = [
     "E2E_BUCKETS",
     "ITL_BUCKETS",
-    "REGISTRY_KEY",
     "TTFT_BUCKETS",
     "Buckets",
     "GatewayCollector",
@@ -71,9 +70,6 @@ ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
 )  # fmt: skip
-
-# app.extensions key of the app's private CollectorRegistry (served at GET /metrics).
-REGISTRY_KEY = "smgd.metrics"
 
 # Request outcomes (the `status` label of smgd_requests_total).
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"

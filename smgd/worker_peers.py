@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = [
     "METRICS_DIR_ENV",
     "METRICS_FD_ENV",
-    "PEERS_KEY",
     "WorkerPeers",
     "ask_all",
     "bind_sockets",
@@ -65,7 +64,6 @@ MAX_EXPOSITION_BYTES = 16 * 1024 * 1024
 WORKER_LABEL = "worker"
 # A request line is one short word; anything longer is not a peer of ours.
 MAX_REQUEST_LINE = 64
-PEERS_KEY = "smgd.worker_peers"  # app.extensions: this worker's WorkerPeers
 
 
 def socket_path(directory: str, index: int) -> str:

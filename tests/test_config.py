@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import trio
 
-from smgd.api.handlers.admin import create_admin_app
+from smgd.api.http.app import create_admin_app
 from smgd.api.http.dispatch import authorized
 from smgd.assets import DEFAULT_CONFIG, TINY_MODEL_DIR
 from smgd.cli import main
@@ -29,6 +29,7 @@ from smgd.config import (
     resolve_path,
 )
 from smgd.errors import ConfigError
+from tests.asgi_client import lifespan, request
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, open_gateway, post
 
 ENGINE = 'name = "{name}"\nwire = "{wire}"\nmodels = ["{model}"]\nmodel_dir = "m"\n'
@@ -508,10 +509,9 @@ async def test_admin_token(autojump_clock: trio.abc.Clock, monkeypatch: pytest.M
             gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_ADMIN")
         )
         app = create_admin_app(gateway)
-        async with app.test_app():
-            client = app.test_client()
+        async with lifespan(app):
             statuses = [
-                (await client.get("/admin/engines", headers=headers)).status_code
+                (await request(app, "GET", "/admin/engines", b"", headers)).status
                 for headers in (
                     {"Authorization": "bearer tok"},
                     {"Authorization": "Bearer tok"},

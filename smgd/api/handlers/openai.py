@@ -19,8 +19,6 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from quart import Blueprint, Response
-
 from smgd.api.core.errors import stream_error
 from smgd.api.core.execute import collect, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
@@ -30,10 +28,7 @@ from smgd.api.core.prepare import (
     context_len,
     encode,
     plan_jobs,
-    quart_call,
-    read_json,
     resolve_model,
-    to_response,
 )
 from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.errors import InvalidRequest, SmgdError
@@ -51,15 +46,12 @@ if TYPE_CHECKING:
 __all__ = [
     "OpenAIRenderer",
     "TokenText",
-    "blueprint",
     "chat_logprobs",
     "chat_reply",
     "completion_logprobs",
     "completion_reply",
     "stop_reason",
 ]
-
-blueprint = Blueprint("openai", __name__)
 
 # Chat keys that would change the prompt in ways smgd does not implement; rejected by name.
 _CHAT_UNSUPPORTED = ("chat_template", "documents")
@@ -364,14 +356,9 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-@blueprint.post("/v1/chat/completions")
-async def chat_completions() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.http.dispatch`."""
-    return to_response(await chat_reply(quart_call(), await read_json()))
-
-
-async def chat_reply(call: Call, body: dict[str, Any]) -> Reply:
+async def chat_reply(call: Call) -> Reply:
     """``POST /v1/chat/completions``: 4xx errors are raised before any engine sees the request."""
+    body = call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     for key in _CHAT_UNSUPPORTED:
@@ -448,14 +435,9 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
     )
 
 
-@blueprint.post("/v1/completions")
-async def completions() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.http.dispatch`."""
-    return to_response(await completion_reply(quart_call(), await read_json()))
-
-
-async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
+async def completion_reply(call: Call) -> Reply:
     """``POST /v1/completions``: 4xx errors are raised before any engine sees the request."""
+    body = call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)

@@ -1,27 +1,28 @@
-"""The quart-trio application: ``create_app(gateway)``.
+"""smgd's two apps: the public API (:func:`create_app`) and the admin listener's
+(:func:`create_admin_app`), each a route table served by the one envelope
+(:class:`~smgd.api.http.dispatch.Dispatcher`).
 
-Cross-cutting HTTP behaviour lives here; endpoints are in :mod:`~smgd.api.handlers.openai`,
-:mod:`~smgd.api.handlers.native` and :mod:`~smgd.api.handlers.ops`.
+The public app:
 
-- Request ids: ``X-Request-Id`` is accepted (1-128 of ``[A-Za-z0-9._:/+=@-]``, else 400; of a
-  list ``a, b``, as proxies merge repeated headers, the first) or minted, echoed on every
-  response, and used in the request's log line.
-- API keys (``Authorization: Bearer``, the scheme name in any case) guard the inference
-  endpoints only; keys come from the env var named by ``server.api_keys_env`` (comma-separated)
-  and/or ``server.api_keys_file`` (one per line). A configured source without a key is a
-  config error at start and a refused reload, never "no auth". Keys are never logged.
-- While draining, new inference requests get 503 + ``Retry-After``.
-- Bodies above ``server.max_body_bytes`` get 413. Quart's ``RESPONSE_TIMEOUT`` is disabled
-  (it wraps the whole streamed body, so it would cut every stream longer than 60 s).
-- Every error is the OpenAI envelope (:mod:`smgd.api.core.errors`).
-- Metrics (:mod:`smgd.metrics`): one private registry per app, in ``app.extensions``; every
-  response is counted by route template and status, every error answered before a stream
-  started by cause, and each generation request once when it ends (``RECORDER_KEY``).
+- API keys (``Authorization: Bearer``, the scheme name in any case) guard the inference and
+  model endpoints (:data:`KEY_PATHS`); keys come from the env var named by
+  ``server.api_keys_env`` (comma-separated) and/or ``server.api_keys_file`` (one per line). A
+  configured source without a key is a config error at start and a refused reload, never
+  "no auth". Keys are never logged.
+- While draining, new generation requests get 503 + ``Retry-After``.
+- Bodies above ``server.max_body_bytes`` get 413.
+- Metrics (:mod:`smgd.metrics`): one private registry per app (``app.ctx.registry``); every
+  response is counted by route and status, every error answered before a stream started by
+  cause, and each generation request once when it ends.
+- With several workers (:mod:`smgd.worker_peers`), it answers its peers' questions (readiness,
+  load, metrics) from a background task.
+
+The admin app: reload, drain and engine state (:mod:`smgd.api.handlers.admin`), every route
+behind ``admin.token_env``'s token when one is configured.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from functools import partial
@@ -29,21 +30,14 @@ from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import generate_latest
-from quart import Response, g, has_request_context, request
-from werkzeug.exceptions import HTTPException
 
-from smgd.api.core.errors import error_body, error_headers, http_error
-from smgd.api.core.execute import RECORDER_KEY
 from smgd.api.core.pacer import LoadPacer
-from smgd.api.core.pipeline import new_request_id
-from smgd.api.core.prepare import ApiContext, api
-from smgd.api.handlers import native, openai, ops
-from smgd.api.http.asgi_connection import InlineHTTPConnection
-from smgd.api.http.dispatch import HotRoutes, SmgdApp, check_access, client_request_id
+from smgd.api.core.prepare import ApiContext
+from smgd.api.handlers import admin, native, openai, ops
+from smgd.api.http.dispatch import Dispatcher, Route
 from smgd.config import load_admin_token, load_api_keys
-from smgd.errors import InvalidRequest, SmgdError
-from smgd.metrics import REGISTRY_KEY, RequestMetrics, build_registry
-from smgd.worker_peers import PEERS_KEY, serve_own, worker_peers
+from smgd.metrics import RequestMetrics, build_registry
+from smgd.worker_peers import serve_own, worker_peers
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -52,69 +46,68 @@ if TYPE_CHECKING:
     from smgd.config import Config
     from smgd.gateway import Gateway
 
-__all__ = ["create_app", "load_api_keys"]
+__all__ = ["ADMIN_ROUTES", "KEY_PATHS", "ROUTES", "create_admin_app", "create_app"]
 
-log = logging.getLogger("smgd.api")
-
-# Time to receive a whole request body. The largest allowed body (max_body_bytes, 8 MiB by
-# default) arrives in milliseconds on a local socket; 60 s only cuts stalled uploads.
-BODY_TIMEOUT_S = 60
 # Worker threads tokenizing big prompts at once: every core but one (at least one thread), so
 # tokenization never takes the core the event loop streams every response from. Two threads
 # on the 2-core target left the loop competing with them for CPU.
 TOKENIZE_THREADS = max(1, (os.cpu_count() or 1) - 1)
 
+ROUTES: Mapping[str, Route] = {
+    "/v1/chat/completions": Route("POST", openai.chat_reply, generation=True),
+    "/v1/completions": Route("POST", openai.completion_reply, generation=True),
+    "/generate": Route("POST", native.generate_reply, generation=True),
+    "/health": Route("GET", ops.health),
+    "/liveness": Route("GET", ops.health),
+    "/readiness": Route("GET", ops.readiness),
+    "/v1/models": Route("GET", ops.models),
+    "/v1/tokenize": Route("POST", ops.tokenize),
+    "/tokenize": Route("POST", ops.tokenize),
+    "/v1/detokenize": Route("POST", ops.detokenize),
+    "/detokenize": Route("POST", ops.detokenize),
+    "/metrics": Route("GET", ops.metrics),
+    "/get_load": Route("GET", ops.get_load),
+}
+# Paths whose requests need an API key (when keys are configured): everything that reads a
+# model or runs one. Probes and metrics stay open for load balancers and scrapers.
+KEY_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
 
-def _error_response(err: SmgdError) -> Response:
-    rid = g.get("request_id")
-    return Response(error_body(err), status=err.status, headers=error_headers(err, rid))
+ADMIN_ROUTES: Mapping[str, Route] = {
+    "/admin/reload": Route("POST", admin.reload),
+    "/admin/drain": Route("POST", admin.drain),
+    "/admin/engines": Route("GET", admin.engines),
+}
 
 
-def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> SmgdApp:
+def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> Dispatcher:
+    """The public API over ``gateway`` (``environ``: where the API keys' env var is read)."""
     server = gateway.config.server
-    app = SmgdApp("smgd")
-    app.asgi_http_class = InlineHTTPConnection  # fewer scheduler passes per request
-    app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
-    app.config["MAX_CONTENT_LENGTH"] = server.max_body_bytes
-    app.extensions["smgd"] = ApiContext(
+    peers = worker_peers(os.environ if environ is None else environ)
+    metrics = RequestMetrics()
+    registry = build_registry(gateway, metrics)
+    pacer = LoadPacer(max_window_s=server.coalesce_max_ms / 1000)
+    ctx = ApiContext(
         gateway=gateway,
         api_keys=load_api_keys(gateway.config, environ),
         tokenize_limiter=trio.CapacityLimiter(TOKENIZE_THREADS),
         keepalive_s=server.keepalive_interval_s,
         created=int(time.time()),
-        pacer=LoadPacer(max_window_s=server.coalesce_max_ms / 1000),
+        max_body_bytes=server.max_body_bytes,
+        pacer=pacer,
+        registry=registry,
+        peers=peers,
     )
-
-    background: list[trio.CancelScope] = []
-    peers = worker_peers(os.environ if environ is None else environ)
+    background: list[Callable[[], Awaitable[None]]] = [pacer.run]
     if peers is not None:
-        app.extensions[PEERS_KEY] = peers
+        answers = {
+            "metrics": partial(generate_latest, registry),
+            "readiness": partial(ops.readiness_answer, gateway),
+            "load": partial(ops.load_answer, gateway),
+        }
+        background.append(partial(serve_own, peers.own_fd, answers))
 
-    async def _in_background(run: Callable[[], Awaitable[None]]) -> None:
-        with trio.CancelScope() as scope:
-            background.append(scope)
-            await run()
-
-    @app.before_serving
-    async def _start_background() -> None:
-        pacer = app.extensions["smgd"].pacer
-        if pacer is not None:
-            app.nursery.start_soon(_in_background, pacer.run)
-        if peers is not None:
-            registry = app.extensions[REGISTRY_KEY]
-            answers = {
-                "metrics": partial(generate_latest, registry),
-                "readiness": partial(ops.readiness_answer, gateway),
-                "load": partial(ops.load_answer, gateway),
-            }
-            app.nursery.start_soon(_in_background, partial(serve_own, peers.own_fd, answers))
-
-    @app.after_serving
-    async def _stop_background() -> None:
-        # Background tasks would otherwise hold the app's shutdown for its 5 s timeout.
-        for scope in background:
-            scope.cancel()
+    def record(state: RequestState, now: float) -> None:
+        metrics.record(state, now, draining=gateway.draining)
 
     def on_reload(config: Config) -> Callable[[], None]:
         # A key source that yields no key (or an unreadable file) refuses the whole reload, so
@@ -124,73 +117,36 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
         load_admin_token(config, environ)
 
         def apply() -> None:
-            ctx = app.extensions["smgd"]
             ctx.api_keys = keys
             ctx.keepalive_s = config.server.keepalive_interval_s
-            app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+            ctx.max_body_bytes = config.server.max_body_bytes
 
         return apply
 
     gateway.reload_hooks.append(on_reload)
-    app.register_blueprint(openai.blueprint)
-    app.register_blueprint(native.blueprint)
-    app.register_blueprint(ops.blueprint)
-    metrics = RequestMetrics()
-    app.extensions[REGISTRY_KEY] = build_registry(gateway, metrics)
+    return Dispatcher(
+        ROUTES,
+        ctx,
+        key_paths=KEY_PATHS,
+        key_refusal="Invalid or missing API key (Authorization: Bearer <key>)",
+        metrics=metrics,
+        recorder=record,
+        background=background,
+    )
 
-    def record(state: RequestState, now: float) -> None:
-        metrics.record(state, now, draining=gateway.draining)
-        if has_request_context():
-            g.smgd_recorded = True  # the error handler must not count this request again
 
-    app.extensions[RECORDER_KEY] = record
-    app.hot = HotRoutes(app, app.extensions["smgd"], metrics, record)
-
-    @app.before_request
-    async def _before() -> None:
-        header = request.headers.get("X-Request-Id")
-        g.request_id = new_request_id()
-        if header is not None:
-            g.request_id = client_request_id(header)
-        check_access(api(), request.path, request.headers.get("Authorization"))
-
-    @app.after_request
-    async def _after(response: Response) -> Response:
-        rid = g.get("request_id")
-        if rid is not None:
-            response.headers["X-Request-Id"] = rid
-        rule = request.url_rule
-        metrics.http(
-            rule.rule if rule is not None else "unmatched", request.method, response.status_code
-        )
-        return response
-
-    @app.errorhandler(SmgdError)
-    async def _smgd_error(err: SmgdError) -> Response:
-        if err.status >= 500:
-            log.warning("%s: %s %s", g.get("request_id"), err.status, err.message)
-        if not g.get("smgd_recorded"):
-            metrics.refused(err, draining=gateway.draining)
-        return _error_response(err)
-
-    @app.errorhandler(HTTPException)
-    async def _http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        message = exc.description or exc.name
-        if status == 413:
-            message = f"the request body is larger than {server.max_body_bytes} bytes"
-        if status in (400, 413):
-            metrics.refused(InvalidRequest(message), draining=gateway.draining)
-        headers = {"Content-Type": "application/json"}
-        if rid := g.get("request_id"):
-            headers["X-Request-Id"] = rid
-        return Response(http_error(status, message), status=status, headers=headers)
-
-    @app.errorhandler(Exception)
-    async def _internal(exc: Exception) -> Response:
-        log.exception("%s: unhandled error", g.get("request_id"), exc_info=exc)
-        err = SmgdError(f"internal error: {type(exc).__name__}")
-        metrics.refused(err, draining=gateway.draining)
-        return _error_response(err)
-
-    return app
+def create_admin_app(gateway: Gateway) -> Dispatcher:
+    """The admin listener's app; a ConfigError when ``admin.token_env`` is set but empty."""
+    token = load_admin_token(gateway.config)  # configured but unset or empty: never open
+    server = gateway.config.server
+    ctx = ApiContext(
+        gateway=gateway,
+        api_keys=() if token is None else (token,),
+        tokenize_limiter=trio.CapacityLimiter(1),  # no admin route tokenizes
+        keepalive_s=server.keepalive_interval_s,
+        created=int(time.time()),
+        max_body_bytes=server.max_body_bytes,
+    )
+    return Dispatcher(
+        ADMIN_ROUTES, ctx, key_paths=("/",), key_refusal="invalid or missing admin token"
+    )
