@@ -14,6 +14,7 @@ import trio.testing
 from smgd.api.core.prepare import Reply, json_reply
 from smgd.api.http.app import create_app
 from smgd.api.http.dispatch import BODY_TIMEOUT_S, Route, read_body
+from smgd.config import ServerConfig
 
 from .asgi_client import connect, http_scope, lifespan, request
 from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
@@ -119,6 +120,22 @@ async def test_a_stalled_body_gets_408_through_the_app(autojump_clock: trio.abc.
         assert conn.status == 408
         assert json.loads(body)["error"]["code"] is None
         assert dict(conn.headers)["x-request-id"] == "rid-1"
+
+
+async def test_the_body_limit_applies_to_every_route_after_routing() -> None:
+    async with open_gateway(server=ServerConfig(max_body_bytes=100)) as gateway:
+        app = create_app(gateway, environ={})
+        async with lifespan(app):
+            big = b"x" * 101
+            health = await request(app, "GET", "/health", big, RID)
+            unknown = await request(app, "GET", "/nope", big, RID)
+            at_limit = await request(app, "GET", "/health", big[:100], RID)
+    assert health.status == 413
+    assert json.loads(health.body)["error"]["message"] == (
+        "the request body is larger than 100 bytes"
+    )
+    assert unknown.status == 404  # an unknown path says so, whatever its body
+    assert at_limit.status == 200
 
 
 async def test_a_client_gone_before_its_body_ends_gets_no_answer_and_no_handler() -> None:
