@@ -77,7 +77,8 @@ _decoder = msgspec.json.Decoder()
 class ApiContext:
     """What an app's handlers share: one per app, built by :mod:`smgd.api.http.app`.
 
-    ``api_keys`` and ``max_body_bytes`` change on a reload; the rest is fixed for the app's life.
+    ``api_keys``, ``keepalive_s`` and ``max_body_bytes`` change on a reload; the rest is fixed
+    for the app's life.
     """
 
     gateway: Gateway
