@@ -52,7 +52,8 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
     keep = engine_toml("keep", "m-keep", step_ms=10)
     other = engine_toml("other", "m-other")
     path.write_text(config_text(keep, other))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         results: list[int] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream_many, client, "m-keep", 64, 60, results)
@@ -67,8 +68,7 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
             # Keep the same run_dir so the untouched engines' sockets stay where they are.
             new = f'run_dir = "{run_dir}"\n' + new.split("\n", 1)[1]
             path.write_text(new)
-            assert gateway.reload is not None
-            result = await gateway.reload()
+            result = await daemon.reload()
         assert results == [60] * 64
         names = {e.name for e in gateway.router.engines()}
         if change == "add":
@@ -94,7 +94,8 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
 async def test_sighup_reloads(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(engine_toml("a", "m-a")))
-    async with running_daemon(path, install_signals=True) as (gateway, client):
+    async with running_daemon(path, install_signals=True) as (daemon, client):
+        gateway = daemon.gateway
         before = gateway.reloads_total
         os.kill(os.getpid(), signal.SIGHUP)
         with trio.fail_after(10):
@@ -179,7 +180,7 @@ async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.Monke
     text = config_text(engine_toml("a", "m-a"))
     path.write_text(text)
     body = {"model": "m-a", "prompt": "hi", "max_tokens": 2}
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         monkeypatch.setenv("SMGD_TEST_KEYS", "k1,k2")
         run_line, rest = text.split("\n", 1)
@@ -188,8 +189,7 @@ async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.Monke
             + "\n"
             + rest.replace("[server]\n", '[server]\napi_keys_env = "SMGD_TEST_KEYS"\n')
         )
-        assert gateway.reload is not None
-        result = await gateway.reload()
+        result = await daemon.reload()
         assert result.ok, result.error
         assert (await client.post("/v1/completions", json=body)).status_code == 401
         ok = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
@@ -201,7 +201,8 @@ async def test_killed_engine_fails_only_its_streams_and_comes_back(tmp_path: Pat
     path.write_text(
         config_text(engine_toml("a", "m-a", step_ms=10), engine_toml("b", "m-b", step_ms=10))
     )
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         outcomes: dict[str, list[str]] = {"m-a": [], "m-b": []}
 
         async def one(model: str) -> None:
@@ -238,12 +239,13 @@ async def test_killed_engine_fails_only_its_streams_and_comes_back(tmp_path: Pat
 async def test_admin_endpoints_are_not_on_the_public_listener(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(engine_toml("a", "m-a")))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         for route in ("/admin/reload", "/admin/drain"):
             assert (await client.post(route)).status_code == 404
         assert (await client.get("/admin/engines")).status_code == 404
         assert not gateway.draining
-        sock = gateway.admin_binds[0]
+        sock = daemon.admin_binds[0]
         assert sock.startswith("http://unix:")
         transport = httpx.AsyncHTTPTransport(uds=sock[len("http://unix:") :])
         async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:

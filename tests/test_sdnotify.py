@@ -16,8 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from smgd.daemon import watchdog_task
-from smgd.sdnotify import notify, watchdog_interval
+from smgd.sdnotify import notify, watchdog, watchdog_interval
 
 from .daemon_harness import config_text, engine_toml, running_daemon
 from .engine_harness import short_ipc_dir
@@ -115,7 +114,7 @@ async def test_watchdog_pings_every_interval(
     async with notify_socket(monkeypatch, f"@smgd-test-{uuid.uuid4().hex}") as inbox:
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watchdog_task, 7.5)
+            nursery.start_soon(watchdog, 7.5)
             with trio.fail_after(100):
                 await inbox.wait_for("WATCHDOG=1", count=5)
             nursery.cancel_scope.cancel()
@@ -134,22 +133,17 @@ async def test_daemon_notifies_ready_reloading_watchdog_and_stopping(
     address = f"@smgd-test-{uuid.uuid4().hex}"
     async with (
         notify_socket(monkeypatch, address) as inbox,
-        running_daemon(path) as (
-            gateway,
-            client,
-        ),
+        running_daemon(path) as (daemon, client),
     ):
         with trio.fail_after(30):
             await inbox.wait_for("READY=1")
         assert (await client.get("/readiness")).status_code == 200
-        assert gateway.reload is not None
-        result = await gateway.reload()
+        result = await daemon.reload()
         assert result.ok
         with trio.fail_after(5):
             await inbox.wait_for("READY=1", count=2)
             await inbox.wait_for("WATCHDOG=1", count=3)
-        gateway.draining = True
-        gateway.drain_event.set()
+        daemon.drain()
         with trio.fail_after(5):
             await inbox.wait_for("STOPPING=1")
     states = [s.split("\n")[0] for s in inbox.states() if s != "WATCHDOG=1"]

@@ -13,7 +13,8 @@ import trio
 
 from smgd.config import load_config
 from smgd.errors import ConfigError
-from smgd.workers import Worker, current_worker, for_worker, reuseport_sockets
+from smgd.worker_id import Worker, current_worker, for_worker
+from smgd.workers import reuseport_sockets
 
 from .daemon_harness import (
     config_text,
