@@ -271,8 +271,7 @@ async def supervise_engine(
             first = False
         if slot.retiring:
             return  # being stopped anyway: a relaunch would only be cancelled
-        restarts = gateway.engine_restarts
-        restarts[name] = restarts.get(name, 0) + 1
+        gateway.engine_restarts[name] = gateway.engine_restarts.get(name, 0) + 1
         log.warning("engine %s failed: %s; restarting in %.1f s", name, reason, backoff)
         if trio.current_time() - started_at > BACKOFF_RESET_S:
             backoff = BACKOFF_INITIAL_S
@@ -330,11 +329,10 @@ class EngineSet:
             return
         slot.retiring = True
         client = slot.client
-        router = self.gateway.router
         if client is not None and replacing:
             client.start_draining()
         else:
-            router.remove(name)
+            self.gateway.router.remove(name)
         if client is not None:
             with trio.move_on_after(drain_s):
                 while client.in_flight:  # noqa: ASYNC110 - counts change on the reader task
@@ -344,8 +342,8 @@ class EngineSet:
         slot.scope.cancel()
         await slot.stopped.wait()
         # A replaced engine stays listed (stopped: 503) until its successor takes its place.
-        if not replacing and router.get(name) is slot.client:
-            router.remove(name)
+        if not replacing and self.gateway.router.get(name) is slot.client:
+            self.gateway.router.remove(name)
 
     def reconfigure(self, engine: EngineConfig) -> None:
         """Apply an in-place change: the running client and every later relaunch use it."""
