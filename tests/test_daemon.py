@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from smgd.api.server import bind_public
+from smgd.assets import TINY_MODEL_DIR
 from smgd.config import Config, ServerConfig
 from smgd.errors import TransportError
 from smgd.gateway import Gateway
@@ -282,4 +283,24 @@ async def test_startup_failures_exit_nonzero_with_a_clear_message(
             proc.communicate()
     assert proc.returncode == 1
     assert needle in err
+    assert "Traceback" not in err
+
+
+async def test_a_config_error_found_while_starting_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Past load_config: a model directory without a tokenizer is found when the daemon loads
+    it; that is still a config error (exit 2, one line with the key), not a crash (exit 1)."""
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")).replace(str(TINY_MODEL_DIR), str(empty)))
+    proc = serve_process(path)
+    try:
+        _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("smgd: ")]
+    assert line.startswith("smgd: config error at $.engines[0].model_dir: ")
     assert "Traceback" not in err

@@ -31,7 +31,7 @@ from smgd.engines.base import EngineClient, EngineState
 from smgd.errors import EngineDead, Overloaded, TransportError
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv
-from smgd.reload import IN_PLACE, keep_running, replace_keys
+from smgd.reload import IN_PLACE, keep_running, plan, replace_keys
 from smgd.router import Router
 from smgd.status import run_reload, target_from_config
 from smgd.supervise import Supervised, supervise_engine
@@ -113,6 +113,46 @@ def test_restart_keys_keep_their_running_values(tmp_path: Path) -> None:
     kept = keep_running(load_config(path, environ={}), running)
     assert (kept.run_dir, kept.server.port) == ("/tmp/a", 1)  # need a restart: the old values
     assert kept.server.max_body_bytes == 20  # applies live: the new value
+
+
+def test_the_plan_sorts_every_engine_by_what_a_reload_does_to_it() -> None:
+    running = Config(
+        engines=[
+            _engine(name="same"),
+            _engine(name="gone"),
+            _engine(name="tuned"),
+            _engine(name="moved"),
+            _engine(name="both"),
+        ]
+    )
+    loaded = msgspec.structs.replace(
+        running,
+        run_dir="/elsewhere",  # needs a restart: reported, and the running value kept
+        engines=[
+            _engine(name="same"),
+            _engine(name="tuned", max_inflight=3),
+            _engine(name="moved", ipc_dir="/x"),
+            _engine(name="both", max_queue=9, ipc_dir="/y"),
+            _engine(name="new"),
+        ],
+    )
+    todo = plan(running, loaded)
+    names = {
+        kind: [e.name for e in getattr(todo, kind)]
+        for kind in ("added", "removed", "changed", "replaced", "in_place", "starts")
+    }
+    assert names == {
+        "added": ["new"],
+        "removed": ["gone"],
+        "changed": ["tuned", "moved", "both"],
+        "replaced": ["moved", "both"],  # one key outside IN_PLACE is enough
+        "in_place": ["tuned"],
+        "starts": ["new", "moved", "both"],
+    }
+    assert todo.needs_restart == ["run_dir"]
+    assert todo.config.run_dir == running.run_dir
+    assert todo.before["both"] == running.engines[4]
+    assert plan(running, running).changed == [] and plan(running, running).needs_restart == []
 
 
 # --------------------------------------------------------------------------- in place
