@@ -254,6 +254,28 @@ async def test_admin_endpoints_are_not_on_the_public_listener(tmp_path: Path) ->
         assert [e["name"] for e in engines["engines"]] == ["a"]
 
 
+async def test_the_admin_listener_reloads_and_drains_through_the_daemon(tmp_path: Path) -> None:
+    """The admin app writes no gateway field: its reload and drain are the daemon's."""
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")))
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
+        transport = httpx.AsyncHTTPTransport(uds=daemon.admin_binds[0][len("http://unix:") :])
+        async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
+            reloaded = await admin.post("/admin/reload")
+            assert reloaded.status_code == 200 and reloaded.json()["ok"] is True
+            assert (gateway.reloads_total, gateway.reload_failures_total) == (1, 0)
+            path.write_text(path.read_text().replace('wire = "mock"', 'wire = "tgi"'))
+            refused = await admin.post("/admin/reload")
+            assert refused.status_code == 400 and "$.engines[0].wire" in refused.json()["error"]
+            assert (gateway.reloads_total, gateway.reload_failures_total) == (2, 1)
+            assert (await client.get("/readiness")).status_code == 200
+            drained = await admin.post("/admin/drain")
+            assert drained.json() == {"draining": True}
+        assert gateway.draining and gateway.drain_event.is_set()
+        assert (await client.get("/readiness")).status_code == 503  # within drain_settle_s
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
