@@ -123,6 +123,30 @@ async def test_watchdog_pings_every_interval(
 
 
 @pytest.mark.usefixtures("no_systemd")
+@pytest.mark.parametrize("usec", [None, "0", "3000000"])
+async def test_watchdog_pings_only_when_systemd_asks_for_it(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock, usec: str | None
+) -> None:
+    """No WATCHDOG_USEC (or 0, which would make the loop spin): the task returns at once."""
+    if usec is not None:
+        monkeypatch.setenv("WATCHDOG_USEC", usec)
+    pings: list[float] = []
+
+    def record(state: str) -> bool:
+        pings.append(trio.current_time())
+        assert len(pings) < 100, "the watchdog spins"  # a spinning loop fails here, fast
+        return True
+
+    monkeypatch.setattr("smgd.sdnotify.notify", record)
+    start = trio.current_time()
+    with trio.move_on_after(10) as waited:
+        await watchdog()
+    assert waited.cancelled_caught is (usec == "3000000")
+    expected = [0.0, 1.5, 3.0, 4.5, 6.0, 7.5, 9.0] if usec == "3000000" else []
+    assert [t - start for t in pings] == pytest.approx(expected)
+
+
+@pytest.mark.usefixtures("no_systemd")
 async def test_daemon_notifies_ready_reloading_watchdog_and_stopping(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
