@@ -206,13 +206,13 @@ def serve_main(
     setup_logging(config.logging)
     tune_gc()
     worker = current_worker()
-    supervise = worker is None and config.server.workers > 1
+    as_supervisor = worker is None and config.server.workers > 1  # of N worker processes
     if worker is not None:
         config = for_worker(config, worker)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            if supervise:
+            if as_supervisor:
                 binds = await nursery.start(
                     partial(
                         serve_workers,

@@ -25,8 +25,10 @@ small supervisor and N ordinary smgd daemons do the work:
   (not when engines are ready; ``/readiness`` tells that per worker), WATCHDOG=1 from its own
   loop, STOPPING=1 on a stop.
 
-Only worker 0 binds the admin listener. ``/metrics`` and ``/readiness`` on the public port
-describe the worker that accepted the connection.
+Only worker 0 binds the admin listener. ``/metrics``, ``/readiness`` and ``/get_load`` on the
+public port cover every worker, whichever accepted the connection (:mod:`smgd.worker_peers`).
+A worker reads its place (``k/N``) and its listening fds from the environment the supervisor
+gives it, through the leaf :mod:`smgd.worker_id`.
 """
 
 from __future__ import annotations
