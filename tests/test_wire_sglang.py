@@ -13,7 +13,7 @@ import pytest
 from msgspec.msgpack import Ext
 
 from smgd.errors import InvalidRequest, WireError
-from smgd.wire import sglang as sg
+from smgd.wire.sglang import structs as sg
 from smgd.wire.common import (
     Finish,
     FinishReason,

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from smgd.bench.stats import percentile
-from smgd.wire import sglang as codec
+from smgd.wire.sglang import structs as codec
 from smgd.wire.common import GenerateRequest, SamplingParams
 
 # How long one poll waits before re-checking the deadlines: short enough that the hard time

@@ -23,7 +23,7 @@ import zmq
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
-from smgd.wire import sglang as codec
+from smgd.wire.sglang import structs as codec
 from smgd.wire.common import EngineInfo, GenerateRequest
 from smgd.zmq_trio import TrioSocket, open_monitor
 

@@ -14,7 +14,7 @@ import zmq
 
 from smgd.mock.engine import GARBAGE, EngineExit
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import sglang as codec
+from smgd.wire.sglang import structs as codec
 from smgd.wire.common import Finish, FinishReason
 from smgd.zmq_trio import TrioSocket
 

@@ -15,7 +15,7 @@ from typing import IO, Any
 from smgd.errors import SmgdError, WireError
 
 _CODECS = {
-    "sglang": "smgd.wire.sglang",
+    "sglang": "smgd.wire.sglang.structs",
     "vllm": "smgd.wire.vllm",
     "tokenspeed": "smgd.wire.tokenspeed",
 }

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from msgspec.msgpack import Ext
 
 from smgd.errors import WireError
-from smgd.wire.sglang import (
+from smgd.wire.sglang.structs import (
     _Q_META,
     EXT_ARRAY,
     MODELED,

@@ -24,7 +24,7 @@ from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
 from smgd.errors import EngineDead
 from smgd.launchers import sglang_scheduler_script
-from smgd.wire import sglang as codec
+from smgd.wire.sglang import structs as codec
 from smgd.wire.common import EngineInfo, FinishReason, GenerateRequest, SamplingParams
 
 from ..engine_harness import short_ipc_dir

@@ -26,7 +26,7 @@ import pytest
 import zmq
 
 from smgd.launchers import sglang_scheduler_script
-from smgd.wire import sglang as sg
+from smgd.wire.sglang import structs as sg
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams, TokenDelta
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]

@@ -1,0 +1,1 @@
+"""SGLang's TokenizerManager <-> Scheduler wire (msgpack mode), sans-IO."""
