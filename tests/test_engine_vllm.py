@@ -387,7 +387,7 @@ def test_launcher_argv_dials_the_bound_handshake() -> None:
 def test_mock_answers_utility_calls_and_can_announce_remote() -> None:
     from smgd.mock.scheduler import MockScheduler
     from smgd.mock.vllm import VllmMockWire
-    from smgd.wire import vllm as codec
+    from smgd.wire.vllm import structs as codec
 
     wire = VllmMockWire("tcp://127.0.0.1:1", local=False)
     assert wire.local is False

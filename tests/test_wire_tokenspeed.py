@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from smgd.errors import InvalidRequest, WireError
-from smgd.wire import tokenspeed as ts
+from smgd.wire.tokenspeed import structs as ts
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 
 DOC = json.loads((Path(__file__).parent / "vectors" / "tokenspeed.json").read_text())

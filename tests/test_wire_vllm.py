@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from smgd.errors import WireError
-from smgd.wire import vllm
+from smgd.wire.vllm import structs as vllm
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams
 
 DOC = json.loads((Path(__file__).parent / "vectors" / "vllm.json").read_text())

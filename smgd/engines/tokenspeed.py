@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import ConfigError
-from smgd.wire import tokenspeed as codec
+from smgd.wire.tokenspeed import structs as codec
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig

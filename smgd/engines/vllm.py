@@ -26,7 +26,7 @@ import msgspec
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import InvalidRequest
-from smgd.wire import vllm as codec
+from smgd.wire.vllm import structs as codec
 from smgd.wire.common import FinishReason
 
 if TYPE_CHECKING:

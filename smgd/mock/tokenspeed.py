@@ -23,7 +23,7 @@ import zmq
 from smgd.errors import WireError
 from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import tokenspeed as codec
+from smgd.wire.tokenspeed import structs as codec
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import zmq
 from smgd.errors import WireError
 from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import vllm as codec
+from smgd.wire.vllm import structs as codec
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:

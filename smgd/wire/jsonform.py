@@ -16,8 +16,8 @@ from smgd.errors import SmgdError, WireError
 
 _CODECS = {
     "sglang": "smgd.wire.sglang.structs",
-    "vllm": "smgd.wire.vllm",
-    "tokenspeed": "smgd.wire.tokenspeed",
+    "vllm": "smgd.wire.vllm.structs",
+    "tokenspeed": "smgd.wire.tokenspeed.structs",
 }
 
 

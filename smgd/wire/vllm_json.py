@@ -19,7 +19,7 @@ from msgspec import inspect as mi
 from msgspec.msgpack import Ext
 
 from smgd.errors import WireError
-from smgd.wire.vllm import (
+from smgd.wire.vllm.structs import (
     _ENCODER,
     ENGINE_CORE_DEAD,
     RAW_VIEW_EXT,

@@ -29,7 +29,7 @@ import pytest
 import zmq
 
 import smgd.launchers
-from smgd.wire import vllm
+from smgd.wire.vllm import structs as vllm
 from smgd.wire.common import Finish, FinishReason, GenerateRequest, SamplingParams, TokenDelta
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]

@@ -481,7 +481,7 @@ def live(ts: dict[str, Any], repo: Path) -> list[dict[str, Any]]:
 
     zm, zw, io, rt = ts["zm"], ts["zw"], ts["io"], ts["rt"]
     sys.path.insert(0, str(repo))
-    from smgd.wire import tokenspeed as smgd_ts  # pure msgspec; no trio/zmq import
+    from smgd.wire.tokenspeed import structs as smgd_ts  # pure msgspec; no trio/zmq import
     from smgd.wire.common import GenerateRequest, SamplingParams
 
     ctx = zmq.Context()
