@@ -15,7 +15,7 @@ from typing import IO, Any
 from smgd.errors import SmgdError, WireError
 
 _CODECS = {
-    "sglang": "smgd.wire.sglang.structs",
+    "sglang": "smgd.wire.sglang.jsonform",
     "vllm": "smgd.wire.vllm.structs",
     "tokenspeed": "smgd.wire.tokenspeed.structs",
 }
