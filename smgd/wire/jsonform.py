@@ -16,7 +16,7 @@ from smgd.errors import SmgdError, WireError
 
 _CODECS = {
     "sglang": "smgd.wire.sglang.jsonform",
-    "vllm": "smgd.wire.vllm.structs",
+    "vllm": "smgd.wire.vllm.jsonform",
     "tokenspeed": "smgd.wire.tokenspeed.structs",
 }
 
