@@ -53,10 +53,14 @@ _DEC_REG = msgspec.msgpack.Decoder(Registration)
 
 
 def decode_as(decoder: msgspec.msgpack.Decoder[Any], frame: Any, what: str) -> Any:
+    """``decoder.decode(frame)``; a frame it refuses is a WireError naming ``what``."""
     try:
         return decoder.decode(frame)
     except (msgspec.DecodeError, TypeError) as exc:  # ValidationError is a DecodeError
         raise WireError(f"tokenspeed: bad {what}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- handshake
 
 
 def decode_identity(frame: bytes | memoryview) -> int:
@@ -115,6 +119,9 @@ def decode_registration(data: bytes | memoryview | Mapping[str, Any]) -> Registr
     return reg
 
 
+# --------------------------------------------------------------------------- requests (mock side)
+
+
 def decode_request(
     frames: Sequence[bytes | memoryview],
 ) -> TokenizedGenerateReqInput | AbortRequest:
@@ -128,6 +135,9 @@ def decode_request(
     if kind == REQ_ABORT:
         return AbortRequest(rids=decode_as(_DEC_ABORT, frames[1], "ABORT payload"))
     raise WireError(f"tokenspeed: unknown request type byte {kind.hex()!r}")
+
+
+# --------------------------------------------------------------------------- outputs
 
 
 def _finish(raw: str) -> Finish | None:
