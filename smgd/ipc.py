@@ -17,6 +17,7 @@ import errno
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 from smgd.errors import TransportError, errno_name
@@ -25,7 +26,9 @@ __all__ = [
     "SUN_PATH_MAX",
     "check_ipc_path",
     "clear_stale_socket",
+    "command_line",
     "ipc_endpoint",
+    "peer_pid",
     "prepare_ipc_dir",
     "prepare_ipc_endpoint",
 ]
@@ -108,7 +111,12 @@ def clear_stale_socket(path: str | os.PathLike[str]) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise TransportError(f"{text!r} exists and is not a socket, refusing to remove it")
     if _has_listener(text):
-        raise TransportError(f"ipc socket {text!r} is in use by a live process")
+        holders = ", ".join(
+            f"pid {pid} ({command_line(pid) or 'gone'})" for pid in socket_holders(text)
+        )
+        raise TransportError(
+            f"ipc socket {text!r} is in use by a live process" + (f": {holders}" if holders else "")
+        )
     # FileNotFoundError: a concurrent cleaner won the race; the path is free either way.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(text)
@@ -134,6 +142,76 @@ def _has_listener(path: str) -> bool:
         f"cannot probe ipc socket {path!r}: {os.strerror(code)}",
         code=errno_name(code),
     )
+
+
+def socket_holders(path: str) -> list[int]:
+    """Pids of the processes holding a unix socket bound at ``path`` (for an error message).
+
+    From ``/proc/net/unix`` (the socket's inode) and ``/proc/*/fd`` (who has it open); a
+    process whose fds we may not read is missing from the answer.
+    """
+    try:
+        table = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    # Num RefCount Protocol Flags Type St Inode [Path]; the path (8th) may hold spaces.
+    rows = (line.split(None, 7) for line in table)
+    inodes = {f"socket:[{row[6]}]" for row in rows if len(row) == 8 and row[7] == path}
+    if not inodes:
+        return []
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and inodes.intersection(_fd_links(proc)):
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def _fd_links(proc: Path) -> set[str]:
+    links: set[str] = set()
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:
+        return links  # gone, or not ours to look at
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed while we looked
+            links.add(os.readlink(fd))
+    return links
+
+
+def command_line(pid: int) -> str:
+    """``pid``'s command line, for an error message (empty if it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+# struct ucred {pid_t pid; uid_t uid; gid_t gid;}: what SO_PEERCRED returns.
+_UCRED = struct.Struct("3i")
+
+
+def peer_pid(fd: int) -> int | None:
+    """The process at the other end of the unix socket connection ``fd`` (a zmq socket
+    monitor's ``accepted`` value), or None: not a unix socket, already closed, or unknown.
+
+    The kernel records the peer when it connects (``SO_PEERCRED``). Best effort: by the time
+    a monitor event is read, the fd may have been closed, or even reused.
+    """
+    try:
+        # A duplicate: closing our socket object must leave zmq's fd alone.
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with sock:
+        if sock.family != socket.AF_UNIX:
+            return None
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        except OSError:
+            return None
+    pid = _UCRED.unpack(raw)[0]
+    return pid if pid > 0 else None
 
 
 def prepare_ipc_endpoint(path: str | os.PathLike[str]) -> str:

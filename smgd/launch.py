@@ -4,6 +4,17 @@ A :class:`Child` runs in its own session (process group) so stopping it stops th
 whole tree (SGLang's launcher forks the scheduler). Its stdout/stderr lines are logged with an
 ``[engine]`` prefix; a line ``SMGD_READY {json}`` on stdout is the launcher's report of what the
 engine said at start-up (context length, KV size) and is kept as :attr:`Child.ready_info`.
+
+No engine outlives smgd, however smgd ends (kill -9 included):
+
+- every child starts through ``launchers/lifeline.py``, which has the kernel SIGKILL it when
+  smgd dies (``PR_SET_PDEATHSIG``) and ties the engine's own children to it in turn;
+- the kernel sends that signal when the *thread* that forked the child ends, so children are
+  forked from the calling thread, trio's (trio's own ``open_process`` forks from a worker
+  thread, which exits after a few idle seconds and would take the engine with it);
+- each launched engine leaves a pid file in its ipc directory; before binding, a client
+  calls :func:`reap_orphans`, which kills whatever an smgd that is gone left running there
+  (its whole session), so a leftover engine can never connect to the new sockets.
 """
 
 from __future__ import annotations
@@ -12,14 +23,17 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
+import msgspec
 import trio
 
+from smgd import ipc
 from smgd.errors import TransportError
 
 if TYPE_CHECKING:
@@ -32,15 +46,229 @@ READY_PREFIX = "SMGD_READY "
 # process tree down in well under a second; 5 s leaves room for a busy engine.
 TERMINATE_GRACE_S = 5.0
 LAUNCHERS_DIR = Path(__file__).parent / "launchers"
+LIFELINE = LAUNCHERS_DIR / "lifeline.py"
+PID_FILE = "engine.pid"
+# After SIGKILL, how long the processes of a leftover engine get to disappear. A SIGKILLed
+# process is gone within milliseconds unless it is in an uninterruptible sleep (a hung device
+# or network filesystem), and then waiting longer would not help either.
+REAP_TIMEOUT_S = 5.0
+REAP_POLL_S = 0.02  # how often the reaper looks again; a kill takes a few ms
+# How often Process.wait polls where pidfds are unavailable (Linux < 5.3).
+WAIT_POLL_S = 0.05
 _DAEMON_ONLY_ENV = frozenset(
     {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"}
 )
 
 
+# --------------------------------------------------------------------------- processes
+
+
+class ProcStat(NamedTuple):
+    """What ``/proc/<pid>/stat`` says about a live process."""
+
+    ppid: int
+    pgid: int
+    sid: int
+    start: int  # clock ticks after boot: with the pid, it names one process for the uptime
+    uid: int
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """The process ``pid`` if it is alive (a zombie is not: it only waits to be reaped)."""
+    path = Path(f"/proc/{pid}")
+    try:
+        text = (path / "stat").read_text()
+        uid = path.stat().st_uid
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) is in parentheses and may hold anything: split after it.
+    fields = text.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # fields[0] is field 3, the state
+        return None
+    return ProcStat(
+        ppid=int(fields[1]), pgid=int(fields[2]), sid=int(fields[3]), start=int(fields[19]), uid=uid
+    )
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid``: an engine's whole tree, even after its leader died.
+
+    The kernel does not reuse a pid while a session still carries it as its id, so every
+    process found here belongs to the session that pid once started.
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = proc_stat(int(entry.name))
+            if stat is not None and stat.sid == sid:
+                found.append(int(entry.name))
+    return found
+
+
+class Process:
+    """A child process as trio sees it: pid, exit status, output pipes.
+
+    Made from a :class:`subprocess.Popen` started on the calling thread (see :func:`spawn`);
+    waits on a pidfd, like ``trio.Process``.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdout = _stream(popen.stdout)
+        self.stderr = _stream(popen.stderr)
+        self._lock = trio.Lock()
+        self._pidfd: int | None
+        try:
+            self._pidfd = os.pidfd_open(popen.pid)
+        except OSError:
+            self._pidfd = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        async with self._lock:
+            if self._popen.poll() is None:
+                if self._pidfd is not None:
+                    await trio.lowlevel.wait_readable(self._pidfd)
+                else:
+                    while self._popen.poll() is None:  # noqa: ASYNC110 - no event without pidfds
+                        await trio.sleep(WAIT_POLL_S)
+                self._popen.wait()  # readable means exited: this only reaps it
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+        assert self._popen.returncode is not None
+        return self._popen.returncode
+
+
+def _stream(pipe: IO[bytes] | None) -> trio.lowlevel.FdStream:
+    assert pipe is not None
+    fd = os.dup(pipe.fileno())
+    pipe.close()
+    return trio.lowlevel.FdStream(fd)
+
+
+# --------------------------------------------------------------------------- pid files
+
+
+class PidRecord(msgspec.Struct, frozen=True):
+    """``<ipc_dir>/engine.pid``: which engine process runs there, and which smgd started it."""
+
+    engine: str
+    pid: int
+    start: int
+    smgd_pid: int
+    smgd_start: int
+    command: str
+
+
+def _own_start() -> int:
+    stat = proc_stat(os.getpid())
+    assert stat is not None  # we are alive
+    return stat.start
+
+
+def _alive(pid: int, start: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat.start == start
+
+
+def read_pid_file(path: Path) -> PidRecord | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=PidRecord)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        log.warning("ignoring unreadable engine pid file %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+
+
+def write_pid_file(path: Path, record: PidRecord) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.encode(record))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+
+
+async def reap_orphans(ipc_dir: Path, name: str) -> None:
+    """Kill an engine left running in ``ipc_dir`` by an smgd that is gone; call before binding.
+
+    Such an engine would connect to the sockets bound next (ZMQ reconnects on its own): a
+    vLLM engine core would hold its rank identity on the input socket so the new engine
+    could never register, an SGLang scheduler would take a share of the requests. Its whole
+    session is SIGKILLed (a warning names it). An engine another *live* smgd started there
+    is refused with a :class:`TransportError` naming both; our own is left alone.
+    """
+    path = ipc_dir / PID_FILE
+    record = read_pid_file(path)
+    if record is None:
+        return
+    leader = proc_stat(record.pid)
+    if leader is not None and leader.start != record.start:
+        # The pid is another process now, so the engine's session is empty: the kernel
+        # does not reuse a pid still in use as a session id.
+        members: list[int] = []
+    else:
+        members = session_members(record.pid)
+    owner_alive = _alive(record.smgd_pid, record.smgd_start)
+    if owner_alive and record.smgd_pid == os.getpid():
+        return  # ours: stopped by its own client
+    if owner_alive:
+        if members:
+            raise TransportError(
+                f"engine {name}: {ipc_dir} is in use by another smgd (pid {record.smgd_pid}), "
+                f"which runs engine pid {record.pid} there; stop that smgd or give this one "
+                "another run_dir"
+            )
+        return  # that smgd's engine is gone; its own client clears the file
+    if members:
+        log.warning(
+            "engine %s: killing %d process(es) of an engine left running by smgd pid %d, "
+            "which is gone: pid %d (%s)",
+            name,
+            len(members),
+            record.smgd_pid,
+            record.pid,
+            record.command,
+        )
+        await _kill_session(record.pid, members, name)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+async def _kill_session(sid: int, members: list[int], name: str) -> None:
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except PermissionError:
+                raise TransportError(
+                    f"engine {name}: cannot kill process {pid} of a leftover engine "
+                    f"({ipc.command_line(pid)}): it belongs to another user"
+                ) from None
+    with trio.move_on_after(REAP_TIMEOUT_S):
+        while session_members(sid):  # noqa: ASYNC110 - no event tells when a process is gone
+            await trio.sleep(REAP_POLL_S)
+        return
+    left = session_members(sid)
+    raise TransportError(
+        f"engine {name}: processes {left} of a leftover engine survived SIGKILL for "
+        f"{REAP_TIMEOUT_S:g} s (uninterruptible sleep?)"
+    )
+
+
+# --------------------------------------------------------------------------- children
+
+
 class Child:
-    def __init__(self, name: str, proc: trio.Process) -> None:
+    def __init__(self, name: str, proc: Process, pid_file: Path | None = None) -> None:
         self.name = name
         self.proc = proc
+        self.pid_file = pid_file
         self.ready_info: dict[str, Any] | None = None
         self.ready_event = trio.Event()
         self.exited = trio.Event()
@@ -49,6 +277,11 @@ class Child:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def owns(self, pid: int) -> bool:
+        """Whether process ``pid`` is part of this engine (its own session)."""
+        stat = proc_stat(pid)
+        return stat is not None and stat.sid == self.proc.pid
 
     async def _pump(self, stream: trio.abc.ReceiveStream, label: str) -> None:
         buffer = b""
@@ -83,20 +316,41 @@ class Child:
         engine core whose worker was killed first exits 1 with a traceback). The group kill
         afterwards makes sure nothing of the tree survives.
         """
-        if self.proc.returncode is not None:
-            _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of an exited leader
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGTERM)
-        with trio.move_on_after(grace):
+        try:
+            if self.proc.returncode is not None:
+                _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers of an exited leader
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await self.proc.wait()
+            _signal_group(self.proc.pid, signal.SIGKILL)  # anything of the tree still alive
             await self.proc.wait()
-        _signal_group(self.proc.pid, signal.SIGKILL)  # anything of the tree still alive
-        await self.proc.wait()
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Remove the pid file if it still names this child (a relaunch may have replaced it)."""
+        if self.pid_file is None:
+            return
+        record = read_pid_file(self.pid_file)
+        if record is not None and record.pid == self.proc.pid:
+            with contextlib.suppress(FileNotFoundError):
+                self.pid_file.unlink()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
+
+
+def tethered(argv: Sequence[str]) -> list[str]:
+    """``argv`` started through the lifeline shim (see the module docstring).
+
+    ``-I -S``: the shim needs nothing but the standard library, and an interpreter without
+    site-packages starts in ~10 ms.
+    """
+    return [sys.executable, "-I", "-S", str(LIFELINE), str(os.getpid()), "--", *argv]
 
 
 async def spawn(
@@ -105,17 +359,29 @@ async def spawn(
     argv: Sequence[str],
     *,
     env: dict[str, str] | None = None,
+    pid_file: Path | None = None,
 ) -> Child:
-    """Start ``argv`` in its own session; pump its output into the log from ``nursery``."""
+    """Start ``argv`` in its own session, tied to smgd's life; pump its output into the log.
+
+    With ``pid_file``, record the engine there for :func:`reap_orphans`.
+    """
     # systemd's notify/watchdog/socket-activation variables are smgd's own: an engine that
     # inherited them could send READY=1 for smgd or grab the passed listening sockets.
     full_env = {k: v for k, v in os.environ.items() if k not in _DAEMON_ONLY_ENV}
     if env:
         full_env.update(env)
+    # The shim execs argv[0]; check it here so a typo is a start-up error, not an exit 127.
+    if shutil.which(argv[0], path=full_env.get("PATH", os.defpath)) is None:
+        raise TransportError(
+            f"engine {name}: cannot launch {argv[0]!r}: not found or not executable"
+        )
     log.info("[%s] launching: %s", name, " ".join(argv))
     try:
-        proc = await trio.lowlevel.open_process(
-            list(argv),
+        # On this (trio's) thread, not a worker thread: the death signal is tied to the
+        # thread that forks. Popen uses vfork here: ~0.2 ms of blocking (measured; a few ms
+        # when the machine is loaded).
+        popen = subprocess.Popen(  # noqa: ASYNC220 - see above
+            tethered(argv),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -124,11 +390,25 @@ async def spawn(
         )
     except OSError as exc:
         raise TransportError(f"engine {name}: cannot launch {argv[0]!r}: {exc.strerror}") from None
-    child = Child(name, proc)
-    assert proc.stdout is not None
-    assert proc.stderr is not None
+    proc = Process(popen)
+    child = Child(name, proc, pid_file)
+    stat = proc_stat(proc.pid)
+    if pid_file is not None and stat is not None:
+        record = PidRecord(
+            engine=name,
+            pid=proc.pid,
+            start=stat.start,
+            smgd_pid=os.getpid(),
+            smgd_start=_own_start(),
+            command=" ".join(argv),
+        )
+        try:
+            write_pid_file(pid_file, record)
+        except OSError as exc:
+            log.warning("[%s] cannot write pid file %s: %s", name, pid_file, exc)
     nursery.start_soon(child._pump, proc.stdout, "stdout")
     nursery.start_soon(child._pump, proc.stderr, "stderr")
+    await trio.lowlevel.checkpoint()
     return child
 
 

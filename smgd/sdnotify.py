@@ -1,8 +1,10 @@
 """systemd integration in plain stdlib: notifications and socket activation.
 
-Notifications (READY=1, STOPPING=1, RELOADING=1, WATCHDOG=1) are non-blocking: a full or missing
-socket drops the message, so calling :func:`notify` from the trio loop can never stall it.
-Without ``NOTIFY_SOCKET`` it does nothing.
+Notifications (READY=1, STOPPING=1, RELOADING=1, WATCHDOG=1) are non-blocking: a full socket
+drops the message, so calling :func:`notify` from the trio loop can never stall it. Without
+``NOTIFY_SOCKET`` it does nothing. A ``NOTIFY_SOCKET`` that cannot be used (a path over the
+108-byte unix socket address limit, nobody listening, no permission) never raises: it is
+logged as an error once, and notifications are dropped.
 
 Socket activation (``sd_listen_fds``): systemd passes listening sockets as fds 3, 4, ... and
 says so with ``LISTEN_PID`` (the pid they are meant for) and ``LISTEN_FDS`` (how many).
@@ -12,6 +14,7 @@ the engines smgd launches never believe the sockets are theirs.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -20,9 +23,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+log = logging.getLogger("smgd.sdnotify")
+
 # sd_listen_fds(3): the first passed fd is always 3 (after stdin, stdout, stderr).
 SD_LISTEN_FDS_START = 3
 _LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
+# Linux's struct sockaddr_un.sun_path: the longest address a unix socket can have.
+SUN_PATH_SIZE = 108
+# NOTIFY_SOCKET values already reported unusable: once each, not at every watchdog ping.
+_reported: set[str] = set()
 
 
 def notify(state: str) -> bool:
@@ -33,15 +42,34 @@ def notify(state: str) -> bool:
     if state.startswith("RELOADING=1"):
         # Type=notify-reload wants the monotonic timestamp with RELOADING=1.
         state += f"\nMONOTONIC_USEC={time.monotonic_ns() // 1000}"
-    if address.startswith("@"):
-        address = "\0" + address[1:]  # abstract namespace
+    target = "\0" + address[1:] if address.startswith("@") else address  # @: abstract
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
         try:
-            sock.sendto(state.encode(), address)
-        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            sock.sendto(state.encode(), target)
+        except BlockingIOError:
+            return False  # the queue is full: drop it, as sd_notify would
+        except OSError as exc:
+            _report(address, exc)
             return False
     return True
+
+
+def _report(address: str, exc: OSError) -> None:
+    if address in _reported:
+        return
+    _reported.add(address)
+    size = len(os.fsencode(address))
+    if size > SUN_PATH_SIZE:
+        reason = f"it is {size} bytes, over the {SUN_PATH_SIZE}-byte unix socket address limit"
+    else:
+        reason = exc.strerror or str(exc)
+    log.error(
+        "cannot notify systemd at NOTIFY_SOCKET=%r: %s; READY=1, WATCHDOG=1 and the other "
+        "notifications are dropped (a Type=notify unit will time out waiting for READY=1)",
+        address,
+        reason,
+    )
 
 
 def watchdog_interval() -> float | None:

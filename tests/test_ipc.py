@@ -18,8 +18,10 @@ from smgd.ipc import (
     SUN_PATH_MAX,
     clear_stale_socket,
     ipc_endpoint,
+    peer_pid,
     prepare_ipc_dir,
     prepare_ipc_endpoint,
+    socket_holders,
 )
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -72,8 +74,12 @@ def test_live_zmq_socket_is_refused_and_keeps_working(ctx: Ctx, tmp_path: Path) 
     path = tmp_path / "live.sock"
     pull = ctx.socket(zmq.PULL)
     pull.bind(ipc_endpoint(path))
-    with pytest.raises(TransportError, match="in use by a live process"):
+    with pytest.raises(TransportError) as refused:
         clear_stale_socket(path)
+    # The message names who holds it (here: this very process).
+    assert str(refused.value).startswith(
+        f"ipc socket '{path}' is in use by a live process: pid {os.getpid()} ("
+    )
     assert stat.S_ISSOCK(path.lstat().st_mode)
     # The probe's short-lived connection did not disturb the owner.
     push = ctx.socket(zmq.PUSH)
@@ -242,3 +248,64 @@ def test_prepare_ipc_endpoint_full_flow(ctx: Ctx, tmp_path: Path) -> None:
 def test_prepare_ipc_endpoint_refuses_relative_path() -> None:
     with pytest.raises(TransportError, match="absolute"):
         prepare_ipc_endpoint("in.sock")
+
+
+# -- who is on the other end ------------------------------------------------------------------
+
+
+_LISTENER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1]); s.listen(1)
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_socket_holders_names_the_process_listening_on_a_path(tmp_path: Path) -> None:
+    path = tmp_path / "held.sock"
+    with subprocess.Popen(
+        [sys.executable, "-c", _LISTENER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "up\n"
+            assert socket_holders(str(path)) == [holder.pid]
+            with pytest.raises(TransportError, match=f"live process: pid {holder.pid} \\("):
+                clear_stale_socket(path)
+        finally:
+            holder.kill()
+    assert socket_holders(str(tmp_path / "nobody.sock")) == []
+
+
+def test_peer_pid_names_the_connected_process(tmp_path: Path) -> None:
+    path = tmp_path / "peer.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        with subprocess.Popen(
+            [sys.executable, "-c", f"import socket, sys; s = socket.socket(socket.AF_UNIX); "
+             f"s.connect({str(path)!r}); sys.stdin.read()"],
+            stdin=subprocess.PIPE,
+        ) as connector:  # fmt: skip
+            try:
+                conn, _ = listener.accept()
+                with conn:
+                    assert peer_pid(conn.fileno()) == connector.pid
+                    os.fstat(conn.fileno())  # our fd is still open
+            finally:
+                connector.kill()
+
+
+def test_peer_pid_of_what_is_not_a_unix_connection_is_none() -> None:
+    read, write = os.pipe()
+    os.close(write)
+    try:
+        assert peer_pid(read) is None  # not a socket
+    finally:
+        os.close(read)
+    assert peer_pid(read) is None  # closed
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+        assert peer_pid(tcp.fileno()) is None

@@ -154,3 +154,55 @@ async def test_daemon_notifies_ready_reloading_watchdog_and_stopping(
             await inbox.wait_for("STOPPING=1")
     states = [s.split("\n")[0] for s in inbox.states() if s != "WATCHDOG=1"]
     assert states == ["READY=1", "RELOADING=1", "READY=1", "STOPPING=1"]
+
+
+def _long_notify_path() -> str:
+    # 150 bytes: over the 108 a unix socket address holds (a deep $RUNTIME_DIRECTORY can be).
+    base = str(short_ipc_dir())
+    return base + "/" + "n" * (150 - len(base) - 1)
+
+
+@pytest.mark.usefixtures("no_systemd")
+def test_a_notify_socket_path_over_the_limit_is_one_logged_error_not_an_exception(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    address = _long_notify_path()
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    with caplog.at_level("ERROR", logger="smgd.sdnotify"):
+        assert notify("READY=1") is False
+        assert notify("WATCHDOG=1") is False
+    (record,) = caplog.records  # once per address, not at every watchdog ping
+    assert "150 bytes, over the 108-byte unix socket address limit" in record.getMessage()
+    assert address in record.getMessage()
+
+
+@pytest.mark.usefixtures("no_systemd")
+def test_an_unusable_notify_socket_is_reported_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    not_a_socket = short_ipc_dir() / "file"
+    not_a_socket.write_text("")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(not_a_socket))
+    with caplog.at_level("ERROR", logger="smgd.sdnotify"):
+        assert notify("READY=1") is False
+    (record,) = caplog.records
+    assert "Connection refused" in record.getMessage()
+
+
+@pytest.mark.usefixtures("no_systemd")
+async def test_the_daemon_serves_with_a_notify_socket_path_over_the_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", _long_notify_path())
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")  # a ping every 50 ms: many notify calls
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("e", "m", step_ms=1)))
+    with caplog.at_level("ERROR", logger="smgd.sdnotify"):
+        async with running_daemon(path) as (_, client):
+            with trio.fail_after(30):
+                while (await client.get("/readiness")).status_code != 200:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            await trio.sleep(0.3)  # READY=1 and several watchdog pings went nowhere
+            assert (await client.get("/readiness")).status_code == 200
+    errors = [r for r in caplog.records if r.name == "smgd.sdnotify"]
+    assert len(errors) == 1

@@ -24,12 +24,19 @@ is ready again without a handshake, which engines only do at their own start-up.
 Death, beyond the base class's rules: the ``ENGINE_CORE_DEAD`` frame, a rank's DEALER leaving
 the input socket (socket monitor), ``EHOSTUNREACH`` on send, a registered rank saying HELLO
 again (it restarted: its requests are gone), the launched process's exit.
+
+A stuck handshake is an error with a reason, never a silent wait: a rank that said READY but
+whose registration does not follow within :data:`REGISTRATION_GRACE_S` is one whose input
+connection the ROUTER refused because another process already holds its identity there (an
+engine left over by an earlier smgd: ZMQ refuses a second connection with a known identity).
+The error names the processes connected to the input socket that smgd did not launch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +63,11 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 HELLO = "HELLO"
 READY = "READY"
 STATE_FILE = "engine-state.json"
+# A rank sends its registration (on the input socket) and READY (on the handshake socket) back
+# to back; they arrive within milliseconds of each other, in either order. A registration
+# still missing this long after READY never left the rank's DEALER: the ROUTER refused the
+# connection. 10 s is far beyond any scheduling delay on a loaded machine.
+REGISTRATION_GRACE_S = 10.0
 # Both engines use unlimited HWMs on their side (vLLM's make_zmq_socket): a bounded HWM on
 # ours would drop (ROUTER) or stall (PULL) a burst the engine itself would have absorbed.
 UNLIMITED_HWM = 0
@@ -76,6 +88,8 @@ class RankProgress:
     ready: bool = False
     info: EngineInfo | None = None
     dp_size: int = 1
+    ready_at: float | None = None  # when READY came (for REGISTRATION_GRACE_S)
+    hellos: int = 0  # HELLOs before registration (a repeat: a second process or a restart)
 
     @property
     def index(self) -> int:
@@ -105,16 +119,19 @@ class HandshakeTracker:
     def on_hello(self, identity: bytes) -> HelloAction:
         known = self.ranks.get(identity)
         restarted = known is not None and known.registered
-        # A repeated HELLO before registration is the rank retrying: start it over.
-        self.ranks[identity] = RankProgress(identity, hello=True)
+        # A repeated HELLO before registration is the rank retrying (or a second process
+        # with its identity): start it over, and count it so the caller can say so.
+        hellos = known.hellos + 1 if known is not None and not restarted else 1
+        self.ranks[identity] = RankProgress(identity, hello=True, hellos=hellos)
         return HelloAction(send_init=True, restarted=restarted)
 
-    def on_ready(self, identity: bytes) -> bool:
+    def on_ready(self, identity: bytes, now: float = 0.0) -> bool:
         """False when READY comes from an identity that never said HELLO (protocol error)."""
         rank = self.ranks.get(identity)
         if rank is None or not rank.hello:
             return False
         rank.ready = True
+        rank.ready_at = now
         return True
 
     def on_registration(self, identity: bytes, info: EngineInfo, dp_size: int = 1) -> bool:
@@ -130,6 +147,37 @@ class HandshakeTracker:
     def complete(self, expected: int) -> list[RankProgress] | None:
         done = self.registered()
         return done if len(done) >= expected else None
+
+    def overdue(self, now: float, grace: float) -> list[RankProgress]:
+        """Ranks that said READY at least ``grace`` ago and still have no registration."""
+        return [r for r in self._waiting() if r.ready_at is not None and now - r.ready_at >= grace]
+
+    def next_deadline(self, grace: float) -> float:
+        """When the next rank becomes :meth:`overdue` (inf: none is waiting)."""
+        times = [r.ready_at + grace for r in self._waiting() if r.ready_at is not None]
+        return min(times, default=math.inf)
+
+    def _waiting(self) -> list[RankProgress]:
+        return [r for r in self.ranks.values() if r.hello and r.ready and r.info is None]
+
+    def describe(self) -> str:
+        """Where the handshake stands, for an error message."""
+        if not self.ranks:
+            return "no engine rank said HELLO"
+        parts = []
+        for rank in sorted(self.ranks.values(), key=lambda r: r.index):
+            if rank.registered:
+                state = "registered"
+            elif not rank.hello:
+                state = "registration without HELLO"
+            elif not rank.ready and rank.info is None:
+                state = "INIT sent, no READY and no registration yet"
+            elif not rank.ready:
+                state = "registered, no READY yet"
+            else:
+                state = "READY, no registration"
+            parts.append(f"rank {rank.index}: {state}")
+        return "; ".join(parts)
 
 
 def merge_info(
@@ -301,7 +349,9 @@ class HandshakeEngineClient(EngineClient):
         self.launch_argv = launch_argv
         self.launch_env = launch_env
         self.expected_ranks = ranks
-        self.state_path = Path(state_path or Path(input_path).parent / STATE_FILE)
+        self.ipc_dir = Path(input_path).parent
+        self.state_path = Path(state_path or self.ipc_dir / STATE_FILE)
+        self.registration_grace_s = REGISTRATION_GRACE_S
         self.child: launch.Child | None = None
         self.tracker = HandshakeTracker()
         self.table: RankTable | None = None
@@ -313,6 +363,7 @@ class HandshakeEngineClient(EngineClient):
         self._saved: SavedState | None = None
         self._zmtp_peers = 0  # completed ZMTP handshakes on the input socket
         self._peers: set[int] = set()  # connected input-socket peers, by connection fd
+        self._peer_pids: dict[int, int] = {}  # their processes (ipc only), by connection fd
 
     # ------------------------------------------------------------------ wire hooks
 
@@ -344,6 +395,8 @@ class HandshakeEngineClient(EngineClient):
     # ------------------------------------------------------------------ lifecycle hooks
 
     async def _open(self, nursery: trio.Nursery) -> None:
+        # Before binding: an engine an earlier smgd left running would connect at once.
+        await launch.reap_orphans(self.ipc_dir, self.name)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctx = ctx
         inp, out, hs = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
@@ -364,7 +417,14 @@ class HandshakeEngineClient(EngineClient):
         nursery.start_soon(self._handshake_task)
         if self.launch_argv is not None:
             argv = [self._fill(a) for a in self.launch_argv]
-            self.child = await launch.spawn(nursery, self.name, argv, env=self.launch_env)
+            ipc.prepare_ipc_dir(self.ipc_dir)  # holds the pid file, even with tcp addresses
+            self.child = await launch.spawn(
+                nursery,
+                self.name,
+                argv,
+                env=self.launch_env,
+                pid_file=self.ipc_dir / launch.PID_FILE,
+            )
             nursery.start_soon(self._watch_child, self.child)
 
     def _fill(self, arg: str) -> str:
@@ -390,12 +450,16 @@ class HandshakeEngineClient(EngineClient):
             async for event in events:
                 if event.kind == "accepted":
                     self._peers.add(event.value)
+                    pid = ipc.peer_pid(event.value)
+                    if pid is not None:
+                        self._peer_pids[event.value] = pid
                 elif event.kind == "handshake_succeeded":
                     # Only a ZMQ peer gets here; a stale-socket probe connects and leaves raw.
                     self._zmtp_peers += 1
                     self._notify()
                 elif event.kind == "disconnected":
                     self._peers.discard(event.value)
+                    self._peer_pids.pop(event.value, None)
                     ranks = len(self.table.ranks) if self.table else 0
                     if self.state is EngineState.READY and len(self._peers) < ranks:
                         self.die("an engine rank disconnected from the input socket")
@@ -430,10 +494,17 @@ class HandshakeEngineClient(EngineClient):
                 if action.restarted:
                     self.die(f"engine rank {index} restarted (a new HELLO)")
                     return
+                if self.tracker.ranks[identity].hellos > 1:
+                    log.warning(
+                        "engine %s: rank %d said HELLO again before registering (it restarted, "
+                        "or a second process has its identity); starting its handshake over",
+                        self.name,
+                        index,
+                    )
                 inputs, outputs = [self.input_endpoint], [self.output_endpoint]
                 await self._hs.send_multipart([identity, *self._wire_init(inputs, outputs)])
                 log.info("engine %s: rank %d said HELLO; INIT sent", self.name, index)
-            elif status == READY and not self.tracker.on_ready(identity):
+            elif status == READY and not self.tracker.on_ready(identity, trio.current_time()):
                 log.warning("engine %s: READY from rank %d before its HELLO", self.name, index)
             self._notify()
 
@@ -444,6 +515,8 @@ class HandshakeEngineClient(EngineClient):
     async def _become_ready(self) -> EngineInfo:
         ready_s = self.config.timeouts.ready_s
         ranks: list[tuple[int, EngineInfo]] | None = None
+        grace = self.registration_grace_s
+        refused: RankProgress | None = None
         with trio.move_on_after(ready_s):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._registration_task)
@@ -451,10 +524,21 @@ class HandshakeEngineClient(EngineClient):
                     ranks = self._registered() or self._reattached()
                     if ranks is not None:
                         break
-                    await self._progress.wait()
+                    overdue = self.tracker.overdue(trio.current_time(), grace)
+                    if overdue:
+                        refused = overdue[0]
+                        break
+                    with trio.move_on_at(self.tracker.next_deadline(grace)):
+                        await self._progress.wait()
                 nursery.cancel_scope.cancel()
+        if refused is not None:
+            self.die(self._refused_message(refused, grace))
+            raise EngineDead(self.last_error or "not ready")
         if ranks is None:
-            self.die(f"the engine did not complete the handshake within {ready_s:g} s")
+            self.die(
+                f"the engine did not complete the handshake within {ready_s:g} s "
+                f"({self.tracker.describe()}){self._foreign_peers()}"
+            )
             raise EngineDead(self.last_error or "not ready")
         self.table = RankTable((index, index.to_bytes(2, "little")) for index, _ in ranks)
         info = merge_info((i for _, i in ranks), self._fallback_info, self.config.max_model_len)
@@ -469,6 +553,26 @@ class HandshakeEngineClient(EngineClient):
         except OSError as exc:
             log.warning("engine %s: cannot save re-attach state: %s", self.name, exc)
         return info
+
+    def _refused_message(self, rank: RankProgress, grace: float) -> str:
+        return (
+            f"engine rank {rank.index} said READY but its registration did not reach "
+            f"{self.input_endpoint} within {grace:g} s: the socket refused its connection, "
+            f"because another process holds rank {rank.index}'s identity there (an engine "
+            "left running by an earlier smgd, or one configured with the same addresses)"
+            f"{self._foreign_peers()}; stop it"
+        )
+
+    def _foreign_peers(self) -> str:
+        """The input socket's peers that are not part of the launched engine, for a message."""
+        child = self.child
+        if child is None:
+            return ""  # an external engine's ranks may be any processes
+        pids = sorted({pid for pid in self._peer_pids.values() if not child.owns(pid)})
+        if not pids:
+            return ""
+        described = ", ".join(f"pid {pid} ({ipc.command_line(pid) or 'gone'})" for pid in pids)
+        return f"; connected to it but not launched by smgd: {described}"
 
     def _registered(self) -> list[tuple[int, EngineInfo]] | None:
         done = self.tracker.registered()

@@ -7,14 +7,18 @@ request is sent: a PUSH with no peer would queue or block it.
 
 Death: the launched process exits (any code: a scheduler that exits is gone), our PUSH's peer
 disconnects, a send misses its deadline, a decode-error streak, or silence with requests in
-flight (all handled by :class:`~smgd.engines.base.EngineClient`).
+flight (all handled by :class:`~smgd.engines.base.EngineClient`). For a launched engine, also a
+peer on the request socket that is not part of it (``SO_PEERCRED``): a scheduler left running by
+an earlier smgd would take a share of the requests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -65,6 +69,8 @@ class SglangEngineClient(EngineClient):
         self._push: TrioSocket | None = None
         self._pull: TrioSocket | None = None
         self._attached = trio.Event()
+        self._foreign: int | None = None  # a peer pid that is not part of the launched engine
+        self._opened = False  # past _open: a death now is a relaunch, not a start-up failure
         self._health_rid: str | None = None
         self._health_done = trio.Event()
 
@@ -79,6 +85,9 @@ class SglangEngineClient(EngineClient):
     # ------------------------------------------------------------------ hooks
 
     async def _open(self, nursery: trio.Nursery) -> None:
+        # Before binding: a scheduler an earlier smgd left running would connect at once.
+        ipc_dir = Path(self.input_path).parent
+        await launch.reap_orphans(ipc_dir, self.name)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._ctx = ctx
         push = ctx.socket(zmq.PUSH)
@@ -101,8 +110,13 @@ class SglangEngineClient(EngineClient):
                 ) from None
         await nursery.start(self._watch_peer)
         if self.launch_argv is not None:
+            ipc.prepare_ipc_dir(ipc_dir)  # holds the pid file, even with tcp addresses
             self.child = await launch.spawn(
-                nursery, self.name, self.launch_argv, env=self.launch_env
+                nursery,
+                self.name,
+                self.launch_argv,
+                env=self.launch_env,
+                pid_file=ipc_dir / launch.PID_FILE,
             )
             nursery.start_soon(self._watch_child, self.child)
 
@@ -117,6 +131,8 @@ class SglangEngineClient(EngineClient):
             task_status.started()
             async for event in events:
                 if event.kind == "accepted":
+                    if self._is_foreign(ipc.peer_pid(event.value)):
+                        continue  # reported by _become_ready (or now, if it is already past)
                     peers.add(event.value)
                     self._attached.set()
                 elif event.kind == "disconnected":
@@ -125,11 +141,34 @@ class SglangEngineClient(EngineClient):
                         self.die("the scheduler disconnected from the request socket")
                         return
 
+    def _is_foreign(self, pid: int | None) -> bool:
+        """A launched engine's request socket is for its scheduler alone: another peer (an
+        engine left by an earlier smgd) would take a share of the requests and their aborts."""
+        if self.launch_argv is None or pid is None or pid == os.getpid():
+            return False  # an external scheduler may be any process; our own probes are not
+        if self.child is not None and self.child.owns(pid):
+            return False
+        self._foreign = pid
+        if self._opened:
+            self.die(self._foreign_message(pid))
+        return True
+
+    def _foreign_message(self, pid: int) -> str:
+        return (
+            f"a process smgd did not launch (pid {pid}: {ipc.command_line(pid) or 'gone'}) "
+            f"is connected to the request socket {self.input_endpoint} and would take a share "
+            "of the requests (an engine left running by an earlier smgd?); stop it"
+        )
+
     async def _watch_child(self, child: launch.Child) -> None:
         code = await child.wait()
         self.die(f"engine process exited with code {code}")
 
     async def _become_ready(self) -> EngineInfo:
+        self._opened = True
+        if self._foreign is not None:  # it connected while the sockets were being set up
+            self.die(self._foreign_message(self._foreign))
+            raise EngineDead(self.last_error or "not ready")
         with trio.move_on_after(self.config.timeouts.ready_s) as scope:
             await self._attached.wait()
             if self.child is not None:

@@ -14,7 +14,8 @@ tokenizer and detokenizer, and spawns ``run_scheduler_process``. When the schedu
 ready it prints one line ``SMGD_READY {json}`` (max_total_num_tokens, max_req_input_len,
 context_length, scheduler_pid) on stdout and waits. When the scheduler exits, for any reason,
 the launcher exits too, with the scheduler's exit code (a signal N becomes 128+N); a clean exit
-after ``ShutdownReq`` is 0. SIGTERM/SIGINT to the launcher stop the scheduler first.
+after ``ShutdownReq`` is 0. SIGTERM/SIGINT to the launcher stop the scheduler first. When the
+launcher dies (smgd gone: see lifeline.py), the scheduler dies with it.
 
 ``--cpu-shims`` (or ``SMGD_SGLANG_CPU_SHIMS=1``) puts ``cpu_shims/`` (import-only stand-ins
 for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and sets
@@ -35,6 +36,15 @@ from pathlib import Path
 from typing import Any
 
 SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+# smgd started this process through lifeline.py: it dies with smgd. The scheduler it spawns
+# (and anything that forks) must die with it; the kernel's death signal does not reach them,
+# so they tie themselves when they import this file as __mp_main__ (as every multiprocessing
+# child does). lifeline.py is next to this file, on sys.path as the script's directory;
+# imported by name so smgd's type checker need not resolve it.
+lifeline = importlib.import_module("lifeline")
+if __name__ == "__mp_main__":
+    lifeline.hold_parent()
+lifeline.tie_children()
 TERM_GRACE_S = 10.0  # after SIGTERM, how long the scheduler gets to exit before SIGKILL
 
 

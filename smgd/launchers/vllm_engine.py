@@ -27,6 +27,15 @@ import sys
 import time
 
 T0 = time.monotonic()
+# smgd started this process through lifeline.py: it dies with smgd. Its children (the CPU
+# worker vLLM spawns, any process that one forks) must die with it; the kernel's death signal
+# does not reach them, so they tie themselves when they import this file as __mp_main__ (as
+# every multiprocessing child does). lifeline.py is next to this file, on sys.path as the
+# script's directory; imported by name so smgd's type checker need not resolve it.
+lifeline = importlib.import_module("lifeline")
+if __name__ == "__mp_main__":
+    lifeline.hold_parent()
+lifeline.tie_children()
 # 256 MiB holds 65k+ tokens of the tiny test model and a few thousand of a 1B model, and
 # keeps the worker's resident set near 0.9 GB; pass --kv-cache-memory-bytes for more.
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024

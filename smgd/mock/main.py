@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from smgd.launchers.lifeline import PARENT_ENV
 from smgd.mock.engine import EngineExit, MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
 
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     import argparse
 
 
-# How often the mock checks that its parent is alive: an orphan lingers at most this long.
+# How often a mock smgd did not launch checks that its parent is alive: such an orphan
+# lingers at most this long.
 PARENT_CHECK_S = 1.0
 
 
@@ -91,7 +93,8 @@ def mock_engine_main(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            nursery.start_soon(_exit_with_parent, os.getppid())
+            if not _tied_by_kernel():
+                nursery.start_soon(_exit_with_parent, os.getppid())
             info = {
                 "context_length": args.context_len,
                 "max_running_requests": args.max_batch,
@@ -117,12 +120,18 @@ def mock_engine_main(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _exit_with_parent(parent: int) -> None:
-    """Exit when the process that launched us is gone (smgd SIGKILLed or crashed).
+def _tied_by_kernel() -> bool:
+    """Started by smgd, through launchers/lifeline.py: the kernel kills us when smgd dies.
 
-    The mock runs in its own session, so nothing else would stop it. (prctl's PDEATHSIG is no
-    help: trio starts children from a worker thread, and it fires when that thread exits.)
+    Then the mock does no watching of its own, like a real engine, so what keeps it from
+    outliving smgd is exactly what keeps vLLM and SGLang from it (the fault suite's case).
     """
+    return os.environ.get(PARENT_ENV) == str(os.getpid())
+
+
+async def _exit_with_parent(parent: int) -> None:
+    """Exit when the process that started us is gone: for a mock started any other way
+    (a benchmark, a shell), which nothing else would stop."""
     while os.getppid() == parent:  # noqa: ASYNC110 - no event exists for "parent died"
         await trio.sleep(PARENT_CHECK_S)
     raise EngineExit(0)
