@@ -142,7 +142,7 @@ def _cmd_reload(args: argparse.Namespace) -> int:
 
 
 def _cmd_wire(args: argparse.Namespace) -> int:
-    from smgd.wire.jsonform import run_wire_command
+    from smgd.wire.command import run_wire_command
 
     return run_wire_command(args.action, args.engine, sys.stdin.read(), sys.stdout)
 
