@@ -152,10 +152,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("smgd.api.execute", "smgd.api.direct"): "api split",
     ("smgd.api.admin", "smgd.api.hot"): "api split",
     ("smgd.api.admin", "smgd.api.server"): "api split",
-    # The wire split (issue 19, `wiresplit`): the codecs import their JSON forms only to
-    # re-export them, and the JSON forms import the codecs: a cycle.
-    ("smgd.wire.sglang", "smgd.wire.sglang_json"): "wire split",
-    ("smgd.wire.vllm", "smgd.wire.vllm_json"): "wire split",
 }
 
 # Who may import the mock engine (a separate program) besides itself.
