@@ -52,6 +52,11 @@ log = logging.getLogger("smgd")
 
 # Extra time past settle + drain timeout before the drain stops waiting for the HTTP server.
 DRAIN_MARGIN_S = 2.0
+# The readiness barrier looks for an engine not in the router yet this often (its supervisor
+# puts it there as soon as it starts, so this is a look or two), and waits this long on one
+# client before checking whether a relaunch replaced it (a replaced client never turns ready).
+BARRIER_POLL_S = 0.05
+BARRIER_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,9 @@ async def readiness_barrier(gateway: Gateway) -> None:
     for name in required:
         while (client := gateway.router.get(name)) is None or not client.ready:
             if client is None:
-                await trio.sleep(0.05)
+                await trio.sleep(BARRIER_POLL_S)
             else:
-                # A client replaced by a relaunch never becomes ready: re-check periodically.
-                with trio.move_on_after(1.0):
+                with trio.move_on_after(BARRIER_RECHECK_S):
                     await client.wait_ready()
     log.info("ready: %d engine(s) serving", len(required))
     notify("READY=1")
