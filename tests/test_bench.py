@@ -486,7 +486,41 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
                 assert p["peak_rss_mib"] > 10
                 assert "rss_per_stream_kib" in p
     assert {r["vs"] for r in doc["ratios"]} == {"floor"}
-    assert "| smgd |" in done.stdout.replace("  ", " ") or "smgd" in done.stdout
+    # stdout reports the same figures as bench.json: the points table, then the ratio table.
+    assert report.table(doc["targets"]) in done.stdout
+    assert report.ratio_table(doc["ratios"]) in done.stdout
+    points, ratios = _markdown_tables(done.stdout)
+    col = {name: i for i, name in enumerate(points[0])}
+    by_point = {(row[0], int(row[1])): row for row in points[1:]}
+    assert set(by_point) == {(t, c) for t in ("smgd", "floor") for c in (1, 16)}
+    for name, pts in doc["targets"].items():
+        for p in pts:
+            row = by_point[name, p["concurrency"]]
+            assert row[col["tok/s"]] == f"{p['tokens_per_s']:.0f}"
+            assert row[col["TTFT p50"]] == f"{p['ttft_p50_ms']:.1f}"
+            assert row[col["CPU µs/tok"]] == f"{p['cpu_us_per_token']:.1f}"
+            assert [row[col[k]] for k in ("lost", "dup", "failed")] == ["0", "0", "0"]
+    assert [(row[0], row[1], row[2]) for row in ratios[1:]] == [
+        ("smgd", "1", "floor"),
+        ("smgd", "16", "floor"),
+    ]
+    for row, r in zip(ratios[1:], doc["ratios"], strict=True):
+        assert row[3] == f"{r['cpu_per_token']:.2f}"
+
+
+def _markdown_tables(text: str) -> list[list[list[str]]]:
+    """The ``| a | b |`` tables in ``text``, each a list of rows of stripped cells (separator
+    rows left out); a line that is not a table row ends a table."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if not line.startswith("|"):
+            if current:
+                tables.append(current)
+            current = []
+        elif line.strip("|-") != "":
+            current.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return tables
 
 
 async def test_a_failing_target_is_recorded_and_does_not_stop_the_run() -> None:

@@ -387,16 +387,17 @@ def test_launcher_argv_dials_the_bound_handshake() -> None:
 def test_mock_answers_utility_calls_and_can_announce_remote() -> None:
     from smgd.mock.scheduler import MockScheduler
     from smgd.mock.vllm import VllmMockWire
-    from smgd.wire import vllm as codec
+    from smgd.wire.vllm.decode import decode_outputs
+    from smgd.wire.vllm.encode import encode_utility
 
     wire = VllmMockWire("tcp://127.0.0.1:1", local=False)
     assert wire.local is False
     sched = MockScheduler(max_batch=1)
-    replies = wire.on_request(codec.encode_utility(7, "get_supported_tasks"), sched)
+    replies = wire.on_request(encode_utility(7, "get_supported_tasks"), sched)
     assert len(replies) == 1
-    reply = codec.decode_outputs(replies[0]).utility
+    reply = decode_outputs(replies[0]).utility
     assert reply is not None
     assert (reply.call_id, reply.ok, reply.result) == (7, True, ["generate"])
-    other = codec.decode_outputs(wire.on_request(codec.encode_utility(8, "reset"), sched)[0])
+    other = decode_outputs(wire.on_request(encode_utility(8, "reset"), sched)[0])
     assert other.utility is not None
     assert (other.utility.call_id, other.utility.result) == (8, None)

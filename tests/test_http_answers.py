@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ import trio
 
 from smgd.api.http.app import create_admin_app, create_app
 from smgd.config import ServerConfig
+from smgd.daemon import begin_drain
+from smgd.reload import ReloadResult
 
 from .asgi_client import Answer, lifespan, request
 from .fake_engine import MODEL, TINY_MODEL, Behaviour, FakeEngine, open_gateway
@@ -313,8 +316,11 @@ async def test_unexpected_errors(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_admin_listener() -> None:
+    async def reload() -> ReloadResult:
+        return ReloadResult(ok=True, changed=["e0"])
+
     async with open_gateway() as gateway:
-        app = create_admin_app(gateway)
+        app = create_admin_app(gateway, reload, partial(begin_drain, gateway))
         async with lifespan(app):
             with trio.fail_after(5):
                 answers = await _answers(app, ADMIN)

@@ -13,7 +13,6 @@ import pytest
 from msgspec.msgpack import Ext
 
 from smgd.errors import InvalidRequest, WireError
-from smgd.wire import sglang as sg
 from smgd.wire.common import (
     Finish,
     FinishReason,
@@ -22,6 +21,35 @@ from smgd.wire.common import (
     TokenDelta,
     TokenLogprob,
     TopLogprob,
+)
+from smgd.wire.sglang.arrays import ext_to_ids, ids_to_ext
+from smgd.wire.sglang.decode import decode_any, decode_output, decode_request
+from smgd.wire.sglang.encode import (
+    encode_abort,
+    encode_flush_cache,
+    encode_generate,
+    encode_get_internal_state,
+    encode_health_check,
+    encode_message,
+    encode_shutdown,
+    new_health_check_rid,
+)
+from smgd.wire.sglang.engine_side import (
+    OutputItem,
+    encode_abort_echo,
+    encode_batch_output,
+    encode_health_output,
+)
+from smgd.wire.sglang.jsonform import frames_to_json, json_to_frames
+from smgd.wire.sglang.structs import (
+    TOP_K_ALL,
+    AbortReq,
+    BatchTokenIDOutput,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReqOutput,
+    HealthCheckOutput,
+    OtherMessage,
+    TokenizedGenerateReqInput,
 )
 
 VECTORS: list[dict[str, Any]] = json.loads(
@@ -50,23 +78,23 @@ def _ids(v: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("vec", [v for v in VECTORS if v["roundtrip"]], ids=lambda v: v["name"])
 def test_decode_then_encode_is_byte_identical(vec: dict[str, Any]) -> None:
     raw = bytes.fromhex(vec["hex"])
-    msg = sg.decode_any(raw)
-    if isinstance(msg, sg.OtherMessage):
+    msg = decode_any(raw)
+    if isinstance(msg, OtherMessage):
         assert msg.tag == vec["type"]
         again = msgspec.msgpack.encode([msg.tag, *msg.fields])
     else:
         assert type(msg).__name__ == vec["type"]
-        again = sg.encode_message(msg)
+        again = encode_message(msg)
     assert again == raw
 
 
 @pytest.mark.parametrize("vec", VECTORS, ids=lambda v: v["name"])
 def test_json_form_round_trips_through_text(vec: dict[str, Any]) -> None:
     raw = bytes.fromhex(vec["hex"])
-    obj = sg.frames_to_json([raw])
+    obj = frames_to_json([raw])
     assert obj["type"] == vec["type"]
     text = json.dumps(obj)  # what the CLI prints
-    assert sg.json_to_frames(json.loads(text)) == [raw]
+    assert json_to_frames(json.loads(text)) == [raw]
 
 
 def _common(spec: dict[str, Any]) -> GenerateRequest:
@@ -85,23 +113,23 @@ def _common(spec: dict[str, Any]) -> GenerateRequest:
 
 @pytest.mark.parametrize("vec", with_key("smgd_request"), ids=lambda v: v["name"])
 def test_encode_generate_matches_tokenizer_manager(vec: dict[str, Any]) -> None:
-    assert sg.encode_generate(_common(vec["smgd_request"])) == bytes.fromhex(vec["hex"])
+    assert encode_generate(_common(vec["smgd_request"])) == bytes.fromhex(vec["hex"])
 
 
 def test_control_encoders_match_sglang() -> None:
-    assert sg.encode_abort(BY_NAME["abort_one"]["abort_rid"]) == frame("abort_one")
-    assert sg.encode_health_check(BY_NAME["tgri_health_check"]["health_rid"]) == frame(
+    assert encode_abort(BY_NAME["abort_one"]["abort_rid"]) == frame("abort_one")
+    assert encode_health_check(BY_NAME["tgri_health_check"]["health_rid"]) == frame(
         "tgri_health_check"
     )
-    assert sg.encode_flush_cache() == frame("flush_cache")
-    assert sg.encode_shutdown() == frame("shutdown")
-    assert sg.encode_get_internal_state() == frame("get_internal_state")
+    assert encode_flush_cache() == frame("flush_cache")
+    assert encode_shutdown() == frame("shutdown")
+    assert encode_get_internal_state() == frame("get_internal_state")
 
 
 def test_greedy_is_rewritten_and_stop_lists_are_empty() -> None:
     req = _common(BY_NAME["tgri_greedy_stream"]["smgd_request"])
-    msg = sg.decode_request(sg.encode_generate(req))
-    assert isinstance(msg, sg.TokenizedGenerateReqInput)
+    msg = decode_request(encode_generate(req))
+    assert isinstance(msg, TokenizedGenerateReqInput)
     sp = msg.sampling_params
     assert (sp.temperature, sp.top_k, sp.is_normalized) == (1.0, 1, True)
     assert sp.stop_strs == []
@@ -116,10 +144,10 @@ def test_eos_ids_are_not_sent_and_top_k_minus_one_is_all() -> None:
         prompt_ids=[1, 2],
         sampling=SamplingParams(max_tokens=3, temperature=0.5, eos_token_ids=(2,)),
     )
-    msg = sg.decode_request(sg.encode_generate(req))
-    assert isinstance(msg, sg.TokenizedGenerateReqInput)
+    msg = decode_request(encode_generate(req))
+    assert isinstance(msg, TokenizedGenerateReqInput)
     assert msg.sampling_params.stop_token_ids is None
-    assert msg.sampling_params.top_k == sg.TOP_K_ALL
+    assert msg.sampling_params.top_k == TOP_K_ALL
     assert msg.return_logprob is False
 
 
@@ -139,19 +167,19 @@ def test_values_the_scheduler_cannot_take_are_refused(sampling: dict[str, Any], 
         rid="r" * 32, prompt_ids=[1], sampling=SamplingParams(max_tokens=3, **sampling)
     )
     with pytest.raises(InvalidRequest) as info:
-        sg.encode_generate(req)
+        encode_generate(req)
     assert info.value.param == param
 
 
 def test_empty_abort_rid_is_refused() -> None:
     with pytest.raises(ValueError, match="empty"):
-        sg.encode_abort("")
+        encode_abort("")
 
 
 def test_health_check_rid_needs_prefix() -> None:
     with pytest.raises(ValueError, match="HEALTH_CHECK"):
-        sg.encode_health_check("abc")
-    assert sg.new_health_check_rid().startswith("HEALTH_CHECK_")
+        encode_health_check("abc")
+    assert new_health_check_rid().startswith("HEALTH_CHECK_")
 
 
 def _finish(fj: dict[str, Any] | None) -> Finish | None:
@@ -187,49 +215,49 @@ def _expected_delta(e: dict[str, Any]) -> TokenDelta:
 
 @pytest.mark.parametrize("vec", with_key("expect"), ids=lambda v: v["name"])
 def test_batch_output_translates_to_common_deltas(vec: dict[str, Any]) -> None:
-    got = sg.decode_output(bytes.fromhex(vec["hex"]))
+    got = decode_output(bytes.fromhex(vec["hex"]))
     assert got == [_expected_delta(e) for e in vec["expect"]]
 
 
 def test_abort_echo_and_controls() -> None:
-    (delta,) = sg.decode_output(frame("abort_from_scheduler_with_reason"))  # type: ignore[misc]
+    (delta,) = decode_output(frame("abort_from_scheduler_with_reason"))  # type: ignore[misc]
     assert delta.finish == Finish(
         reason=FinishReason.ABORT, message="Input too long", status_code=400
     )
-    (queued,) = sg.decode_output(frame("abort_from_scheduler_queued"))  # type: ignore[misc]
+    (queued,) = decode_output(frame("abort_from_scheduler_queued"))  # type: ignore[misc]
     assert queued.finish is not None
     assert queued.finish.reason is FinishReason.ABORT
     assert queued.token_ids == []
-    health = sg.decode_output(frame("health_check_output"))
-    assert isinstance(health, sg.HealthCheckOutput)
+    health = decode_output(frame("health_check_output"))
+    assert isinstance(health, HealthCheckOutput)
     assert (health.rid or "").startswith("HEALTH_CHECK")
-    flush = sg.decode_output(frame("flush_cache_output"))
-    assert isinstance(flush, sg.FlushCacheReqOutput)
+    flush = decode_output(frame("flush_cache_output"))
+    assert isinstance(flush, FlushCacheReqOutput)
     assert flush.success is True
-    other = sg.decode_output(frame("configure_logging_echo"))
-    assert isinstance(other, sg.OtherMessage)
+    other = decode_output(frame("configure_logging_echo"))
+    assert isinstance(other, OtherMessage)
     assert other.tag == "ConfigureLoggingReq"
 
 
 def test_time_stats_stay_opaque_bytes() -> None:
-    msg = sg.decode_any(frame("btid_1req_finished_length"))
-    assert isinstance(msg, sg.BatchTokenIDOutput)
+    msg = decode_any(frame("btid_1req_finished_length"))
+    assert isinstance(msg, BatchTokenIDOutput)
     assert msg.time_stats is not None
     assert isinstance(msg.time_stats.data, bytes)
     assert msg.time_stats.data[:1] == b"\x80"
-    assert sg.frames_to_json([frame("btid_1req_finished_length")])["time_stats"] == {
+    assert frames_to_json([frame("btid_1req_finished_length")])["time_stats"] == {
         "type": "PickleWrapper",
         "data": {"hex": msg.time_stats.data.hex()},
     }
 
 
 def test_json_form_names_fields_and_lists_tokens() -> None:
-    obj = sg.frames_to_json([frame("tgri_greedy_stream")])
+    obj = frames_to_json([frame("tgri_greedy_stream")])
     spec = BY_NAME["tgri_greedy_stream"]["smgd_request"]
     assert obj["input_ids"] == spec["prompt_ids"]
     assert obj["sampling_params"]["max_new_tokens"] == 8
     assert obj["sampling_params"]["top_k"] == 1
-    out = sg.frames_to_json([frame("btid_2req_stop_token_and_running")])
+    out = frames_to_json([frame("btid_2req_stop_token_and_running")])
     assert out["output_ids"] == [
         e["token_ids"] for e in BY_NAME["btid_2req_stop_token_and_running"]["expect"]
     ]
@@ -243,29 +271,29 @@ def _raw(name: str) -> list[Any]:
 
 def test_omitted_trailing_defaults_are_tolerated() -> None:
     value = _raw("tgri_greedy_stream")[:14]  # tag + the 13 required fields
-    msg = sg.decode_request(msgspec.msgpack.encode(value))
-    assert isinstance(msg, sg.TokenizedGenerateReqInput)
+    msg = decode_request(msgspec.msgpack.encode(value))
+    assert isinstance(msg, TokenizedGenerateReqInput)
     assert msg.sampling_logprobs_mode == "selected"
     assert msg.lora_name is None
     out = _raw("btid_1req_finished_length")[:34]  # the 33 required columns
-    (delta,) = sg.decode_output(msgspec.msgpack.encode(out))  # type: ignore[misc]
+    (delta,) = decode_output(msgspec.msgpack.encode(out))  # type: ignore[misc]
     assert delta.finish == Finish(reason=FinishReason.LENGTH)
 
 
 def test_missing_required_field_is_a_wire_error() -> None:
     with pytest.raises(WireError):
-        sg.decode_request(msgspec.msgpack.encode(_raw("tgri_greedy_stream")[:13]))
+        decode_request(msgspec.msgpack.encode(_raw("tgri_greedy_stream")[:13]))
     with pytest.raises(WireError):
-        sg.decode_output(msgspec.msgpack.encode(_raw("btid_1req_finished_length")[:10]))
+        decode_output(msgspec.msgpack.encode(_raw("btid_1req_finished_length")[:10]))
 
 
 def test_extra_trailing_fields_are_tolerated() -> None:
     value = [*_raw("btid_2req_stop_token_and_running"), "future", [1, 2]]
-    got = sg.decode_output(msgspec.msgpack.encode(value))
-    assert got == sg.decode_output(frame("btid_2req_stop_token_and_running"))
+    got = decode_output(msgspec.msgpack.encode(value))
+    assert got == decode_output(frame("btid_2req_stop_token_and_running"))
     req = [*_raw("abort_one"), True]
-    assert sg.decode_request(msgspec.msgpack.encode(req)) == sg.decode_request(frame("abort_one"))
-    assert sg.frames_to_json([msgspec.msgpack.encode(req)])["_extra"] == [True]
+    assert decode_request(msgspec.msgpack.encode(req)) == decode_request(frame("abort_one"))
+    assert frames_to_json([msgspec.msgpack.encode(req)])["_extra"] == [True]
 
 
 @pytest.mark.parametrize(
@@ -276,21 +304,21 @@ def test_extra_trailing_fields_are_tolerated() -> None:
 def test_unknown_or_malformed_frames_are_wire_errors(payload: Any) -> None:
     raw = msgspec.msgpack.encode(payload)
     with pytest.raises(WireError):
-        sg.decode_output(raw)
+        decode_output(raw)
     with pytest.raises(WireError):
-        sg.decode_request(raw)
+        decode_request(raw)
 
 
 def test_truncated_bytes_are_a_wire_error() -> None:
     with pytest.raises(WireError):
-        sg.decode_output(frame("btid_mixed_logprobs")[:-7])
+        decode_output(frame("btid_mixed_logprobs")[:-7])
 
 
 def test_plain_list_input_ids_are_refused_like_sglang() -> None:
     value = _raw("tgri_greedy_stream")
     value[4] = [1, 2, 3]
     with pytest.raises(WireError):
-        sg.decode_request(msgspec.msgpack.encode(value))
+        decode_request(msgspec.msgpack.encode(value))
 
 
 _LOGPROB_COL = 17  # array index of output_token_logprobs_val (tag at 0)
@@ -309,21 +337,21 @@ _LOGPROB_COL = 17  # array index of output_token_logprobs_val (tag at 0)
 )
 def test_ragged_logprob_columns_are_wire_errors(column: int, mutate: Any) -> None:
     value = _raw("btid_mixed_logprobs")
-    assert sg.decode_output(msgspec.msgpack.encode(value))  # intact: decodes
+    assert decode_output(msgspec.msgpack.encode(value))  # intact: decodes
     value[column] = mutate(value[column])
     with pytest.raises(WireError):
-        sg.decode_output(msgspec.msgpack.encode(value))
+        decode_output(msgspec.msgpack.encode(value))
 
 
 def test_mock_side_encoders_round_trip_through_decode_output() -> None:
     lp = [TokenLogprob(token_id=5, logprob=-0.5, top=[TopLogprob(5, -0.5), TopLogprob(6, -1.0)])]
-    raw = sg.encode_batch_output(
+    raw = encode_batch_output(
         [
-            sg.OutputItem("a" * 32, [5], None, 3, 1, 0, lp),
+            OutputItem("a" * 32, [5], None, 3, 1, 0, lp),
             ("b" * 32, [70000, 2], Finish(reason=FinishReason.STOP, matched_token=2), 4, 9, 2),
         ]
     )
-    assert sg.decode_output(raw) == [
+    assert decode_output(raw) == [
         TokenDelta(
             rid="a" * 32,
             token_ids=[5],
@@ -342,15 +370,15 @@ def test_mock_side_encoders_round_trip_through_decode_output() -> None:
         ),
     ]
     abort = Finish(reason=FinishReason.ABORT, message="gone", status_code=503)
-    assert sg.decode_output(sg.encode_abort_echo("c" * 32, abort)) == [
+    assert decode_output(encode_abort_echo("c" * 32, abort)) == [
         TokenDelta(rid="c" * 32, token_ids=[], finish=abort)
     ]
-    assert sg.decode_output(sg.encode_health_output()) == sg.HealthCheckOutput()
-    assert sg.encode_health_output() == bytes.fromhex(live("HealthCheckOutput")["hex"])
+    assert decode_output(encode_health_output()) == HealthCheckOutput()
+    assert encode_health_output() == bytes.fromhex(live("HealthCheckOutput")["hex"])
 
 
 def test_mock_output_has_sglang_shape() -> None:
-    raw = sg.encode_batch_output([("a" * 32, [1], Finish(reason=FinishReason.LENGTH), 3, 4, 0)])
+    raw = encode_batch_output([("a" * 32, [1], Finish(reason=FinishReason.LENGTH), 3, 4, 0)])
     value = msgspec.msgpack.decode(raw)
     assert value[0] == "BatchTokenIDOutput"
     assert len(value) == 54
@@ -358,30 +386,30 @@ def test_mock_output_has_sglang_shape() -> None:
 
 
 def test_decode_request_reads_what_smgd_sends() -> None:
-    msg = sg.decode_request(frame("abort_one"))
-    assert msg == sg.AbortReq(rid=BY_NAME["abort_one"]["abort_rid"])
-    batch = sg.decode_request(frame("batch_tgri_two"))
-    assert isinstance(batch, sg.BatchTokenizedGenerateReqInput)
+    msg = decode_request(frame("abort_one"))
+    assert msg == AbortReq(rid=BY_NAME["abort_one"]["abort_rid"])
+    batch = decode_request(frame("batch_tgri_two"))
+    assert isinstance(batch, BatchTokenizedGenerateReqInput)
     assert len(batch.batch) == 2
-    assert sg.ext_to_ids(batch.batch[0].input_ids) == [1, 2]
+    assert ext_to_ids(batch.batch[0].input_ids) == [1, 2]
 
 
 def test_json_encode_rejects_bad_input() -> None:
     with pytest.raises(WireError):
-        sg.json_to_frames({"type": "NoSuchReq"})
+        json_to_frames({"type": "NoSuchReq"})
     with pytest.raises(WireError):
-        sg.json_to_frames({"type": "AbortReq", "rid": "x", "bogus": 1})
+        json_to_frames({"type": "AbortReq", "rid": "x", "bogus": 1})
     with pytest.raises(WireError):
-        sg.json_to_frames({"type": "AbortReq", "abort_all": True})  # gap: rid, ipc missing
+        json_to_frames({"type": "AbortReq", "abort_all": True})  # gap: rid, ipc missing
     with pytest.raises(WireError):
-        sg.frames_to_json([frame("abort_one"), frame("abort_one")])
+        frames_to_json([frame("abort_one"), frame("abort_one")])
 
 
 def test_ids_survive_int64_range() -> None:
     ids = [0, 1, 65536, (1 << 63) - 1, -(1 << 63)]
-    assert sg.ext_to_ids(sg.ids_to_ext(ids)) == ids
+    assert ext_to_ids(ids_to_ext(ids)) == ids
     for one in ids:  # a single id, the decode step's usual output, has a path of its own
-        assert sg.ext_to_ids(sg.ids_to_ext([one])) == [one]
+        assert ext_to_ids(ids_to_ext([one])) == [one]
 
 
 def test_a_single_id_array_in_any_typecode_decodes() -> None:
@@ -389,9 +417,9 @@ def test_a_single_id_array_in_any_typecode_decodes() -> None:
         arr = array(typecode, [7])
         meta = msgspec.msgpack.encode(typecode)
         ext = Ext(1, len(meta).to_bytes(4, "big") + meta + arr.tobytes())
-        assert sg.ext_to_ids(ext) == [7]
+        assert ext_to_ids(ext) == [7]
     with pytest.raises(WireError):  # one int64 plus a stray byte
-        sg.ext_to_ids(Ext(1, bytes(sg.ids_to_ext([7]).data) + b"\x00"))
+        ext_to_ids(Ext(1, bytes(ids_to_ext([7]).data) + b"\x00"))
 
 
 @pytest.mark.parametrize(
@@ -404,7 +432,7 @@ def test_a_single_id_array_in_any_typecode_decodes() -> None:
     ids=lambda v: v["name"],
 )
 def test_every_scheduler_frame_decodes_on_the_hot_path(vec: dict[str, Any]) -> None:
-    got = sg.decode_output(bytes.fromhex(vec["hex"]))
+    got = decode_output(bytes.fromhex(vec["hex"]))
     if vec["type"] in ("BatchTokenIDOutput", "AbortReq"):
         assert isinstance(got, list)
         assert all(isinstance(d, TokenDelta) for d in got)

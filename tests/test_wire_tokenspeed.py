@@ -1,4 +1,4 @@
-"""smgd/wire/tokenspeed.py against vectors written by TokenSpeed 0.1.1's own encoders.
+"""smgd/wire/tokenspeed/ against vectors written by TokenSpeed 0.1.1's own encoders.
 
 ``tests/vectors/tokenspeed.json`` comes from ``tests/vectors/make_tokenspeed_vectors.py``: every
 ``hex`` is TokenSpeed's bytes, ``fields`` TokenSpeed's own view of them, ``engine_view`` what
@@ -18,8 +18,46 @@ import msgspec
 import pytest
 
 from smgd.errors import InvalidRequest, WireError
-from smgd.wire import tokenspeed as ts
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+from smgd.wire.tokenspeed.decode import (
+    decode_handshake,
+    decode_hello,
+    decode_identity,
+    decode_init,
+    decode_output,
+    decode_ready,
+    decode_registration,
+    decode_request,
+    split_routed,
+)
+from smgd.wire.tokenspeed.encode import (
+    GREEDY_SEED,
+    TOP_K_DISABLED,
+    encode_abort,
+    encode_add,
+    encode_init,
+    encode_request,
+)
+from smgd.wire.tokenspeed.engine_side import (
+    OutputRow,
+    encode_engine_dead,
+    encode_hello,
+    encode_identity,
+    encode_output,
+    encode_ready,
+    encode_registration,
+    finish_to_wire,
+)
+from smgd.wire.tokenspeed.jsonform import frames_to_json, json_to_frames
+from smgd.wire.tokenspeed.structs import (
+    REQ_ADD,
+    TAG_OUTPUT,
+    TAG_REQUEST,
+    AbortRequest,
+    BatchTokenIDOutSlim,
+    ReadyResponse,
+    TokenizedGenerateReqInput,
+)
 
 DOC = json.loads((Path(__file__).parent / "vectors" / "tokenspeed.json").read_text())
 VECTORS: list[dict[str, Any]] = DOC["vectors"]
@@ -79,10 +117,10 @@ def test_vector_file_covers_every_message_type() -> None:
 @pytest.mark.parametrize("vec", VECTORS, ids=ids(VECTORS))
 def test_json_form_round_trips_byte_identically(vec: dict[str, Any]) -> None:
     raw = bytes.fromhex(vec["hex"])
-    obj = ts.frames_to_json([raw])
+    obj = frames_to_json([raw])
     assert obj["type"] == vec["type"]
     text = json.dumps(obj, ensure_ascii=False)  # what `smgd wire decode` prints
-    assert ts.json_to_frames(json.loads(text)) == [raw]
+    assert json_to_frames(json.loads(text)) == [raw]
 
 
 @pytest.mark.parametrize(
@@ -90,15 +128,15 @@ def test_json_form_round_trips_byte_identically(vec: dict[str, Any]) -> None:
 )
 def test_request_vectors_decode_to_tokenspeed_fields_and_reencode(vec: dict[str, Any]) -> None:
     raw = bytes.fromhex(vec["hex"])
-    msg = ts.decode_request([ts.REQ_ADD, raw])
-    assert isinstance(msg, ts.TokenizedGenerateReqInput)
+    msg = decode_request([REQ_ADD, raw])
+    assert isinstance(msg, TokenizedGenerateReqInput)
     ours = as_fields(msg)
     if "fields" in vec:
         theirs = {k: v for k, v in vec["fields"].items() if k != "_tag"}
         if ours["sampling_params"]["stop_token_ids"] is not None:
             ours["sampling_params"]["stop_token_ids"].sort()  # a set on TokenSpeed's side
         assert ours == theirs
-    assert ts.encode_request(msg) == [ts.REQ_ADD, raw]
+    assert encode_request(msg) == [REQ_ADD, raw]
 
 
 @pytest.mark.parametrize(
@@ -106,9 +144,9 @@ def test_request_vectors_decode_to_tokenspeed_fields_and_reencode(vec: dict[str,
 )
 def test_output_vectors_rebuild_byte_identically_with_encode_output(vec: dict[str, Any]) -> None:
     raw = bytes.fromhex(vec["hex"])
-    batch = msgspec.msgpack.decode(raw, type=ts.BatchTokenIDOutSlim)
+    batch = msgspec.msgpack.decode(raw, type=BatchTokenIDOutSlim)
     rows = [
-        ts.OutputRow(
+        OutputRow(
             rid=rid,
             output_ids=batch.output_ids[i],
             finished_reason=batch.finished_reasons[i],
@@ -124,30 +162,30 @@ def test_output_vectors_rebuild_byte_identically_with_encode_output(vec: dict[st
         k: getattr(batch, k)
         for k in ("engine_index", "num_running", "num_waiting", "kv_active_pages", "kv_total_pages")
     }
-    assert ts.encode_output(rows, **load) == [raw]
+    assert encode_output(rows, **load) == [raw]
 
 
 @pytest.mark.parametrize("name", [v["name"] for v in VECTORS if "smgd_request" in v])
 def test_encode_add_matches_tokenspeeds_own_encoding(name: str) -> None:
     req = common_request(BY_NAME[name]["smgd_request"])
-    assert ts.encode_add(req) == [b"\x00", frame(name)]
+    assert encode_add(req) == [b"\x00", frame(name)]
 
 
 def test_engine_view_of_smgd_greedy_request_pins_seed_zero() -> None:
     view = BY_NAME["live_add_greedy"]["engine_view"]["sampling_params"]
-    assert (view["temperature"], view["top_k"], view["seed"]) == (1.0, 1, ts.GREEDY_SEED)
+    assert (view["temperature"], view["top_k"], view["seed"]) == (1.0, 1, GREEDY_SEED)
     assert view["stop_strs"] == []
     assert view["is_normalized"] is True
 
 
 def test_engine_view_of_unseeded_request_derives_seed_from_rid() -> None:
     vec = BY_NAME["live_add_sampled_unseeded"]
-    sent = ts.decode_request([ts.REQ_ADD, frame("live_add_sampled_unseeded")])
-    assert isinstance(sent, ts.TokenizedGenerateReqInput)
+    sent = decode_request([REQ_ADD, frame("live_add_sampled_unseeded")])
+    assert isinstance(sent, TokenizedGenerateReqInput)
     assert sent.sampling_params.seed is None
     view = vec["engine_view"]
     assert view["sampling_params"]["seed"] == zlib.crc32(b"s-1")
-    assert view["sampling_params"]["top_k"] == ts.TOP_K_DISABLED
+    assert view["sampling_params"]["top_k"] == TOP_K_DISABLED
     assert view["validation_error"] is None
 
 
@@ -168,10 +206,10 @@ def test_encode_add_greedy_form() -> None:
             max_tokens=5, temperature=0.0, top_k=50, seed=99, stop_token_ids=(7, 7)
         ),
     )
-    frames = ts.encode_add(req)
+    frames = encode_add(req)
     assert frames[0] == b"\x00"
-    msg = ts.decode_request(frames)
-    assert isinstance(msg, ts.TokenizedGenerateReqInput)
+    msg = decode_request(frames)
+    assert isinstance(msg, TokenizedGenerateReqInput)
     sp = msg.sampling_params
     assert (sp.temperature, sp.top_k, sp.seed, sp.stop_token_ids) == (1.0, 1, 0, [7])
     assert (sp.max_new_tokens, sp.n, sp.is_normalized, sp.stop, sp.stop_strs) == (
@@ -188,14 +226,14 @@ def test_encode_add_greedy_form() -> None:
 
 def test_encode_add_sampled_form() -> None:
     sampling = SamplingParams(max_tokens=3, temperature=0.5, top_p=1, logprobs=0, logit_bias={9: 1})
-    msg = ts.decode_request(
-        ts.encode_add(GenerateRequest(rid="s", prompt_ids=[1], sampling=sampling, stream=False))
+    msg = decode_request(
+        encode_add(GenerateRequest(rid="s", prompt_ids=[1], sampling=sampling, stream=False))
     )
-    assert isinstance(msg, ts.TokenizedGenerateReqInput)
+    assert isinstance(msg, TokenizedGenerateReqInput)
     sp = msg.sampling_params
     assert (sp.temperature, sp.top_k, sp.seed, sp.stop_token_ids) == (
         0.5,
-        ts.TOP_K_DISABLED,
+        TOP_K_DISABLED,
         None,
         None,
     )
@@ -220,49 +258,47 @@ def test_encode_add_refuses_what_the_engine_would_reject(
 ) -> None:
     req = GenerateRequest(rid="x", prompt_ids=[1], sampling=SamplingParams(max_tokens=4, **change))
     with pytest.raises(InvalidRequest) as info:
-        ts.encode_add(req)
+        encode_add(req)
     assert info.value.param == param
 
 
 def test_encode_add_checks_prompt_length_against_max_model_len() -> None:
     req = GenerateRequest(rid="x", prompt_ids=[1] * 8, sampling=SamplingParams(max_tokens=1))
-    assert ts.encode_add(req, max_model_len=9)
+    assert encode_add(req, max_model_len=9)
     with pytest.raises(InvalidRequest):
-        ts.encode_add(req, max_model_len=8)
+        encode_add(req, max_model_len=8)
 
 
 def test_minimum_prefix_request_decodes_and_shorter_does_not() -> None:
-    six = reencode([ts.TAG_REQUEST, "r", None, None, [1, 2], []])
-    msg = ts.decode_request([b"\x00", six])
-    assert isinstance(msg, ts.TokenizedGenerateReqInput)
+    six = reencode([TAG_REQUEST, "r", None, None, [1, 2], []])
+    msg = decode_request([b"\x00", six])
+    assert isinstance(msg, TokenizedGenerateReqInput)
     assert (msg.rid, msg.input_ids, msg.sampling_params.top_k, msg.stream) == (
         "r",
         [1, 2],
         -1,
         False,
     )
-    assert ts.json_to_frames(ts.frames_to_json([b"\x00", six])) == [b"\x00", six]
+    assert json_to_frames(frames_to_json([b"\x00", six])) == [b"\x00", six]
     with pytest.raises(WireError):
-        ts.decode_request([b"\x00", reencode([ts.TAG_REQUEST, "r", None, None, [1, 2]])])
+        decode_request([b"\x00", reencode([TAG_REQUEST, "r", None, None, [1, 2]])])
 
 
 def test_abort_frames() -> None:
-    assert ts.encode_abort(["req-1"]) == [b"\x01", frame("abort_one")]
-    assert ts.encode_abort(iter(["a", "b-2", "水"])) == [b"\x01", frame("abort_many")]
-    assert ts.decode_request([b"\x01", frame("abort_many")]) == ts.AbortRequest(
-        rids=["a", "b-2", "水"]
-    )
+    assert encode_abort(["req-1"]) == [b"\x01", frame("abort_one")]
+    assert encode_abort(iter(["a", "b-2", "水"])) == [b"\x01", frame("abort_many")]
+    assert decode_request([b"\x01", frame("abort_many")]) == AbortRequest(rids=["a", "b-2", "水"])
     with pytest.raises(ValueError, match="rid"):
-        ts.encode_abort([""])
+        encode_abort([""])
     with pytest.raises(ValueError, match="rid"):
-        ts.encode_abort([])
+        encode_abort([])
 
 
 # --------------------------------------------------------------------------- outputs
 
 
 def test_decode_output_two_requests_one_stop_with_load() -> None:
-    batch = ts.decode_output([frame("out_two_reqs_one_stop_with_load")])
+    batch = decode_output([frame("out_two_reqs_one_stop_with_load")])
     a, b = batch.deltas
     assert (a.rid, a.token_ids, a.finish, a.prompt_tokens, a.completion_tokens) == (
         "a",
@@ -280,7 +316,7 @@ def test_decode_output_two_requests_one_stop_with_load() -> None:
 
 
 def test_decode_output_length_with_logprobs_and_engine_index() -> None:
-    batch = ts.decode_output([frame("out_length_with_logprobs")])
+    batch = decode_output([frame("out_length_with_logprobs")])
     (d,) = batch.deltas
     assert d.finish is not None
     assert d.finish.reason is FinishReason.LENGTH
@@ -294,7 +330,7 @@ def test_decode_output_length_with_logprobs_and_engine_index() -> None:
 
 
 def test_bare_abort_is_a_4xx_rejection() -> None:
-    (d,) = ts.decode_output([frame("out_abort_empty_tokens")]).deltas
+    (d,) = decode_output([frame("out_abort_empty_tokens")]).deltas
     assert d.finish is not None
     assert d.finish.reason is FinishReason.ABORT
     assert d.finish.status_code is not None
@@ -303,12 +339,12 @@ def test_bare_abort_is_a_4xx_rejection() -> None:
 
 
 def test_outputs_for_rids_smgd_aborted_are_dropped() -> None:
-    batch = ts.decode_output([frame("out_two_reqs_one_stop_with_load")], aborted={"a"})
+    batch = decode_output([frame("out_two_reqs_one_stop_with_load")], aborted={"a"})
     assert [d.rid for d in batch.deltas] == ["b"]
 
 
 def test_real_send_socket_output_decodes() -> None:
-    batch = ts.decode_output([frame("live_output_from_send_socket")])
+    batch = decode_output([frame("live_output_from_send_socket")])
     assert [d.rid for d in batch.deltas] == ["f-0", "f-1", "f-2"]
     reasons = [d.finish.reason if d.finish else None for d in batch.deltas]
     assert reasons == [None, FinishReason.STOP, FinishReason.LENGTH]
@@ -319,7 +355,7 @@ def test_real_send_socket_output_decodes() -> None:
 
 
 def test_no_load_snapshot_means_no_load() -> None:
-    batch = ts.decode_output([frame("out_single_midstream")])
+    batch = decode_output([frame("out_single_midstream")])
     assert batch.load is None
     assert batch.deltas[0].token_ids == [791]
 
@@ -327,7 +363,7 @@ def test_no_load_snapshot_means_no_load() -> None:
 @pytest.mark.parametrize(("length", "engine_index"), [(9, 0), (10, 1)])
 def test_older_senders_without_the_tail_decode(length: int, engine_index: int) -> None:
     full = msgspec.msgpack.decode(frame("out_length_with_logprobs"))
-    batch = ts.decode_output([reencode(full[:length])])
+    batch = decode_output([reencode(full[:length])])
     assert batch.engine_index == engine_index
     assert batch.load is None
     assert batch.deltas[0].token_ids == [10, 11]
@@ -336,64 +372,64 @@ def test_older_senders_without_the_tail_decode(length: int, engine_index: int) -
 def test_extra_trailing_fields_are_tolerated_and_kept_in_json() -> None:
     full = msgspec.msgpack.decode(frame("out_length_with_logprobs"))
     newer = reencode([*full, [["details"]], [0]])
-    assert ts.decode_output([newer]).deltas[0].token_ids == [10, 11]
-    obj = ts.frames_to_json([newer])
+    assert decode_output([newer]).deltas[0].token_ids == [10, 11]
+    obj = frames_to_json([newer])
     assert obj["_extra"] == [[["details"]], [0]]
-    assert ts.json_to_frames(obj) == [newer]
+    assert json_to_frames(obj) == [newer]
 
 
 def test_dead_sentinel() -> None:
-    assert ts.decode_output([frame("live_engine_core_dead")]).engine_dead
-    assert ts.encode_engine_dead() == [frame("engine_core_dead")]
+    assert decode_output([frame("live_engine_core_dead")]).engine_dead
+    assert encode_engine_dead() == [frame("engine_core_dead")]
 
 
 def test_aux_frames_on_output_are_ignored() -> None:
-    batch = ts.decode_output([memoryview(frame("out_single_midstream")), b"\x00" * 300])
+    batch = decode_output([memoryview(frame("out_single_midstream")), b"\x00" * 300])
     assert batch.deltas[0].rid == "req-1"
 
 
 def test_finish_to_wire_for_mocks() -> None:
-    (d,) = ts.decode_output([frame("out_abort_empty_tokens")]).deltas
-    assert [ts.finish_to_wire(x) for x in (None, d.finish)] == ["", "abort"]
+    (d,) = decode_output([frame("out_abort_empty_tokens")]).deltas
+    assert [finish_to_wire(x) for x in (None, d.finish)] == ["", "abort"]
 
 
 # --------------------------------------------------------------------------- handshake
 
 
 def test_handshake_messages_match_tokenspeed() -> None:
-    assert ts.encode_hello() == frame("handshake_hello") == frame("live_hello")
-    assert ts.encode_ready() == frame("handshake_ready") == frame("live_ready")
-    assert ts.decode_hello(frame("live_hello")).headless is True
-    assert ts.decode_ready(frame("live_ready")).status == "READY"
+    assert encode_hello() == frame("handshake_hello") == frame("live_hello")
+    assert encode_ready() == frame("handshake_ready") == frame("live_ready")
+    assert decode_hello(frame("live_hello")).headless is True
+    assert decode_ready(frame("live_ready")).status == "READY"
     with pytest.raises(WireError, match="READY"):
-        ts.decode_ready(frame("live_hello"))
+        decode_ready(frame("live_hello"))
     with pytest.raises(WireError, match="HELLO"):
-        ts.decode_hello(frame("live_ready"))
+        decode_hello(frame("live_ready"))
 
 
 def test_init_matches_tokenspeed_and_is_what_it_reads() -> None:
     inputs, outputs = ["ipc:///tmp/smgd-0/ts-in.sock"], ["ipc:///tmp/smgd-0/ts-out.sock"]
-    assert ts.encode_init(inputs, outputs) == [frame("handshake_init_ipc")]
-    init = ts.decode_init(frame("handshake_init_ipc"))
+    assert encode_init(inputs, outputs) == [frame("handshake_init_ipc")]
+    init = decode_init(frame("handshake_init_ipc"))
     assert (init.addresses.inputs, init.addresses.outputs) == (inputs, outputs)
     with pytest.raises(ValueError, match="output"):
-        ts.encode_init(inputs, [])
+        encode_init(inputs, [])
 
 
 def test_identities_are_two_byte_little_endian() -> None:
     for index in (0, 1, 258):
-        assert ts.encode_identity(index) == frame(f"engine_identity_{index}")
-        assert ts.decode_identity(frame(f"engine_identity_{index}")) == index
-    assert ts.decode_identity(frame("live_identity_7")) == 7
-    assert ts.split_routed([b"\x07\x00", frame("live_hello")]) == (7, frame("live_hello"))
+        assert encode_identity(index) == frame(f"engine_identity_{index}")
+        assert decode_identity(frame(f"engine_identity_{index}")) == index
+    assert decode_identity(frame("live_identity_7")) == 7
+    assert split_routed([b"\x07\x00", frame("live_hello")]) == (7, frame("live_hello"))
     with pytest.raises(WireError):
-        ts.split_routed([b"\x07", frame("live_hello")])
+        split_routed([b"\x07", frame("live_hello")])
     with pytest.raises(ValueError, match="2 bytes"):
-        ts.encode_identity(1 << 16)
+        encode_identity(1 << 16)
 
 
 def test_registration_with_prefix_granularity() -> None:
-    reg = ts.decode_registration(frame("live_registration"))
+    reg = decode_registration(frame("live_registration"))
     assert (reg.max_model_len, reg.granularity, reg.max_num_seqs) == (32768, 64, 256)
     info = reg.engine_info()
     assert (info.max_model_len, info.kv_cache_tokens, info.version) == (
@@ -401,11 +437,11 @@ def test_registration_with_prefix_granularity() -> None:
         262144,
         "tokenspeed-0.1.1",
     )
-    resp = ts.ReadyResponse(
+    resp = ReadyResponse(
         **{
             k: v
             for k, v in msgspec.to_builtins(reg).items()
-            if k in ts.ReadyResponse.__struct_fields__
+            if k in ReadyResponse.__struct_fields__
         }
     )
     assert resp.prefix_granularity == 64
@@ -416,19 +452,19 @@ def test_registration_with_legacy_block_size_and_unknown_keys() -> None:
     legacy = {("block_size" if k == "prefix_granularity" else k): v for k, v in theirs.items()}
     legacy["max_num_batched_tokens"] = -1
     legacy["some_future_key"] = {"x": 1}
-    reg = ts.decode_registration(reencode(legacy))
+    reg = decode_registration(reencode(legacy))
     assert (reg.granularity, reg.block_size, reg.prefix_granularity) == (64, 64, None)
     assert reg.max_num_batched_tokens == -1
-    assert ts.decode_registration({"max_model_len": 10}).granularity is None
+    assert decode_registration({"max_model_len": 10}).granularity is None
 
 
 def test_encode_registration_matches_tokenspeed() -> None:
-    resp = ts.ReadyResponse(
+    resp = ReadyResponse(
         max_model_len=32768, num_gpu_blocks=4096, prefix_granularity=64, dtype="bfloat16",
         vllm_version="tokenspeed-0.1.1", max_num_seqs=256, max_num_batched_tokens=8192,
         instance_id="tiny-model", kv_cache_size_tokens=262144,
     )  # fmt: skip
-    assert ts.encode_registration(resp) == frame("registration_ready_response")
+    assert encode_registration(resp) == frame("registration_ready_response")
 
 
 # --------------------------------------------------------------------------- JSON form
@@ -437,11 +473,11 @@ def test_encode_registration_matches_tokenspeed() -> None:
 def test_json_form_of_a_routed_request_message() -> None:
     frames = [
         b"\x03\x00",
-        *ts.encode_add(
+        *encode_add(
             GenerateRequest(rid="q", prompt_ids=[5], sampling=SamplingParams(max_tokens=2))
         ),
     ]
-    obj = ts.frames_to_json(frames)
+    obj = frames_to_json(frames)
     assert (obj["type"], obj["request_type"], obj["identity"], obj["rid"]) == (
         "TokenizedGenerateReqInput",
         "ADD",
@@ -449,18 +485,18 @@ def test_json_form_of_a_routed_request_message() -> None:
         "q",
     )
     assert obj["sampling_params"]["max_new_tokens"] == 2
-    assert ts.json_to_frames(obj) == frames
+    assert json_to_frames(obj) == frames
 
 
 def test_json_form_keeps_non_finite_floats() -> None:
-    rows = [ts.OutputRow(rid="r", output_ids=[1], logprob_vals=[-math.inf], logprob_ids=[1])]
-    frames = ts.encode_output(rows)
-    obj = ts.frames_to_json(frames)
-    assert ts.json_to_frames(json.loads(json.dumps(obj))) == frames
+    rows = [OutputRow(rid="r", output_ids=[1], logprob_vals=[-math.inf], logprob_ids=[1])]
+    frames = encode_output(rows)
+    obj = frames_to_json(frames)
+    assert json_to_frames(json.loads(json.dumps(obj))) == frames
 
 
 def test_json_form_fills_gaps_with_defaults() -> None:
-    frames = ts.json_to_frames(
+    frames = json_to_frames(
         {
             "type": "TokenizedGenerateReqInput",
             "request_type": "ADD",
@@ -469,8 +505,8 @@ def test_json_form_fills_gaps_with_defaults() -> None:
             "stream": True,
         }
     )
-    msg = ts.decode_request(frames)
-    assert isinstance(msg, ts.TokenizedGenerateReqInput)
+    msg = decode_request(frames)
+    assert isinstance(msg, TokenizedGenerateReqInput)
     assert (msg.stream, msg.logprob_start_len, msg.sampling_params.max_new_tokens) == (True, -1, 3)
     assert len(msgspec.msgpack.decode(frames[1])) == 11
 
@@ -485,10 +521,10 @@ def test_json_form_fills_gaps_with_defaults() -> None:
         [b"\xc1"],
         [b"not msgpack at all"],
         [reencode(["BatchTokenIDOut", [], [], [], [], [], [], [], []])],
-        [reencode([ts.TAG_REQUEST, "r", None, None, [1], []])],
-        [reencode([ts.TAG_OUTPUT, ["a", "b"], [[1]], [""], [1], [1], [0], [[]], [[]]])],
-        [reencode([ts.TAG_OUTPUT, ["a"], [[1]], [""], [1], [1], [0], [[-0.5]], [[]]])],
-        [reencode([ts.TAG_OUTPUT, ["a"], [["x"]], [""], [1], [1], [0], [[]], [[]]])],
+        [reencode([TAG_REQUEST, "r", None, None, [1], []])],
+        [reencode([TAG_OUTPUT, ["a", "b"], [[1]], [""], [1], [1], [0], [[]], [[]]])],
+        [reencode([TAG_OUTPUT, ["a"], [[1]], [""], [1], [1], [0], [[-0.5]], [[]]])],
+        [reencode([TAG_OUTPUT, ["a"], [["x"]], [""], [1], [1], [0], [[]], [[]]])],
     ],
     ids=[
         "empty",
@@ -503,7 +539,7 @@ def test_json_form_fills_gaps_with_defaults() -> None:
 )
 def test_decode_output_garbage_is_a_wire_error(frames: list[bytes]) -> None:
     with pytest.raises(WireError):
-        ts.decode_output(frames)
+        decode_output(frames)
 
 
 @pytest.mark.parametrize(
@@ -519,22 +555,22 @@ def test_decode_output_garbage_is_a_wire_error(frames: list[bytes]) -> None:
 )
 def test_decode_request_garbage_is_a_wire_error(frames: list[bytes]) -> None:
     with pytest.raises(WireError):
-        ts.decode_request(frames)
+        decode_request(frames)
 
 
 def test_handshake_garbage_is_a_wire_error() -> None:
     with pytest.raises(WireError):
-        ts.decode_hello(b"\xc1")
+        decode_hello(b"\xc1")
     with pytest.raises(WireError):
-        ts.decode_handshake(reencode({"status": "BYE"}))
+        decode_handshake(reencode({"status": "BYE"}))
     with pytest.raises(WireError):
-        ts.decode_registration(b"")
+        decode_registration(b"")
     with pytest.raises(WireError):
-        ts.decode_registration(reencode({"num_gpu_blocks": 3}))
+        decode_registration(reencode({"num_gpu_blocks": 3}))
     with pytest.raises(WireError):
-        ts.decode_registration(reencode({"max_model_len": "long"}))
+        decode_registration(reencode({"max_model_len": "long"}))
     with pytest.raises(WireError):
-        ts.decode_init(reencode({"addresses": 3}))
+        decode_init(reencode({"addresses": 3}))
 
 
 @pytest.mark.parametrize(
@@ -552,7 +588,7 @@ def test_handshake_garbage_is_a_wire_error() -> None:
 )
 def test_json_to_frames_garbage_is_a_wire_error(obj: dict[str, Any]) -> None:
     with pytest.raises(WireError):
-        ts.json_to_frames(obj)
+        json_to_frames(obj)
 
 
 @pytest.mark.parametrize(
@@ -561,7 +597,7 @@ def test_json_to_frames_garbage_is_a_wire_error(obj: dict[str, Any]) -> None:
 )
 def test_frames_to_json_garbage_is_a_wire_error(frames: list[bytes]) -> None:
     with pytest.raises(WireError):
-        ts.frames_to_json(frames)
+        frames_to_json(frames)
 
 
 # SMG's cross-language output vector (crates/engine_zmq_client protocol/tokenspeed/output.rs,

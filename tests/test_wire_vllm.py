@@ -16,8 +16,49 @@ import msgspec
 import pytest
 
 from smgd.errors import WireError
-from smgd.wire import vllm
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams
+from smgd.wire.vllm.decode import (
+    decode_engine_outputs,
+    decode_handshake,
+    decode_init,
+    decode_outputs,
+    decode_ready_response,
+    decode_request,
+    is_engine_dead,
+)
+from smgd.wire.vllm.encode import (
+    encode_abort,
+    encode_add,
+    encode_init,
+    encode_request_message,
+    encode_start_dp_wave,
+    encode_utility,
+    to_vllm_sampling,
+)
+from smgd.wire.vllm.engine_side import (
+    encode_engine_dead,
+    encode_hello,
+    encode_outputs,
+    encode_ready,
+    encode_ready_response,
+    logprobs_lists,
+)
+from smgd.wire.vllm.jsonform import frames_to_json, json_to_frames
+from smgd.wire.vllm.structs import (
+    ENGINE_CORE_DEAD,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    Hello,
+    LogprobsLists,
+    PrefillStats,
+    Ready,
+    Tensor,
+    UtilityRequest,
+    VllmFinishReason,
+)
+from smgd.wire.vllm.structs import SamplingParams as VllmSamplingParams
+from smgd.wire.vllm.tensors import make_tensor, tensor_values
 
 DOC = json.loads((Path(__file__).parent / "vectors" / "vllm.json").read_text())
 VECTORS: list[dict[str, Any]] = DOC["vectors"]
@@ -37,10 +78,10 @@ def typed_round_trip(v: dict[str, Any]) -> list[bytes]:
     """Decode a vector with the typed decoders and encode it again."""
     frames = frames_of(v)
     if v["socket"] == "handshake":
-        kind = vllm.frames_to_json(frames)["type"]
+        kind = frames_to_json(frames)["type"]
         if kind == "INIT":
-            init = vllm.decode_init(frames)
-            return vllm.encode_init(
+            init = decode_init(frames)
+            return encode_init(
                 init.addresses.inputs,
                 init.addresses.outputs,
                 coordinator_input=init.addresses.coordinator_input,
@@ -48,10 +89,10 @@ def typed_round_trip(v: dict[str, Any]) -> list[bytes]:
                 frontend_stats_publish_address=init.addresses.frontend_stats_publish_address,
                 parallel_config=init.parallel_config,
             )
-        msg = vllm.decode_handshake(frames)
-        encode = vllm.encode_hello if isinstance(msg, vllm.Hello) else vllm.encode_ready
+        msg = decode_handshake(frames)
+        encode = encode_hello if isinstance(msg, Hello) else encode_ready
         if msg.parallel_config_hash is not None:
-            return vllm.encode_ready(
+            return encode_ready(
                 local=msg.local,
                 headless=msg.headless,
                 parallel_config_hash=msg.parallel_config_hash,
@@ -59,15 +100,15 @@ def typed_round_trip(v: dict[str, Any]) -> list[bytes]:
         return encode(local=msg.local, headless=msg.headless)
     if v["socket"] == "input":
         if len(frames) == 1:
-            return vllm.encode_ready_response(vllm.decode_ready_response(frames))
-        return vllm.encode_request_message(vllm.decode_request(frames))
-    if vllm.is_engine_dead(frames):
-        return vllm.encode_engine_dead()
-    return vllm.encode_outputs(vllm.decode_engine_outputs(frames), aux=frames[1:])
+            return encode_ready_response(decode_ready_response(frames))
+        return encode_request_message(decode_request(frames))
+    if is_engine_dead(frames):
+        return encode_engine_dead()
+    return encode_outputs(decode_engine_outputs(frames), aux=frames[1:])
 
 
 def test_vectors_cover_every_message_kind() -> None:
-    kinds = {vllm.frames_to_json(frames_of(v))["type"] for v in VECTORS}
+    kinds = {frames_to_json(frames_of(v))["type"] for v in VECTORS}
     assert kinds >= {
         "HELLO",
         "READY",
@@ -86,8 +127,8 @@ def test_vectors_cover_every_message_kind() -> None:
 @pytest.mark.parametrize("vec", VECTORS, ids=[v["name"] for v in VECTORS])
 def test_json_form_round_trips_byte_identically(vec: dict[str, Any]) -> None:
     frames = frames_of(vec)
-    text = json.dumps(vllm.frames_to_json(frames))  # must be plain JSON
-    assert vllm.json_to_frames(json.loads(text)) == frames
+    text = json.dumps(frames_to_json(frames))  # must be plain JSON
+    assert json_to_frames(json.loads(text)) == frames
 
 
 @pytest.mark.parametrize("vec", VECTORS, ids=[v["name"] for v in VECTORS])
@@ -102,7 +143,7 @@ def test_typed_decode_encode_is_byte_identical(vec: dict[str, Any]) -> None:
 )
 def test_decode_outputs_translates_like_vllm(vec: dict[str, Any]) -> None:
     expect = vec["expect"]
-    batch = vllm.decode_outputs(frames_of(vec))
+    batch = decode_outputs(frames_of(vec))
     assert not batch.engine_dead
     assert batch.engine_index == expect["engine_index"]
     assert [d.rid for d in batch.deltas] == list(expect["requests"])
@@ -157,21 +198,21 @@ def test_decode_outputs_translates_like_vllm(vec: dict[str, Any]) -> None:
 
 
 def test_engine_core_dead_sentinel() -> None:
-    batch = vllm.decode_outputs(named("out_engine_core_dead"))
+    batch = decode_outputs(named("out_engine_core_dead"))
     assert batch.engine_dead
     assert batch.deltas == []
-    assert vllm.frames_to_json(named("out_engine_core_dead")) == {"type": "ENGINE_CORE_DEAD"}
+    assert frames_to_json(named("out_engine_core_dead")) == {"type": "ENGINE_CORE_DEAD"}
 
 
 def test_error_finish_is_an_engine_error() -> None:
-    (delta,) = vllm.decode_outputs(named("out_finish_error")).deltas
+    (delta,) = decode_outputs(named("out_finish_error")).deltas
     assert delta.finish is not None
     assert delta.finish.reason is FinishReason.ERROR
     assert delta.finish.status_code == 500
 
 
 def test_repetition_is_reported_as_stop_with_the_reason() -> None:
-    (delta,) = vllm.decode_outputs(named("out_finish_repetition")).deltas
+    (delta,) = decode_outputs(named("out_finish_repetition")).deltas
     assert delta.finish is not None
     assert delta.finish.reason is FinishReason.STOP
     assert delta.finish.matched_text is None
@@ -182,7 +223,7 @@ def test_logprobs_are_sliced_to_each_requests_k() -> None:
     frames = named("out_logprobs_aux")
     assert len(frames) > 1  # the big arrays travel in aux frames
     want = BY_NAME["out_logprobs_aux"]["expect"]["requests"]
-    batch = vllm.decode_outputs(frames, logprobs_k={"req-LP": 2, "req-LP20": 0})
+    batch = decode_outputs(frames, logprobs_k={"req-LP": 2, "req-LP20": 0})
     lp, lp20 = batch.deltas
     assert lp.logprobs is not None
     assert lp20.logprobs is not None
@@ -203,12 +244,12 @@ def test_encode_add_is_what_vllms_front_end_sends_for_greedy() -> None:
         prompt_ids=[323, 607, 83, 338, 15, 743, 1373, 310],
         sampling=SamplingParams(max_tokens=16, temperature=0.0, eos_token_ids=(2,)),
     )
-    assert vllm.encode_add(req, arrival_time=ARRIVAL) == named("in_add_greedy")
+    assert encode_add(req, arrival_time=ARRIVAL) == named("in_add_greedy")
 
 
-def _sampling_of(name: str) -> vllm.SamplingParams:
-    msg = vllm.decode_request(named(name))
-    assert isinstance(msg, vllm.AddRequest)
+def _sampling_of(name: str) -> VllmSamplingParams:
+    msg = decode_request(named(name))
+    assert isinstance(msg, AddRequest)
     assert msg.request.sampling_params is not None
     return msg.request.sampling_params
 
@@ -234,7 +275,7 @@ ENGINE_FIELDS = (
 
 
 def test_sampling_translation_matches_vllm_with_extra_eos_and_stop_ids() -> None:
-    ours = vllm.to_vllm_sampling(
+    ours = to_vllm_sampling(
         SamplingParams(
             max_tokens=32,
             temperature=0.7,
@@ -258,7 +299,7 @@ def test_sampling_translation_matches_vllm_with_extra_eos_and_stop_ids() -> None
 
 
 def test_ignore_eos_leaves_the_eos_id_unset_like_vllm() -> None:
-    ours = vllm.to_vllm_sampling(
+    ours = to_vllm_sampling(
         SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, eos_token_ids=(2,))
     )
     theirs = _sampling_of("in_add_tail_fields")
@@ -269,7 +310,7 @@ def test_ignore_eos_leaves_the_eos_id_unset_like_vllm() -> None:
 
 
 def test_logprobs_request_translation() -> None:
-    ours = vllm.to_vllm_sampling(
+    ours = to_vllm_sampling(
         SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, eos_token_ids=(2,))
     )
     theirs = _sampling_of("in_add_logprobs")
@@ -278,27 +319,27 @@ def test_logprobs_request_translation() -> None:
 
 
 def test_abort_utility_and_wave_frames_match_vllm() -> None:
-    assert vllm.encode_abort(["req-1", "req-2"]) == named("in_abort")
-    msg = vllm.decode_request(named("in_utility_reset_prefix_cache"))
-    assert isinstance(msg, vllm.UtilityRequest)
+    assert encode_abort(["req-1", "req-2"]) == named("in_abort")
+    msg = decode_request(named("in_utility_reset_prefix_cache"))
+    assert isinstance(msg, UtilityRequest)
     assert (msg.method, msg.args, msg.client_index) == ("reset_prefix_cache", [False, False], 0)
-    assert vllm.encode_utility(msg.call_id, "reset_prefix_cache", (False, False)) == named(
+    assert encode_utility(msg.call_id, "reset_prefix_cache", (False, False)) == named(
         "in_utility_reset_prefix_cache"
     )
-    assert vllm.encode_start_dp_wave(4, 1) == named("in_start_dp_wave")
+    assert encode_start_dp_wave(4, 1) == named("in_start_dp_wave")
     with pytest.raises(ValueError, match="non-empty"):
-        vllm.encode_abort([])
+        encode_abort([])
     with pytest.raises(ValueError, match="non-empty"):
-        vllm.encode_abort([""])
+        encode_abort([""])
     with pytest.raises(ValueError, match="64-bit"):
-        vllm.encode_utility(-1, "is_sleeping")
+        encode_utility(-1, "is_sleeping")
 
 
 def test_request_always_has_all_22_fields() -> None:
     req = GenerateRequest(
         rid="r", prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=4, temperature=0.0)
     )
-    body = msgspec.msgpack.decode(vllm.encode_add(req, client_index=1)[1])
+    body = msgspec.msgpack.decode(encode_add(req, client_index=1)[1])
     assert len(body) == 22
     assert body[11] == 1  # client_index picks outputs[1]
 
@@ -307,26 +348,26 @@ def test_request_always_has_all_22_fields() -> None:
 
 
 def test_handshake_messages() -> None:
-    hello = vllm.decode_handshake(named("hs_hello_local"))
-    assert isinstance(hello, vllm.Hello)
+    hello = decode_handshake(named("hs_hello_local"))
+    assert isinstance(hello, Hello)
     assert (hello.local, hello.headless) == (True, False)
-    assert vllm.encode_hello() == named("hs_hello_local")
-    ready = vllm.decode_handshake(named("hs_ready_dp"))
-    assert isinstance(ready, vllm.Ready)
+    assert encode_hello() == named("hs_hello_local")
+    ready = decode_handshake(named("hs_ready_dp"))
+    assert isinstance(ready, Ready)
     assert ready.parallel_config_hash == "ab12cd"
-    init = vllm.encode_init(
+    init = encode_init(
         ["ipc:///tmp/smgd/vllm-0-input.sock"], ["ipc:///tmp/smgd/vllm-0-output.sock"]
     )
     assert init == named("hs_init")
-    assert vllm.decode_init(init).addresses.outputs == ["ipc:///tmp/smgd/vllm-0-output.sock"]
+    assert decode_init(init).addresses.outputs == ["ipc:///tmp/smgd/vllm-0-output.sock"]
     with pytest.raises(WireError, match="status"):
-        vllm.decode_handshake(
+        decode_handshake(
             [msgspec.msgpack.encode({"status": "BYE", "local": True, "headless": False})]
         )
 
 
 def test_ready_response_gives_engine_info() -> None:
-    resp = vllm.decode_ready_response(named("in_ready_response"))
+    resp = decode_ready_response(named("in_ready_response"))
     want = BY_NAME["in_ready_response"]["expect"]
     info = resp.engine_info(vocab_size=2048)
     assert info.max_model_len == want["max_model_len"]
@@ -340,36 +381,36 @@ def test_ready_response_gives_engine_info() -> None:
 
 def test_encode_outputs_moves_big_arrays_to_aux_frames_like_vllm() -> None:
     frames = named("out_logprobs_aux")
-    outs = vllm.decode_engine_outputs(frames)
+    outs = decode_engine_outputs(frames)
 
-    def inline(t: vllm.Tensor) -> vllm.Tensor:
-        return vllm.make_tensor(t.dtype, t.shape, vllm.tensor_values(t, frames))
+    def inline(t: Tensor) -> Tensor:
+        return make_tensor(t.dtype, t.shape, tensor_values(t, frames))
 
     for o in outs.outputs:
         for lp in (o.new_logprobs, o.new_prompt_logprobs_tensors):
             if lp is not None:
                 for name in lp.__struct_fields__:
                     value = getattr(lp, name)
-                    if isinstance(value, vllm.Tensor):
+                    if isinstance(value, Tensor):
                         setattr(lp, name, inline(value))
-    assert vllm.encode_outputs(outs) == frames
+    assert encode_outputs(outs) == frames
 
 
 def test_mock_builders_decode_back() -> None:
-    outs = vllm.EngineCoreOutputs(
+    outs = EngineCoreOutputs(
         outputs=[
-            vllm.EngineCoreOutput(
+            EngineCoreOutput(
                 "r1",
                 [7],
-                new_logprobs=vllm.logprobs_lists([[7, 8, 9]], [[-0.5, -1.0, -2.0]], [1]),
-                finish_reason=vllm.VllmFinishReason.STOP,
+                new_logprobs=logprobs_lists([[7, 8, 9]], [[-0.5, -1.0, -2.0]], [1]),
+                finish_reason=VllmFinishReason.STOP,
                 stop_reason=7,
-                prefill_stats=vllm.PrefillStats(num_prompt_tokens=3, num_cached_tokens=1),
+                prefill_stats=PrefillStats(num_prompt_tokens=3, num_cached_tokens=1),
             )
         ],
         timestamp=1.5,
     )
-    (delta,) = vllm.decode_outputs(vllm.encode_outputs(outs)).deltas
+    (delta,) = decode_outputs(encode_outputs(outs)).deltas
     assert delta.finish is not None
     assert delta.finish.matched_token == 7
     assert (delta.prompt_tokens, delta.cached_tokens) == (3, 1)
@@ -394,15 +435,15 @@ def test_extra_trailing_fields_are_tolerated_and_kept_in_json() -> None:
         body.append("future-field")  # a 10th EngineCoreOutputs field
 
     frames = _with_body(named("out_finish_error"), edit)
-    (delta,) = vllm.decode_outputs(frames).deltas
+    (delta,) = decode_outputs(frames).deltas
     assert delta.finish is not None
     assert delta.finish.reason is FinishReason.ERROR
     assert delta.finish.message == "KV load failed"
-    assert vllm.decode_engine_outputs(frames).outputs[0].request_id == "req-err"
-    as_json = vllm.frames_to_json(frames)
+    assert decode_engine_outputs(frames).outputs[0].request_id == "req-err"
+    as_json = frames_to_json(frames)
     assert as_json["_extra"] == ["future-field"]
     assert as_json["outputs"][0]["_extra"] == [error]
-    assert vllm.json_to_frames(json.loads(json.dumps(as_json))) == frames
+    assert json_to_frames(json.loads(json.dumps(as_json))) == frames
 
 
 def test_short_arrays_take_defaults_and_round_trip_in_json() -> None:
@@ -418,15 +459,15 @@ def test_short_arrays_take_defaults_and_round_trip_in_json() -> None:
         None,
     ]
     frames = [b"\x00", msgspec.msgpack.encode(req)]
-    msg = vllm.decode_request(frames)
-    assert isinstance(msg, vllm.AddRequest)
+    msg = decode_request(frames)
+    assert isinstance(msg, AddRequest)
     assert msg.request.client_index == 0
     assert msg.request.session_id is None
     assert msg.request.sampling_params is not None
     assert msg.request.sampling_params.max_tokens == 4
-    as_json = vllm.frames_to_json(frames)
+    as_json = frames_to_json(frames)
     assert "client_index" not in as_json["request"]
-    assert vllm.json_to_frames(as_json) == frames
+    assert json_to_frames(as_json) == frames
 
 
 def test_float32_and_wide_headers_survive_the_json_form() -> None:
@@ -437,28 +478,28 @@ def test_float32_and_wide_headers_survive_the_json_form() -> None:
     ts = body.index(b"\xcb")  # first float64 is the timestamp
     f32 = bytes([0xCA]) + bytes(4)
     patched = bytes(body[:ts]) + f32 + bytes(body[ts + 9 :])
-    as_json = vllm.frames_to_json([patched])
+    as_json = frames_to_json([patched])
     assert as_json["timestamp"] == {"f32": 0.0}
-    assert vllm.json_to_frames(as_json) == [patched]
+    assert json_to_frames(as_json) == [patched]
     add = named("in_add_greedy")
     assert add[1].find(b"\xde\x00") > 0  # the sampling map has a wide header
-    assert vllm.frames_to_json(add)["request"]["sampling_params"]["__wide__"] == 16
+    assert frames_to_json(add)["request"]["sampling_params"]["__wide__"] == 16
 
 
 def test_json_form_is_readable() -> None:
-    add = vllm.frames_to_json(named("in_add_greedy"))
+    add = frames_to_json(named("in_add_greedy"))
     assert add["type"] == "ADD"
     assert add["request"]["sampling_params"]["temperature"] == 0.0
-    out = vllm.frames_to_json(named("out_logprobs_aux"))
+    out = frames_to_json(named("out_logprobs_aux"))
     arr = out["outputs"][0]["new_prompt_logprobs_tensors"]["logprob_token_ids"]
     assert arr["dtype"] == "int32"
     assert arr["shape"] == [22, 21]
     assert arr["aux"] >= 1
     assert len(arr["data"]) == 22
     assert len(arr["data"][0]) == 21
-    bias = vllm.frames_to_json(named("in_add_bias_extra"))["request"]["sampling_params"]
+    bias = frames_to_json(named("in_add_bias_extra"))["request"]["sampling_params"]
     assert bias["logit_bias"] == {"5": -100.0, "9": 2.5}
-    embeds = vllm.frames_to_json(named("in_add_prompt_embeds_inline"))["request"]
+    embeds = frames_to_json(named("in_add_prompt_embeds_inline"))["request"]
     assert embeds["prompt_embeds"]["dtype"] == "bfloat16"
     assert embeds["prompt_embeds"]["data"] == [[1.0] * 4] * 2
 
@@ -475,43 +516,43 @@ def test_json_form_is_readable() -> None:
 )
 def test_garbage_outputs_raise_wire_error(frames: list[bytes], match: str) -> None:
     with pytest.raises(WireError, match=match):
-        vllm.decode_outputs(frames)
+        decode_outputs(frames)
 
 
 def test_garbage_elsewhere_raises_wire_error() -> None:
     with pytest.raises(WireError, match="type byte"):
-        vllm.decode_request([b"\x09", b"\x90"])
+        decode_request([b"\x09", b"\x90"])
     with pytest.raises(WireError, match="EngineCoreRequest"):
-        vllm.decode_request([b"\x00", msgspec.msgpack.encode(["r", "not-a-list"])])
+        decode_request([b"\x00", msgspec.msgpack.encode(["r", "not-a-list"])])
     with pytest.raises(WireError, match="one frame"):
-        vllm.decode_ready_response([b"a", b"b"])
+        decode_ready_response([b"a", b"b"])
     with pytest.raises(WireError):
-        vllm.frames_to_json([b"\xc1"])
+        frames_to_json([b"\xc1"])
     with pytest.raises(WireError, match="trailing"):
-        vllm.frames_to_json([b"\x90\x90"])
+        frames_to_json([b"\x90\x90"])
     with pytest.raises(WireError, match="non-minimal"):
-        vllm.frames_to_json([b"\x91\xcd\x00\x01"])
+        frames_to_json([b"\x91\xcd\x00\x01"])
     with pytest.raises(WireError, match="type"):
-        vllm.json_to_frames({"request": {}})
+        json_to_frames({"request": {}})
     with pytest.raises(WireError, match="unknown fields"):
-        vllm.json_to_frames({"type": "START_DP_WAVE", "wave": 1, "bogus": 2})
+        json_to_frames({"type": "START_DP_WAVE", "wave": 1, "bogus": 2})
     # an array pointing at an aux frame the message does not have
     frames = named("out_logprobs_aux")
     with pytest.raises(WireError, match="aux frame"):
-        vllm.decode_outputs(frames[:1])
+        decode_outputs(frames[:1])
     with pytest.raises(WireError, match="aux frame"):
-        vllm.frames_to_json(frames[:1])
+        frames_to_json(frames[:1])
 
 
 def test_ragged_logprob_arrays_are_a_wire_error() -> None:
-    lp = vllm.LogprobsLists(
-        vllm.make_tensor("<i4", [1, 3], [[1, 2, 3]]),
-        vllm.make_tensor("<f4", [1, 2], [[-1.0, -2.0]]),
-        vllm.make_tensor("<i8", [1], [1]),
+    lp = LogprobsLists(
+        make_tensor("<i4", [1, 3], [[1, 2, 3]]),
+        make_tensor("<f4", [1, 2], [[-1.0, -2.0]]),
+        make_tensor("<i8", [1], [1]),
     )
-    outs = vllm.EngineCoreOutputs(outputs=[vllm.EngineCoreOutput("r", [1], new_logprobs=lp)])
+    outs = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1], new_logprobs=lp)])
     with pytest.raises(WireError, match="same shape"):
-        vllm.decode_outputs(vllm.encode_outputs(outs))
+        decode_outputs(encode_outputs(outs))
 
 
 def test_array_helpers_round_trip_every_dtype() -> None:
@@ -526,10 +567,10 @@ def test_array_helpers_round_trip_every_dtype() -> None:
     ]
     for dtype, values in cases:
         shape = [len(values), len(values[0])] if isinstance(values[0], list) else [len(values)]
-        t = vllm.make_tensor(dtype, shape, values)
-        assert vllm.tensor_values(t, [b""]) == values
+        t = make_tensor(dtype, shape, values)
+        assert tensor_values(t, [b""]) == values
     with pytest.raises(WireError, match="dtype"):
-        vllm.tensor_values(vllm.Tensor("complex64", [1], msgspec.msgpack.Ext(3, b"\0" * 8)), [])
+        tensor_values(Tensor("complex64", [1], msgspec.msgpack.Ext(3, b"\0" * 8)), [])
 
 
 # -- frames captured from a live engine core (tests/real_engines/test_vllm_raw.py) -----------
@@ -547,7 +588,7 @@ def test_live_captures_are_present() -> None:
 def test_live_finishes_translate_as_requested() -> None:
     # what test_vllm_raw asked the engine for: greedy to max_tokens, forced EOS, stop id 7
     def finish_of(name: str) -> Any:
-        (delta,) = vllm.decode_outputs(named(name)).deltas
+        (delta,) = decode_outputs(named(name)).deltas
         return delta.finish
 
     assert finish_of("live_out_greedy-1_finish").reason is FinishReason.LENGTH
@@ -559,7 +600,7 @@ def test_live_finishes_translate_as_requested() -> None:
 
 def test_live_steps_carry_load_when_the_engine_logs_stats() -> None:
     steps = [
-        vllm.decode_outputs(frames_of(v))
+        decode_outputs(frames_of(v))
         for v in LIVE
         if v["socket"] == "output" and v["name"] != "live_engine_core_dead"
     ]
@@ -572,5 +613,5 @@ def test_live_steps_carry_load_when_the_engine_logs_stats() -> None:
 def test_decode_outputs_accepts_zero_copy_memoryviews() -> None:
     frames = named("out_logprobs_aux")
     views = [memoryview(f) for f in frames]
-    assert vllm.decode_outputs(views) == vllm.decode_outputs(frames)
-    assert vllm.decode_outputs([memoryview(vllm.ENGINE_CORE_DEAD)]).engine_dead
+    assert decode_outputs(views) == decode_outputs(frames)
+    assert decode_outputs([memoryview(ENGINE_CORE_DEAD)]).engine_dead

@@ -22,8 +22,9 @@ import msgspec
 import zmq
 
 from smgd.bench.stats import percentile
-from smgd.wire import sglang as codec
 from smgd.wire.common import GenerateRequest, SamplingParams
+from smgd.wire.sglang.decode import decode_output
+from smgd.wire.sglang.encode import encode_generate
 
 # How long one poll waits before re-checking the deadlines: short enough that the hard time
 # limit is honoured promptly, long enough to cost nothing while the engine steps.
@@ -120,9 +121,7 @@ class FloorRun:
 
 def _encode(spec: FloorSpec, rid: str) -> bytes:
     sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-    return codec.encode_generate(
-        GenerateRequest(rid=rid, prompt_ids=spec.prompt_ids, sampling=sampling)
-    )
+    return encode_generate(GenerateRequest(rid=rid, prompt_ids=spec.prompt_ids, sampling=sampling))
 
 
 def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> dict[str, Any]:
@@ -152,7 +151,7 @@ def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes])
                 break
             now = time.monotonic()
             run.messages += 1
-            deltas = codec.decode_output(frame.buffer)
+            deltas = decode_output(frame.buffer)
             if not isinstance(deltas, list):
                 continue
             for delta in deltas:

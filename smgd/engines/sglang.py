@@ -27,8 +27,10 @@ import zmq
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
-from smgd.wire import sglang as codec
 from smgd.wire.common import EngineInfo, GenerateRequest
+from smgd.wire.sglang.decode import decode_output
+from smgd.wire.sglang.encode import encode_abort, encode_generate, encode_health_check
+from smgd.wire.sglang.structs import HealthCheckOutput
 from smgd.zmq_trio import TrioSocket, open_monitor
 
 if TYPE_CHECKING:
@@ -183,7 +185,7 @@ class SglangEngineClient(EngineClient):
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         self._health_rid = rid
         self._health_done = trio.Event()
-        self._outbox_send.send_nowait([codec.encode_health_check(rid)])
+        self._outbox_send.send_nowait([encode_health_check(rid)])
         with trio.move_on_after(limit_s) as scope:
             await self._health_done.wait()
         self._health_rid = None
@@ -230,13 +232,13 @@ class SglangEngineClient(EngineClient):
         return self._pull
 
     def _encode_request(self, req: GenerateRequest) -> list[bytes]:
-        return [codec.encode_generate(req)]
+        return [encode_generate(req)]
 
     def _encode_abort(self, rid: str) -> list[bytes]:
-        return [codec.encode_abort(rid)]
+        return [encode_abort(rid)]
 
     def _handle_frames(self, frames: list[Any]) -> None:
-        result = codec.decode_output(memoryview(frames[0]))  # zero-copy over the zmq frame
+        result = decode_output(memoryview(frames[0]))  # zero-copy over the zmq frame
         if isinstance(result, list):
             health = self._health_rid
             for delta in result:
@@ -247,7 +249,7 @@ class SglangEngineClient(EngineClient):
             return
         # A busy scheduler answers the oldest pending health check with a HealthCheckOutput
         # whose rid is None (seen live on 0.5.23), so any HealthCheckOutput is the answer.
-        if self._health_rid is not None and isinstance(result, codec.HealthCheckOutput):
+        if self._health_rid is not None and isinstance(result, HealthCheckOutput):
             self._health_done.set()
 
 

@@ -7,7 +7,7 @@ handshake socket must be **tcp** (TokenSpeed only dials ``tcp://{--data-parallel
 that many ranks.
 
 What TokenSpeed does not do for us, and this client therefore does (the codec's
-:func:`~smgd.wire.tokenspeed.encode_add` validates before anything is sent):
+:func:`~smgd.wire.tokenspeed.encode.encode_add` validates before anything is sent):
 
 - a payload the engine cannot decode is dropped silently (no reply): validate everything first,
   the silence watchdog covers the rest;
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import ConfigError
-from smgd.wire import tokenspeed as codec
+from smgd.wire.tokenspeed.decode import decode_handshake, decode_output, decode_registration
+from smgd.wire.tokenspeed.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
@@ -46,14 +47,14 @@ class TokenspeedEngineClient(HandshakeEngineClient):
         super().__init__(config, handshake=handshake, **kwargs)
 
     def _wire_status(self, payload: bytes) -> str:
-        status = codec.decode_handshake(payload).status
+        status = decode_handshake(payload).status
         return status or ""
 
     def _wire_init(self, inputs: list[str], outputs: list[str]) -> list[bytes]:
-        return codec.encode_init(inputs, outputs)
+        return encode_init(inputs, outputs)
 
     def _wire_registration(self, payload: bytes) -> tuple[EngineInfo, int]:
-        reg = codec.decode_registration(payload)
+        reg = decode_registration(payload)
         return reg.engine_info(), reg.data_parallel_size or 1
 
     def _ranks_hint(self, dp_size: int) -> int:
@@ -61,13 +62,13 @@ class TokenspeedEngineClient(HandshakeEngineClient):
         return max(self.expected_ranks, dp_size)
 
     def _wire_add(self, req: GenerateRequest) -> list[bytes]:
-        return codec.encode_add(req, max_model_len=self.info.max_model_len if self.info else None)
+        return encode_add(req, max_model_len=self.info.max_model_len if self.info else None)
 
     def _wire_abort(self, rid: str) -> list[bytes]:
-        return codec.encode_abort([rid])
+        return encode_abort([rid])
 
     def _wire_outputs(self, frames: list[Any]) -> Batch:
-        out = codec.decode_output(frames)
+        out = decode_output(frames)
         return Batch(out.deltas, out.engine_index, out.load)
 
 

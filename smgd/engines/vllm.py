@@ -26,8 +26,9 @@ import msgspec
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import InvalidRequest
-from smgd.wire import vllm as codec
 from smgd.wire.common import FinishReason
+from smgd.wire.vllm.decode import decode_handshake, decode_outputs, decode_ready_response
+from smgd.wire.vllm.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
@@ -54,13 +55,13 @@ class VllmEngineClient(HandshakeEngineClient):
         self._logprobs_k: dict[str, int | None] = {}
 
     def _wire_status(self, payload: bytes) -> str:
-        return codec.decode_handshake([payload]).status
+        return decode_handshake([payload]).status
 
     def _wire_init(self, inputs: list[str], outputs: list[str]) -> list[bytes]:
-        return codec.encode_init(inputs, outputs)
+        return encode_init(inputs, outputs)
 
     def _wire_registration(self, payload: bytes) -> tuple[EngineInfo, int]:
-        resp = codec.decode_ready_response([payload])
+        resp = decode_ready_response([payload])
         # data_parallel_size > 1 here means a lockstep (MoE) group that needs the wave
         # protocol; dense-DP engines report 1. The rank count comes from the config.
         return resp.engine_info(), resp.data_parallel_size
@@ -73,7 +74,7 @@ class VllmEngineClient(HandshakeEngineClient):
         if not sp.eos_token_ids and not sp.ignore_eos and self.eos_token_ids:
             sp = msgspec.structs.replace(sp, eos_token_ids=self.eos_token_ids)
             req = msgspec.structs.replace(req, sampling=sp)
-        frames = codec.encode_add(req)
+        frames = encode_add(req)
         self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids), logprobs_k=sp.logprobs)
         if sp.logprobs is not None:
             self._logprobs_k[req.rid] = sp.logprobs
@@ -81,7 +82,7 @@ class VllmEngineClient(HandshakeEngineClient):
 
     def _wire_abort(self, rid: str) -> list[bytes]:
         self._forget(rid)
-        return codec.encode_abort([rid])
+        return encode_abort([rid])
 
     def _forget(self, rid: str) -> None:
         self._meta.pop(rid, None)
@@ -89,7 +90,7 @@ class VllmEngineClient(HandshakeEngineClient):
 
     def _wire_outputs(self, frames: list[Any]) -> Batch:
         views = [memoryview(f) for f in frames]
-        out = codec.decode_outputs(views, logprobs_k=self._logprobs_k or None)
+        out = decode_outputs(views, logprobs_k=self._logprobs_k or None)
         for delta in out.deltas:
             meta = self._meta.get(delta.rid)
             if meta is None:

@@ -14,8 +14,17 @@ import zmq
 
 from smgd.mock.engine import GARBAGE, EngineExit
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import sglang as codec
 from smgd.wire.common import Finish, FinishReason
+from smgd.wire.sglang.arrays import ext_to_ids
+from smgd.wire.sglang.decode import decode_request
+from smgd.wire.sglang.engine_side import encode_abort_echo, encode_batch_output, encode_flush_output
+from smgd.wire.sglang.structs import (
+    AbortReq,
+    BatchTokenizedGenerateReqInput,
+    FlushCacheReqInput,
+    ShutdownReq,
+    TokenizedGenerateReqInput,
+)
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:
@@ -47,26 +56,26 @@ class SglangMockWire:
         return TrioSocket(pull), TrioSocket(push)
 
     def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
-        msg = codec.decode_request(frames[0])
-        if isinstance(msg, codec.TokenizedGenerateReqInput):
+        msg = decode_request(frames[0])
+        if isinstance(msg, TokenizedGenerateReqInput):
             self._add(msg, sched)
-        elif isinstance(msg, codec.BatchTokenizedGenerateReqInput):
+        elif isinstance(msg, BatchTokenizedGenerateReqInput):
             for item in msg.batch:
                 self._add(item, sched)
-        elif isinstance(msg, codec.AbortReq):
+        elif isinstance(msg, AbortReq):
             # Logged: an abort is what a client cannot see, and the fault suite checks for it.
             log.info("abort %s", "all" if msg.abort_all else msg.rid)
             sched.abort("" if msg.abort_all else (msg.rid or ""))
-        elif isinstance(msg, codec.FlushCacheReqInput):
-            return [[codec.encode_flush_output(True)]]
-        elif isinstance(msg, codec.ShutdownReq):
+        elif isinstance(msg, FlushCacheReqInput):
+            return [[encode_flush_output(True)]]
+        elif isinstance(msg, ShutdownReq):
             raise EngineExit(0)
         return []
 
     @staticmethod
-    def _add(msg: codec.TokenizedGenerateReqInput, sched: MockScheduler) -> None:
+    def _add(msg: TokenizedGenerateReqInput, sched: MockScheduler) -> None:
         sp = msg.sampling_params
-        ids = codec.ext_to_ids(msg.input_ids)
+        ids = ext_to_ids(msg.input_ids)
         sched.add(
             MockRequest(
                 rid=msg.rid or "",
@@ -96,10 +105,10 @@ class SglangMockWire:
                 )
                 for o in outputs
             ]
-            messages.append([codec.encode_batch_output(rows)])
+            messages.append([encode_batch_output(rows)])
         for rid in aborted_queued:
             finish = Finish(reason=FinishReason.ABORT, message="Aborted")
-            messages.append([codec.encode_abort_echo(rid, finish)])
+            messages.append([encode_abort_echo(rid, finish)])
         return messages
 
     def garbage(self) -> list[bytes]:

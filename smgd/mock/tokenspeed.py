@@ -23,7 +23,17 @@ import zmq
 from smgd.errors import WireError
 from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import tokenspeed as codec
+from smgd.wire.tokenspeed.decode import decode_init, decode_request
+from smgd.wire.tokenspeed.engine_side import (
+    OutputRow,
+    encode_engine_dead,
+    encode_hello,
+    encode_identity,
+    encode_output,
+    encode_ready,
+    encode_registration,
+)
+from smgd.wire.tokenspeed.structs import AbortRequest, HandshakeInit, ReadyResponse
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:
@@ -51,14 +61,14 @@ class TokenspeedMockWire:
         enable_logprobs: bool = True,
     ) -> None:
         self.handshake = handshake
-        self.identity = codec.encode_identity(engine_index)
+        self.identity = encode_identity(engine_index)
         self.engine_index = engine_index
         self.context_len = context_len
         self.max_batch = max_batch
         self.dp_size = dp_size
         self.registration_key = registration_key
         self.enable_logprobs = enable_logprobs
-        self.init: codec.HandshakeInit | None = None
+        self.init: HandshakeInit | None = None
         self.received: list[str] = []  # every rid an ADD arrived for
         self.aborts: list[str] = []  # every rid an ABORT named
         self.dropped = 0  # undecodable payloads, silently dropped
@@ -71,7 +81,7 @@ class TokenspeedMockWire:
         self._die = True
 
     def registration(self) -> bytes:
-        resp = codec.ReadyResponse(
+        resp = ReadyResponse(
             max_model_len=self.context_len,
             num_gpu_blocks=self.context_len * self.max_batch // PAGE_TOKENS,
             prefix_granularity=PAGE_TOKENS,
@@ -82,7 +92,7 @@ class TokenspeedMockWire:
             kv_cache_size_tokens=self.context_len * self.max_batch,
         )
         if self.registration_key == "prefix_granularity":
-            return codec.encode_registration(resp)
+            return encode_registration(resp)
         fields = msgspec.to_builtins(resp)
         fields["block_size"] = fields.pop("prefix_granularity")
         return msgspec.msgpack.encode(fields)
@@ -93,13 +103,13 @@ class TokenspeedMockWire:
             hs.socket.setsockopt(zmq.LINGER, 0)
             hs.socket.setsockopt(zmq.IDENTITY, self.identity)
             hs.socket.connect(self.handshake)
-            await hs.send_multipart([codec.encode_hello()])
+            await hs.send_multipart([encode_hello()])
             reply = await hs.recv_multipart(copy=True)
-            self.init = init = codec.decode_init(reply[-1])  # the last frame, like TokenSpeed
+            self.init = init = decode_init(reply[-1])  # the last frame, like TokenSpeed
             in_sock, out_sock = connect_data_sockets(
                 ctx, self.identity, init.addresses.inputs[0], init.addresses.outputs[0]
             )
-            await hs.send_multipart([codec.encode_ready()])
+            await hs.send_multipart([encode_ready()])
             await in_sock.send_multipart([self.registration()])
             return in_sock, out_sock
         finally:
@@ -107,12 +117,12 @@ class TokenspeedMockWire:
 
     def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
         try:
-            msg = codec.decode_request(frames)
+            msg = decode_request(frames)
         except WireError as exc:
             self.dropped += 1  # TokenSpeed logs and drops; the sender never hears of it
             log.warning("mock tokenspeed: dropping undecodable request: %s", exc)
             return []
-        if isinstance(msg, codec.AbortRequest):
+        if isinstance(msg, AbortRequest):
             for rid in msg.rids:
                 self.aborts.append(rid)
                 self._client_aborted.add(rid)
@@ -145,8 +155,8 @@ class TokenspeedMockWire:
         self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
     ) -> list[list[bytes]]:
         if self._die:
-            return [codec.encode_engine_dead()]
-        rows: list[codec.OutputRow] = []
+            return [encode_engine_dead()]
+        rows: list[OutputRow] = []
         for o in outputs:
             if o.finish is MockFinish.ABORT and o.rid in self._client_aborted:
                 self._client_aborted.discard(o.rid)
@@ -154,7 +164,7 @@ class TokenspeedMockWire:
             reason = "" if o.finish is None else o.finish.value
             lp = o.rid in self._logprobs
             rows.append(
-                codec.OutputRow(
+                OutputRow(
                     rid=o.rid,
                     output_ids=o.new_ids,
                     finished_reason=reason,
@@ -169,16 +179,14 @@ class TokenspeedMockWire:
                 self._logprobs.discard(o.rid)
         for rid, prompt_len in self._rejected:
             rows.append(
-                codec.OutputRow(
-                    rid=rid, output_ids=[], finished_reason="abort", prompt_tokens=prompt_len
-                )
+                OutputRow(rid=rid, output_ids=[], finished_reason="abort", prompt_tokens=prompt_len)
             )
         self._rejected.clear()
         self._client_aborted.difference_update(aborted_queued)
         if not rows:
             return []  # TokenSpeed never sends an empty batch
         return [
-            codec.encode_output(
+            encode_output(
                 rows,
                 engine_index=self.engine_index,
                 num_running=len(sched.running),

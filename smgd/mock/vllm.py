@@ -22,7 +22,28 @@ import zmq
 from smgd.errors import WireError
 from smgd.mock.engine import GARBAGE, connect_data_sockets
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
-from smgd.wire import vllm as codec
+from smgd.wire.vllm.decode import decode_init, decode_request
+from smgd.wire.vllm.engine_side import (
+    encode_engine_dead,
+    encode_hello,
+    encode_outputs,
+    encode_ready,
+    encode_ready_response,
+    logprobs_lists,
+)
+from smgd.wire.vllm.structs import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    PrefillStats,
+    ReadyResponse,
+    SamplingParams,
+    UtilityOutput,
+    UtilityRequest,
+    UtilityResult,
+    VllmFinishReason,
+)
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:
@@ -33,9 +54,9 @@ log = logging.getLogger("smgd.mock.vllm")
 # vLLM's default block size on CPU; only reported.
 BLOCK_TOKENS = 128
 _FINISH = {
-    MockFinish.STOP: codec.VllmFinishReason.STOP,
-    MockFinish.LENGTH: codec.VllmFinishReason.LENGTH,
-    MockFinish.ABORT: codec.VllmFinishReason.ABORT,
+    MockFinish.STOP: VllmFinishReason.STOP,
+    MockFinish.LENGTH: VllmFinishReason.LENGTH,
+    MockFinish.ABORT: VllmFinishReason.ABORT,
 }
 
 
@@ -77,8 +98,8 @@ class VllmMockWire:
     def request_death(self) -> None:
         self._die = True
 
-    def ready_response(self) -> codec.ReadyResponse:
-        return codec.ReadyResponse(
+    def ready_response(self) -> ReadyResponse:
+        return ReadyResponse(
             max_model_len=self.context_len,
             num_gpu_blocks=self.context_len * self.max_batch // BLOCK_TOKENS,
             block_size=BLOCK_TOKENS,
@@ -95,14 +116,14 @@ class VllmMockWire:
             hs.socket.setsockopt(zmq.LINGER, 0)
             hs.socket.setsockopt(zmq.IDENTITY, self.identity)
             hs.socket.connect(self.handshake)
-            await hs.send_multipart(codec.encode_hello(local=self.local, headless=True))
+            await hs.send_multipart(encode_hello(local=self.local, headless=True))
             reply = await hs.recv_multipart(copy=True)
-            init = codec.decode_init(reply[-1:])
+            init = decode_init(reply[-1:])
             in_sock, out_sock = connect_data_sockets(
                 ctx, self.identity, init.addresses.inputs[0], init.addresses.outputs[0]
             )
-            await in_sock.send_multipart(codec.encode_ready_response(self.ready_response()))
-            await hs.send_multipart(codec.encode_ready(local=self.local, headless=True))
+            await in_sock.send_multipart(encode_ready_response(self.ready_response()))
+            await hs.send_multipart(encode_ready(local=self.local, headless=True))
             self.handshakes += 1
             return in_sock, out_sock
         finally:
@@ -110,31 +131,31 @@ class VllmMockWire:
 
     def on_request(self, frames: Sequence[bytes], sched: MockScheduler) -> list[list[bytes]]:
         try:
-            msg = codec.decode_request(frames)
+            msg = decode_request(frames)
         except WireError as exc:
             self.dropped += 1
             log.warning("mock vllm: dropping undecodable request: %s", exc)
             return []
-        if isinstance(msg, codec.AbortRequest):
+        if isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 self.aborts.append(rid)
                 self._client_aborted.add(rid)
                 sched.abort(rid)
             return []
-        if isinstance(msg, codec.UtilityRequest):
+        if isinstance(msg, UtilityRequest):
             # vLLM's API server asks this at start-up and waits for the answer; other utility
             # calls get None (the call succeeded, nothing to report).
             value = UTILITY_ANSWERS.get(msg.method)
-            result = codec.UtilityResult(None, value)
-            out = codec.EngineCoreOutputs(
+            result = UtilityResult(None, value)
+            out = EngineCoreOutputs(
                 engine_index=self.engine_index,
-                utility_output=codec.UtilityOutput(msg.call_id, None, result),
+                utility_output=UtilityOutput(msg.call_id, None, result),
             )
-            return [codec.encode_outputs(out)]
-        if not isinstance(msg, codec.AddRequest):
+            return [encode_outputs(out)]
+        if not isinstance(msg, AddRequest):
             return []  # DP waves: not modelled
         req = msg.request
-        sp = req.sampling_params or codec.SamplingParams()
+        sp = req.sampling_params or SamplingParams()
         self.received.append(req.request_id)
         eos = sp._eos_token_id
         self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
@@ -153,15 +174,15 @@ class VllmMockWire:
         )
         return []
 
-    def _output(self, o: StepOutput) -> codec.EngineCoreOutput:
-        out = codec.EngineCoreOutput(request_id=o.rid, new_token_ids=o.new_ids)
+    def _output(self, o: StepOutput) -> EngineCoreOutput:
+        out = EngineCoreOutput(request_id=o.rid, new_token_ids=o.new_ids)
         if o.finish is not None:
             out.finish_reason = int(_FINISH[o.finish])
             if o.finish is MockFinish.STOP and o.matched != self._eos.get(o.rid):
                 out.stop_reason = o.matched  # a stop token id; EOS reports none
         if o.rid not in self._prefilled:
             self._prefilled.add(o.rid)
-            out.prefill_stats = codec.PrefillStats(
+            out.prefill_stats = PrefillStats(
                 num_prompt_tokens=o.prompt_tokens,
                 num_computed_tokens=o.prompt_tokens - o.cached_tokens,
                 num_cached_tokens=o.cached_tokens,
@@ -170,15 +191,15 @@ class VllmMockWire:
         if k is not None and o.new_ids:
             rows = [[t, *(t + j for j in range(1, k + 1))] for t in o.new_ids]
             vals = [[-0.5 * (j + 1) for j in range(k + 1)] for _ in o.new_ids]
-            out.new_logprobs = codec.logprobs_lists(rows, vals, [1] * len(rows))
+            out.new_logprobs = logprobs_lists(rows, vals, [1] * len(rows))
         return out
 
     def encode_step(
         self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
     ) -> list[list[bytes]]:
         if self._die:
-            return [codec.encode_engine_dead()]
-        items: list[codec.EngineCoreOutput] = []
+            return [encode_engine_dead()]
+        items: list[EngineCoreOutput] = []
         for o in outputs:
             if o.finish is MockFinish.ABORT and o.rid in self._client_aborted:
                 self._client_aborted.discard(o.rid)  # vLLM never answers a client abort
@@ -198,10 +219,10 @@ class VllmMockWire:
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_cache_usage": len(sched.running) / self.max_batch,
             }
-        batch = codec.EngineCoreOutputs(
+        batch = EngineCoreOutputs(
             engine_index=self.engine_index, outputs=items, scheduler_stats=stats
         )
-        return [codec.encode_outputs(batch)]
+        return [encode_outputs(batch)]
 
     def garbage(self) -> list[bytes]:
         return [GARBAGE]

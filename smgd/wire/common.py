@@ -1,8 +1,8 @@
 """Engine-neutral request and output types.
 
-These are the only shapes the HTTP layer sees of an engine. Every wire codec translates its
-engine's structs to and from them (``to_wire`` / ``from_wire`` functions in each codec module).
-Sans-IO: no sockets, no trio.
+Each engine's wire package translates its engine's structs to and from them: its ``encode``
+module builds engine requests from a :class:`GenerateRequest`, its ``decode`` module turns engine
+outputs into :class:`TokenDelta` values. Sans-IO: no sockets, no trio.
 """
 
 from __future__ import annotations

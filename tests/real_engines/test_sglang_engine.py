@@ -24,8 +24,8 @@ from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
 from smgd.errors import EngineDead
 from smgd.launchers import sglang_scheduler_script
-from smgd.wire import sglang as codec
 from smgd.wire.common import EngineInfo, FinishReason, GenerateRequest, SamplingParams
+from smgd.wire.sglang.encode import encode_shutdown
 
 from ..engine_harness import short_ipc_dir
 from .test_sglang_raw import SCHEDULER_ARGS as RAW_SCHEDULER_ARGS
@@ -127,7 +127,7 @@ async def test_real_scheduler_through_the_engine_client() -> None:
             with trio.fail_after(60):
                 async with client.open_stream(greedy(400)) as stream:
                     await stream.receive()
-                    client._outbox_send.send_nowait([codec.encode_shutdown()])
+                    client._outbox_send.send_nowait([encode_shutdown()])
                     # Whichever signal lands first: the socket peer leaving or the exit code.
                     with pytest.raises(EngineDead, match=r"exited with code 0|disconnected"):
                         while True:

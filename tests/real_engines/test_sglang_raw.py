@@ -26,8 +26,17 @@ import pytest
 import zmq
 
 from smgd.launchers import sglang_scheduler_script
-from smgd.wire import sglang as sg
 from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams, TokenDelta
+from smgd.wire.sglang.decode import Control, decode_output
+from smgd.wire.sglang.encode import (
+    encode_abort,
+    encode_flush_cache,
+    encode_generate,
+    encode_health_check,
+    encode_shutdown,
+    new_health_check_rid,
+)
+from smgd.wire.sglang.structs import FlushCacheReqOutput, HealthCheckOutput
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -60,11 +69,11 @@ class Scheduler:
                               "hex": frame.hex()})  # fmt: skip
         self.push.send(frame)  # SNDTIMEO set: never blocks forever on a dead scheduler
 
-    def recv(self, name: str) -> list[TokenDelta] | sg.Control:
+    def recv(self, name: str) -> list[TokenDelta] | Control:
         frame = self.pull.recv()
         self.captured.append({"name": f"live_{name}_{len(self.captured)}",
                               "direction": "scheduler_to_router", "hex": frame.hex()})  # fmt: skip
-        return sg.decode_output(frame)
+        return decode_output(frame)
 
     def run(self, name: str, rid: str) -> tuple[list[TokenDelta], int]:
         """Collect this rid's deltas until it finishes; returns (merged-in-order, frame count)."""
@@ -131,7 +140,7 @@ def scheduler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scheduler]:
 
 
 def _request(rid: str, stream: bool = True, **sampling: Any) -> bytes:
-    return sg.encode_generate(
+    return encode_generate(
         GenerateRequest(
             rid=rid, prompt_ids=PROMPT, stream=stream, sampling=SamplingParams(**sampling)
         )
@@ -201,7 +210,7 @@ def test_abort_while_running(scheduler: Scheduler) -> None:
     while not first:
         got = scheduler.recv("abort_req")
         first = [d for d in got if d.rid == rid] if isinstance(got, list) else []
-    scheduler.send("abort", sg.encode_abort(rid))
+    scheduler.send("abort", encode_abort(rid))
     deltas, _ = scheduler.run("abort", rid)
     finish = deltas[-1].finish
     assert finish is not None
@@ -210,11 +219,11 @@ def test_abort_while_running(scheduler: Scheduler) -> None:
 
 
 def test_health_check_answers(scheduler: Scheduler) -> None:
-    rid = sg.new_health_check_rid()
-    scheduler.send("health", sg.encode_health_check(rid))
+    rid = new_health_check_rid()
+    scheduler.send("health", encode_health_check(rid))
     while True:
         got = scheduler.recv("health")
-        if isinstance(got, sg.HealthCheckOutput):  # busy: answered at once, rid not echoed
+        if isinstance(got, HealthCheckOutput):  # busy: answered at once, rid not echoed
             assert got.rid is None
             break
         if isinstance(got, list) and any(d.rid == rid and d.finish for d in got):
@@ -228,21 +237,21 @@ def test_flush_cache(scheduler: Scheduler) -> None:
     # an aborted request from an earlier test can take a few more steps to leave a loaded
     # scheduler; so retry until the scheduler is idle, within a bounded number of tries.
     for _attempt in range(20):
-        scheduler.send("flush", sg.encode_flush_cache())
+        scheduler.send("flush", encode_flush_cache())
         got = scheduler.recv("flush")
-        while not isinstance(got, sg.FlushCacheReqOutput):  # skip stragglers of earlier tests
-            seen = got if isinstance(got, sg.HealthCheckOutput) else None
+        while not isinstance(got, FlushCacheReqOutput):  # skip stragglers of earlier tests
+            seen = got if isinstance(got, HealthCheckOutput) else None
             assert seen is not None or isinstance(got, list), got
             got = scheduler.recv("flush")
         if got.success:
             break
         time.sleep(0.5)
-    assert isinstance(got, sg.FlushCacheReqOutput)
+    assert isinstance(got, FlushCacheReqOutput)
     assert got.success is True, got.message
 
 
 def test_shutdown_ends_launcher_with_zero(scheduler: Scheduler) -> None:
-    scheduler.send("shutdown", sg.encode_shutdown())
+    scheduler.send("shutdown", encode_shutdown())
     assert scheduler.proc.wait(timeout=60) == 0
 
 

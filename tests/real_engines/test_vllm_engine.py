@@ -133,4 +133,6 @@ async def test_real_vllm_engine_client() -> None:
             assert client.state is EngineState.DEAD
             await trio.sleep_forever()
     assert len(errors) == DOOMED_STREAMS
-    assert len({id(e) for e in errors}) == 1
+    # One error object per stream (a shared one grew its traceback with every re-raise).
+    assert len({id(e) for e in errors}) == DOOMED_STREAMS
+    assert len({str(e) for e in errors}) == 1

@@ -29,8 +29,24 @@ import pytest
 import zmq
 
 import smgd.launchers
-from smgd.wire import vllm
 from smgd.wire.common import Finish, FinishReason, GenerateRequest, SamplingParams, TokenDelta
+from smgd.wire.vllm.decode import (
+    OutputsBatch,
+    UtilityReply,
+    decode_handshake,
+    decode_outputs,
+    decode_ready_response,
+)
+from smgd.wire.vllm.encode import (
+    encode_abort,
+    encode_add,
+    encode_engine_request,
+    encode_init,
+    encode_utility,
+)
+from smgd.wire.vllm.jsonform import frames_to_json, json_to_frames
+from smgd.wire.vllm.structs import EngineCoreRequest, Hello, Ready, ReadyResponse
+from smgd.wire.vllm.structs import SamplingParams as VllmSamplingParams
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -96,19 +112,19 @@ class Engine:
         self.capture(name, "input", frames)
         self.inp.send_multipart([self.identity, *frames])
 
-    def recv_outputs(self, name: str, timeout_ms: int = RECV_TIMEOUT_MS) -> vllm.OutputsBatch:
+    def recv_outputs(self, name: str, timeout_ms: int = RECV_TIMEOUT_MS) -> OutputsBatch:
         frames = self.pending.pop(0) if self.pending else self.recv(self.out, timeout_ms)
-        batch = vllm.decode_outputs(frames, logprobs_k=self.logprobs_k)
+        batch = decode_outputs(frames, logprobs_k=self.logprobs_k)
         finished = any(d.finish is not None for d in batch.deltas)
         self.capture(f"{name}_finish" if finished else name, "output", frames)
         return batch
 
-    def call(self, method: str, *args: Any) -> vllm.UtilityReply:
+    def call(self, method: str, *args: Any) -> UtilityReply:
         call_id = int.from_bytes(os.urandom(8), "little")
-        self.send(f"utility_{method}", vllm.encode_utility(call_id, method, args))
+        self.send(f"utility_{method}", encode_utility(call_id, method, args))
         while True:
             frames = self.recv(self.out)
-            batch = vllm.decode_outputs(frames)
+            batch = decode_outputs(frames)
             if batch.utility is not None and batch.utility.call_id == call_id:
                 self.capture(f"out_utility_{method}", "output", frames)
                 return batch.utility
@@ -119,7 +135,7 @@ class Engine:
     ) -> list[TokenDelta]:
         """Send one request and collect its deltas until it finishes."""
         self.logprobs_k[rid] = sp.logprobs
-        self.send(f"add_{rid}", vllm.encode_add(GenerateRequest(rid=rid, prompt_ids=prompt,
+        self.send(f"add_{rid}", encode_add(GenerateRequest(rid=rid, prompt_ids=prompt,
                                                                 sampling=sp)))  # fmt: skip
         deltas: list[TokenDelta] = []
         while not deltas or deltas[-1].finish is None:
@@ -168,18 +184,18 @@ def engine() -> Iterator[tuple[Engine, subprocess.Popen[bytes], float]]:
         print(f"\n[vllm raw] engine log: {tmp}/engine.log; exit code {proc.returncode}")
 
 
-def _handshake(eng: Engine, t0: float) -> vllm.ReadyResponse:
+def _handshake(eng: Engine, t0: float) -> ReadyResponse:
     ident, body = eng.recv(eng.hs, STARTUP_TIMEOUT_MS)
     eng.capture("hello", "handshake", [body])
-    hello = vllm.decode_handshake([body])
-    assert isinstance(hello, vllm.Hello)
+    hello = decode_handshake([body])
+    assert isinstance(hello, Hello)
     t_hello = time.monotonic() - t0
     assert ident == (0).to_bytes(2, "little")
     eng.identity = ident
-    init = vllm.encode_init([eng.input_addr], [eng.output_addr])
+    init = encode_init([eng.input_addr], [eng.output_addr])
     eng.capture("init", "handshake", init)
     eng.hs.send_multipart([ident, *init])
-    ready_resp: vllm.ReadyResponse | None = None
+    ready_resp: ReadyResponse | None = None
     got_ready = False
     poller = zmq.Poller()
     poller.register(eng.hs, zmq.POLLIN)
@@ -191,12 +207,12 @@ def _handshake(eng: Engine, t0: float) -> vllm.ReadyResponse:
         if eng.hs in events:
             _, body = eng.hs.recv_multipart()
             eng.capture("ready", "handshake", [body])
-            got_ready = isinstance(vllm.decode_handshake([body]), vllm.Ready)
+            got_ready = isinstance(decode_handshake([body]), Ready)
         if eng.inp in events:
             ident2, body = eng.inp.recv_multipart()
             assert ident2 == ident
             eng.capture("ready_response", "input", [body])
-            ready_resp = vllm.decode_ready_response([body])
+            ready_resp = decode_ready_response([body])
     startup = time.monotonic() - t0
     print(f"\n[vllm raw] HELLO after {t_hello:.1f}s, handshake complete after {startup:.1f}s")
     return ready_resp
@@ -271,35 +287,35 @@ def test_real_vllm_engine_core(engine: tuple[Engine, subprocess.Popen[bytes], fl
     assert all(r.top is not None and len(r.top) == 3 for r in rows)
 
     # prompt logprobs of 20 over a 23-token prompt: big enough for aux frames
-    raw = vllm.EngineCoreRequest(
+    raw = EngineCoreRequest(
         "prompt-lp", (PROMPT * 3)[:23], None,
-        vllm.SamplingParams(temperature=0.0, max_tokens=2, logprobs=20, prompt_logprobs=20,
+        VllmSamplingParams(temperature=0.0, max_tokens=2, logprobs=20, prompt_logprobs=20,
                             _eos_token_id=EOS, _all_stop_token_ids=[EOS]),
         None, time.time(), None, None, None,
     )  # fmt: skip
-    eng.send("add_prompt_lp", vllm.encode_engine_request(raw))
+    eng.send("add_prompt_lp", encode_engine_request(raw))
     first = None
     while first is None:
         frames = eng.recv(eng.out)
-        batch = vllm.decode_outputs(frames)
+        batch = decode_outputs(frames)
         if any(d.rid == "prompt-lp" for d in batch.deltas):
             first, aux_frames = batch, frames
     eng.capture("out_prompt_logprobs", "output", aux_frames)
     assert len(aux_frames) > 1  # 22 x 21 arrays travel in their own frames
     assert first.prompt_logprobs is not None
     assert len(first.prompt_logprobs["prompt-lp"]) == 22
-    assert vllm.json_to_frames(vllm.frames_to_json(aux_frames)) == aux_frames
+    assert json_to_frames(frames_to_json(aux_frames)) == aux_frames
     while not any(d.rid == "prompt-lp" and d.finish for d in first.deltas):
         first = eng.recv_outputs("out_prompt_lp_rest")
 
     # abort: the engine stops the request and sends nothing for it
     long = SamplingParams(max_tokens=400, temperature=0.0, eos_token_ids=(EOS,))
-    eng.send("add_long", vllm.encode_add(GenerateRequest(rid="long", prompt_ids=PROMPT,
+    eng.send("add_long", encode_add(GenerateRequest(rid="long", prompt_ids=PROMPT,
                                                          sampling=long)))  # fmt: skip
     seen = 0
     while seen < 3:
         seen += sum(len(d.token_ids) for d in eng.recv_outputs("out_long").deltas)
-    eng.send("abort", vllm.encode_abort(["long"]))
+    eng.send("abort", encode_abort(["long"]))
     while eng.out.poll(QUIET_MS):
         batch = eng.recv_outputs("out_after_abort")
         assert all(d.finish is None for d in batch.deltas if d.rid == "long")
@@ -310,7 +326,7 @@ def test_real_vllm_engine_core(engine: tuple[Engine, subprocess.Popen[bytes], fl
     # every frame captured so far re-encodes byte for byte
     for vec in eng.captured:
         frames = [bytes.fromhex(h) for h in vec["frames_hex"]]
-        assert vllm.json_to_frames(json.loads(json.dumps(vllm.frames_to_json(frames)))) == frames
+        assert json_to_frames(json.loads(json.dumps(frames_to_json(frames)))) == frames
 
     # worker death: the engine reports ENGINE_CORE_DEAD and exits non-zero
     workers = _children(proc.pid)
@@ -320,7 +336,7 @@ def test_real_vllm_engine_core(engine: tuple[Engine, subprocess.Popen[bytes], fl
     t = time.monotonic()
     while True:
         frames = eng.recv(eng.out)
-        if vllm.decode_outputs(frames).engine_dead:
+        if decode_outputs(frames).engine_dead:
             break
     eng.capture("engine_core_dead", "output", frames)
     print(f"[vllm raw] ENGINE_CORE_DEAD {time.monotonic() - t:.2f}s after killing the worker")

@@ -1,4 +1,4 @@
-"""Golden vectors for smgd/wire/tokenspeed.py, written by TokenSpeed 0.1.1's OWN code.
+"""Golden vectors for smgd/wire/tokenspeed/, written by TokenSpeed 0.1.1's OWN code.
 
 Every ``hex`` below comes out of TokenSpeed's encoders (``io_struct.MsgpackEncoder``,
 ``zmq_wire.encode``, ``MsgpackSendSocket``) run on TokenSpeed's own structs, or was captured
@@ -481,8 +481,8 @@ def live(ts: dict[str, Any], repo: Path) -> list[dict[str, Any]]:
 
     zm, zw, io, rt = ts["zm"], ts["zw"], ts["io"], ts["rt"]
     sys.path.insert(0, str(repo))
-    from smgd.wire import tokenspeed as smgd_ts  # pure msgspec; no trio/zmq import
     from smgd.wire.common import GenerateRequest, SamplingParams
+    from smgd.wire.tokenspeed import encode as smgd_ts  # pure msgspec; no trio/zmq import
 
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="ts-live-")

@@ -26,8 +26,8 @@ __all__ = [
 ]
 
 # Statuses answered without a SmgdError → OpenAI error types: the dispatcher's own refusals
-# (404, 405, 408: smgd.api.http.dispatch), the requests h11 refuses (400, 431, 501:
-# smgd.api.http.worker_loop) and the admin listener's 503 when it cannot reload.
+# (404, 405, 408: smgd.api.http.dispatch) and the requests h11 refuses (400, 431, 501:
+# smgd.api.http.worker_loop).
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
     404: "not_found_error",
@@ -35,7 +35,6 @@ HTTP_ERRORS: Mapping[int, str] = {
     408: "invalid_request_error",
     431: "invalid_request_error",
     501: "invalid_request_error",  # h11: a transfer coding it does not implement; the client's
-    503: "service_unavailable",
 }
 
 

@@ -1,11 +1,13 @@
 """The admin listener's routes: reload, drain, engine state. Never on the public listener.
 
 - ``POST /admin/reload``: re-read the config and apply it as a diff (200, or 400 with the
-  reasons it was refused); 503 when this process cannot reload (no daemon behind the gateway).
+  reasons it was refused).
 - ``POST /admin/drain``: start the drain (as SIGTERM does).
 - ``GET /admin/engines``: drain state, uptime, reload counts and every engine's statistics.
 
-Where the listener is and who may reach it: :mod:`smgd.api.http.server` (``serve_admin``).
+Reloading and draining are the daemon's: the app is built with the two functions
+(:func:`smgd.api.http.app.create_admin_app`), and each route gets its own as its first
+argument. Where the listener is and who may reach it: :mod:`smgd.api.http.server`.
 """
 
 from __future__ import annotations
@@ -14,29 +16,26 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from smgd.api.core.errors import http_error
-from smgd.api.core.prepare import JSON_HEADERS, Reply, json_reply
+from smgd.api.core.prepare import Reply, json_reply
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from smgd.api.core.prepare import Call
+    from smgd.reload import ReloadResult
 
 __all__ = ["drain", "engines", "reload"]
 
 
-async def reload(call: Call) -> Reply:
+async def reload(run: Callable[[], Awaitable[ReloadResult]], call: Call) -> Reply:
     """``POST /admin/reload``."""
-    gateway = call.ctx.gateway
-    if gateway.reload is None:
-        return Reply(http_error(503, "reload is not available"), JSON_HEADERS, 503)
-    result = await gateway.reload()
+    result = await run()
     return json_reply(result, 200 if result.ok else 400)
 
 
-async def drain(call: Call) -> Reply:
+async def drain(start: Callable[[], None], call: Call) -> Reply:
     """``POST /admin/drain``."""
-    gateway = call.ctx.gateway
-    gateway.draining = True
-    gateway.drain_event.set()
+    start()
     return json_reply({"draining": True})
 
 

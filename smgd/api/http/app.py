@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from smgd.api.core.pipeline import RequestState
     from smgd.config import Config
     from smgd.gateway import Gateway
+    from smgd.reload import ReloadResult
 
-__all__ = ["ADMIN_ROUTES", "KEY_PATHS", "ROUTES", "create_admin_app", "create_app"]
+__all__ = ["KEY_PATHS", "ROUTES", "admin_routes", "create_admin_app", "create_app"]
 
 # Worker threads tokenizing big prompts at once: every core but one (at least one thread), so
 # tokenization never takes the core the event loop streams every response from. Two threads
@@ -71,12 +72,6 @@ ROUTES: Mapping[str, Route] = {
 # Paths whose requests need an API key (when keys are configured): everything that reads a
 # model or runs one. Probes and metrics stay open for load balancers and scrapers.
 KEY_PATHS = ("/v1/", "/generate", "/tokenize", "/detokenize")
-
-ADMIN_ROUTES: Mapping[str, Route] = {
-    "/admin/reload": Route("POST", admin.reload),
-    "/admin/drain": Route("POST", admin.drain),
-    "/admin/engines": Route("GET", admin.engines),
-}
 
 
 def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) -> Dispatcher:
@@ -135,7 +130,20 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
     )
 
 
-def create_admin_app(gateway: Gateway) -> Dispatcher:
+def admin_routes(
+    reload: Callable[[], Awaitable[ReloadResult]], drain: Callable[[], None]
+) -> dict[str, Route]:
+    """The admin listener's routes, with the daemon's ``reload`` and ``drain``."""
+    return {
+        "/admin/reload": Route("POST", partial(admin.reload, reload)),
+        "/admin/drain": Route("POST", partial(admin.drain, drain)),
+        "/admin/engines": Route("GET", admin.engines),
+    }
+
+
+def create_admin_app(
+    gateway: Gateway, reload: Callable[[], Awaitable[ReloadResult]], drain: Callable[[], None]
+) -> Dispatcher:
     """The admin listener's app; a ConfigError when ``admin.token_env`` is set but empty."""
     token = load_admin_token(gateway.config)  # configured but unset or empty: never open
     server = gateway.config.server
@@ -148,5 +156,8 @@ def create_admin_app(gateway: Gateway) -> Dispatcher:
         max_body_bytes=server.max_body_bytes,
     )
     return Dispatcher(
-        ADMIN_ROUTES, ctx, key_paths=("/",), key_refusal="invalid or missing admin token"
+        admin_routes(reload, drain),
+        ctx,
+        key_paths=("/",),
+        key_refusal="invalid or missing admin token",
     )

@@ -40,13 +40,14 @@ from smgd.config import run_dir
 from smgd.errors import TransportError, errno_name
 from smgd.ipc import prepare_ipc_endpoint
 from smgd.sdnotify import take_listen_fds
-from smgd.workers import worker_listen_fds
+from smgd.worker_id import worker_listen_fds
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from smgd.config import ServerConfig
     from smgd.gateway import Gateway
+    from smgd.reload import ReloadResult
 
 log = logging.getLogger("smgd.http")
 
@@ -176,9 +177,13 @@ def admin_bind(gateway: Gateway) -> str:
 
 
 async def serve_admin(
-    gateway: Gateway, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    gateway: Gateway,
+    reload: Callable[[], Awaitable[ReloadResult]],
+    drain: Callable[[], None],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the admin app until cancelled."""
+    """Serve the admin app (with the daemon's ``reload`` and ``drain``) until cancelled."""
     bind = admin_bind(gateway)
     if bind.startswith("unix:"):
         prepare_ipc_endpoint(bind[len("unix:") :])  # 0700 dir, stale socket cleared, live refused
@@ -192,7 +197,7 @@ async def serve_admin(
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
     await hypercorn.trio.serve(
-        create_admin_app(gateway),
+        create_admin_app(gateway, reload, drain),
         cfg,
         shutdown_trigger=trio.sleep_forever,
         task_status=task_status,

@@ -8,21 +8,24 @@ Output of ``encode``: the frames as hex, one per line.
 
 from __future__ import annotations
 
-import importlib
 import json
+from collections.abc import Callable
 from typing import IO, Any
 
 from smgd.errors import SmgdError, WireError
+from smgd.wire.sglang import jsonform as sglang_form
+from smgd.wire.tokenspeed import jsonform as tokenspeed_form
+from smgd.wire.vllm import jsonform as vllm_form
 
-_CODECS = {
-    "sglang": "smgd.wire.sglang",
-    "vllm": "smgd.wire.vllm",
-    "tokenspeed": "smgd.wire.tokenspeed",
+ToJson = Callable[[list[bytes]], dict[str, Any]]
+FromJson = Callable[[dict[str, Any]], list[bytes]]
+
+# Each engine's JSON form: (frames -> JSON, JSON -> frames).
+_FORMS: dict[str, tuple[ToJson, FromJson]] = {
+    "sglang": (sglang_form.frames_to_json, sglang_form.json_to_frames),
+    "vllm": (vllm_form.frames_to_json, vllm_form.json_to_frames),
+    "tokenspeed": (tokenspeed_form.frames_to_json, tokenspeed_form.json_to_frames),
 }
-
-
-def _codec(engine: str) -> Any:
-    return importlib.import_module(_CODECS[engine])
 
 
 def parse_hex_frames(text: str) -> list[bytes]:
@@ -43,13 +46,11 @@ def parse_hex_frames(text: str) -> list[bytes]:
 
 
 def decode_to_json(engine: str, frames: list[bytes]) -> dict[str, Any]:
-    result: dict[str, Any] = _codec(engine).frames_to_json(frames)
-    return result
+    return _FORMS[engine][0](frames)
 
 
 def encode_from_json(engine: str, obj: dict[str, Any]) -> list[bytes]:
-    frames: list[bytes] = _codec(engine).json_to_frames(obj)
-    return frames
+    return _FORMS[engine][1](obj)
 
 
 def run_wire_command(action: str, engine: str, stdin_text: str, out: IO[str]) -> int:

@@ -1,12 +1,12 @@
 """The JSON form of vLLM V1 EngineCore messages, for ``smgd wire decode|encode --engine vllm``.
 
 A message is its list of frames (the ROUTER identity frame excluded). The walk pairs untyped
-msgpack values with the schema of the mirror structs in :mod:`smgd.wire.vllm`: array structs
-become ``{field: value}`` (plus ``"_extra"`` for trailing fields this version does not know;
-missing trailing fields are simply absent), arrays ``{"dtype", "shape", "data"[, "aux"]}``, bytes
-``{"hex"}``, msgpack ext ``{"ext", "hex"}``, maps with non-string keys ``{"__map__": [[k, v]...]}``,
-and a value that does not fit its schema ``{"__raw__": value}``. Encoding walks back to the same
-untyped values, so the bytes come out identical.
+msgpack values with the schema of the mirror structs in :mod:`smgd.wire.vllm.structs`: array
+structs become ``{field: value}`` (plus ``"_extra"`` for trailing fields this version does not
+know; missing trailing fields are simply absent), arrays ``{"dtype", "shape", "data"[, "aux"]}``,
+bytes ``{"hex"}``, msgpack ext ``{"ext", "hex"}``, maps with non-string keys
+``{"__map__": [[k, v]...]}``, and a value that does not fit its schema ``{"__raw__": value}``.
+Encoding walks back to the same untyped values, so the bytes come out identical.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from msgspec import inspect as mi
 from msgspec.msgpack import Ext
 
 from smgd.errors import WireError
-from smgd.wire.vllm import (
-    _ENCODER,
+from smgd.wire.vllm.structs import (
     ENGINE_CORE_DEAD,
     RAW_VIEW_EXT,
     EngineCoreOutputs,
@@ -33,14 +32,13 @@ from smgd.wire.vllm import (
     StartDpWave,
     Tensor,
     UtilityRequest,
-    _flatten,
-    _pack_flat,
-    _reshape,
-    _unpack_flat,
 )
+from smgd.wire.vllm.tensors import flatten, pack_flat, reshape, unpack_flat
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
 
 
 class _WideDict(dict[Any, Any]):
@@ -284,10 +282,10 @@ def _tensor_to_json(v: Any, ctx: _Ctx) -> Any:
         ctx.used.add(data)
     else:
         raw = bytes(data.data)
-    flat = _unpack_flat(dtype, raw)
-    nested = _reshape(flat, shape) if flat is not None else None
+    flat = unpack_flat(dtype, raw)
+    nested = reshape(flat, shape) if flat is not None else None
     # Values only when they re-pack to the very same bytes (NaN payloads, odd sizes: hex).
-    if flat is not None and nested is not None and _pack_flat(dtype, flat) == raw:
+    if flat is not None and nested is not None and pack_flat(dtype, flat) == raw:
         out["data"] = nested
     else:
         out["data"] = {"hex": raw.hex()}
@@ -303,7 +301,7 @@ def _tensor_from_json(v: Any, ctx: _Ctx) -> Any:
     if isinstance(data, dict):
         raw = bytes.fromhex(data["hex"])
     else:
-        raw = _pack_flat(dtype, _flatten(data, len(shape)))
+        raw = pack_flat(dtype, flatten(data, len(shape)))
     if "aux" in v:
         idx = v["aux"]
         while len(ctx.frames) <= idx:

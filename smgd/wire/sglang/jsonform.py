@@ -12,27 +12,18 @@ back gives the same bytes.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import msgspec
 from msgspec.msgpack import Ext
 
 from smgd.errors import WireError
-from smgd.wire.sglang import (
-    _Q_META,
-    EXT_ARRAY,
-    MODELED,
-    SGLANG_TAGS,
-    SamplingParams,
-    SessionParams,
-    _encoder,
-    _raw_decoder,
-    decode_any,
-    ext_to_ids,
-    ids_to_ext,
-)
+from smgd.wire.sglang.arrays import EXT_ARRAY, Q_META, ext_to_ids, ids_to_ext
+from smgd.wire.sglang.decode import decode_any
+from smgd.wire.sglang.structs import MODELED, SGLANG_TAGS, SamplingParams, SessionParams
 
-if TYPE_CHECKING:
-    import msgspec
+_encoder = msgspec.msgpack.Encoder()
+_raw_decoder = msgspec.msgpack.Decoder()  # untyped: ext stays Ext, bin stays bytes
 
 _TOKEN_FIELDS = {"input_ids": 0, "output_ids": 1, "decode_ids": 1}  # list depth above arrays
 _NESTED: dict[str, type[msgspec.Struct]] = {
@@ -48,7 +39,7 @@ def _fields(cls: type[msgspec.Struct]) -> tuple[str, ...]:
 def _tokens_to_json(value: Any, depth: int) -> Any:
     if depth and isinstance(value, list):
         return [_tokens_to_json(v, depth - 1) for v in value]
-    if type(value) is Ext and value.code == EXT_ARRAY and memoryview(value.data)[:6] == _Q_META:
+    if type(value) is Ext and value.code == EXT_ARRAY and memoryview(value.data)[:6] == Q_META:
         return ext_to_ids(value)
     return _to_json(value)
 

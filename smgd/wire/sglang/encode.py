@@ -1,0 +1,188 @@
+"""What smgd sends the scheduler (router -> scheduler), as SGLang's TokenizerManager would.
+
+Generate requests normalized the way TokenizerManager normalizes them, aborts, health checks and
+control requests; each is one frame.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from smgd.errors import InvalidRequest
+from smgd.wire.sglang.arrays import ids_to_ext
+from smgd.wire.sglang.structs import (
+    TOP_K_ALL,
+    AbortReq,
+    FlushCacheReqInput,
+    GetInternalStateReq,
+    SamplingParams,
+    ShutdownReq,
+    TokenizedGenerateReqInput,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from smgd.wire.common import GenerateRequest
+    from smgd.wire.common import SamplingParams as CommonSampling
+
+
+GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperature below this means greedy
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # the scheduler special-cases rids starting with this
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _verify(sp: SamplingParams) -> None:
+    """SGLang's SamplingParams.verify() checks: the scheduler does not run them, and a bad value
+    can crash it, so smgd refuses them before sending."""
+
+    def bad(param: str, message: str) -> InvalidRequest:
+        return InvalidRequest(f"{param} {message}", param=param)
+
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise bad("temperature", "must be a non-negative finite number")
+    if not 0.0 < sp.top_p <= 1.0:
+        raise bad("top_p", "must be in (0, 1]")
+    if not 0.0 <= sp.min_p <= 1.0:
+        raise bad("min_p", "must be in [0, 1]")
+    if sp.top_k < 1:
+        raise bad("top_k", "must be -1 or at least 1")
+    if not -2.0 <= sp.frequency_penalty <= 2.0:
+        raise bad("frequency_penalty", "must be in [-2, 2]")
+    if not -2.0 <= sp.presence_penalty <= 2.0:
+        raise bad("presence_penalty", "must be in [-2, 2]")
+    if not 0.0 < sp.repetition_penalty <= 2.0:
+        raise bad("repetition_penalty", "must be in (0, 2]")
+    if sp.max_new_tokens is not None and sp.max_new_tokens < 0:
+        raise bad("max_tokens", "must be non-negative")
+    if sp.sampling_seed is not None and not -(1 << 63) <= sp.sampling_seed < (1 << 63):
+        raise bad("seed", "must fit in a signed 64-bit integer")
+
+
+def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
+    """Normalize engine-neutral sampling params the way SGLang's TokenizerManager would.
+
+    Greedy becomes temperature 1 + top_k 1, top_k -1 becomes 1<<30, stop strings/regexes are
+    empty lists (smgd matches stop strings itself), ``is_normalized`` is True. EOS ids are not
+    sent: SGLang reads them from the model config. ``min_tokens`` and ``ignore_eos`` together
+    with stop token ids cannot be expressed on this wire and are refused.
+    """
+    if s.min_tokens > 0:
+        # SGLang's min-new-tokens penalizer reads the tokenizer's EOS, which a
+        # --skip-tokenizer-init scheduler does not have: it would crash.
+        raise InvalidRequest(
+            "min_tokens is not supported by the SGLang backend", param="min_tokens"
+        )
+    if s.ignore_eos and s.stop_token_ids:
+        # SGLang's ignore_eos also disables stop_token_ids (_check_token_based_finish).
+        raise InvalidRequest(
+            "ignore_eos together with stop_token_ids is not supported by the SGLang backend",
+            param="stop_token_ids",
+        )
+    temperature, top_k = float(s.temperature), s.top_k
+    if 0.0 <= temperature < GREEDY_EPS:
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    # A set built in the same order as SGLang's __post_init__ ({int(t) for t in ids}) iterates
+    # in the same order, so the bytes match what TokenizerManager would send.
+    stop_ids = list({int(t) for t in s.stop_token_ids}) or None
+    sp = SamplingParams(
+        max_new_tokens=s.max_tokens,
+        stop_token_ids=stop_ids,
+        temperature=temperature,
+        top_p=float(s.top_p),
+        top_k=top_k,
+        min_p=float(s.min_p),
+        frequency_penalty=float(s.frequency_penalty),
+        presence_penalty=float(s.presence_penalty),
+        repetition_penalty=float(s.repetition_penalty),
+        ignore_eos=s.ignore_eos,
+        logit_bias=({str(k): float(v) for k, v in s.logit_bias.items()} if s.logit_bias else None),
+        sampling_seed=s.seed,
+        stop_strs=[],
+        stop_regex_strs=[],
+        is_normalized=True,
+    )
+    _verify(sp)
+    return sp
+
+
+def _tgri(
+    rid: str, ids: Sequence[int], sp: SamplingParams, stream: bool, logprobs: int | None
+) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(
+        rid=rid,
+        input_text=None,
+        input_ids=ids_to_ext(ids),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=sp,
+        return_logprob=logprobs is not None,
+        logprob_start_len=-1,  # GenerateReqInput's default: no prompt logprobs
+        top_logprobs_num=logprobs or 0,
+        token_ids_logprob=None,
+        stream=stream,
+    )
+
+
+def encode_generate(req: GenerateRequest) -> bytes:
+    """A ``TokenizedGenerateReqInput`` frame for one request (raises InvalidRequest)."""
+    if not req.rid:
+        raise ValueError("a generate request needs a non-empty rid")
+    sp = to_sglang_sampling(req.sampling)
+    return _encoder.encode(_tgri(req.rid, req.prompt_ids, sp, req.stream, req.sampling.logprobs))
+
+
+def new_health_check_rid() -> str:
+    """A fresh rid the scheduler recognizes as a health check (as /health_generate makes)."""
+    return f"{HEALTH_CHECK_PREFIX}_{uuid.uuid4().hex}"
+
+
+def encode_health_check(rid: str) -> bytes:
+    """SGLang's /health_generate request: prompt [0], one greedy token, not streamed.
+
+    ``rid`` must start with ``HEALTH_CHECK``: only then does a busy scheduler answer with a
+    ``HealthCheckOutput`` instead of queueing it.
+    """
+    if not rid.startswith(HEALTH_CHECK_PREFIX):
+        raise ValueError(f"health-check rid must start with {HEALTH_CHECK_PREFIX!r}")
+    sp = SamplingParams(
+        max_new_tokens=1,
+        temperature=1.0,
+        top_k=1,  # temperature 0 after SGLang's greedy rewrite
+        stop_strs=[],
+        stop_regex_strs=[],
+        is_normalized=True,
+    )
+    return _encoder.encode(_tgri(rid, [0], sp, False, None))
+
+
+def encode_abort(rid: str) -> bytes:
+    """``AbortReq(rid)``. The scheduler aborts every request whose rid *starts with* ``rid``."""
+    if not rid:
+        raise ValueError("refusing an empty abort rid: SGLang would abort every request")
+    return _encoder.encode(AbortReq(rid=rid))
+
+
+def encode_flush_cache() -> bytes:
+    return _encoder.encode(FlushCacheReqInput())
+
+
+def encode_shutdown() -> bytes:
+    return _encoder.encode(ShutdownReq())
+
+
+def encode_get_internal_state() -> bytes:
+    return _encoder.encode(GetInternalStateReq())
+
+
+def encode_message(msg: msgspec.Struct) -> bytes:
+    """Encode any mirror struct exactly as SGLang's ``msgpack_encode`` would."""
+    return _encoder.encode(msg)

@@ -1,0 +1,183 @@
+"""What smgd sends the engine core, as vLLM's own front end would: INIT on the handshake socket,
+ADD / ABORT / UTILITY / START_DP_WAVE on the input socket."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from smgd.wire.vllm.structs import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreRequest,
+    HandshakeMetadata,
+    RequestType,
+    SamplingParams,
+    StartDpWave,
+    UtilityRequest,
+    ZmqAddresses,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from smgd.wire.common import GenerateRequest
+    from smgd.wire.common import SamplingParams as CommonSampling
+    from smgd.wire.vllm.structs import InputMessage
+
+
+# vLLM's SamplingParams._MAX_TEMP: temperatures in (0, this) are raised to it (the engine
+# would produce NaN/inf otherwise); 0 means greedy.
+_MAX_TEMP: Final = 1e-2
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def encode_init(
+    inputs: list[str],
+    outputs: list[str],
+    *,
+    coordinator_input: str | None = None,
+    coordinator_output: str | None = None,
+    frontend_stats_publish_address: str | None = None,
+    parallel_config: dict[str, Any] | None = None,
+) -> list[bytes]:
+    """INIT, smgd's answer to HELLO: where the engine connects its input DEALER(s) and output
+    PUSH(es). ``parallel_config`` stays empty unless running DP with MoE."""
+    addresses = ZmqAddresses(
+        inputs, outputs, coordinator_input, coordinator_output, frontend_stats_publish_address
+    )
+    return [_ENCODER.encode(HandshakeMetadata(addresses, parallel_config or {}))]
+
+
+_SAMPLING_DEFAULTS: Final = {
+    f.name: f.default
+    for f in msgspec.structs.fields(SamplingParams)
+    if f.default_factory is msgspec.NODEFAULT
+}
+
+
+def to_vllm_sampling(sp: CommonSampling) -> SamplingParams:
+    """smgd's normalized sampling -> what vLLM's front end would send after its own
+    ``__post_init__`` and ``update_from_generation_config``.
+
+    EOS: the engine stops on EOS only when ``_eos_token_id`` is set, so it is set unless
+    ignore_eos. ``eos_token_ids[0]`` is the primary EOS, others are extra EOS ids that vLLM
+    folds into ``stop_token_ids``. ``_all_stop_token_ids`` (used for min_tokens masking) is
+    built by the same set operations as vLLM so its order matches byte for byte. Stop strings
+    are never sent: smgd matches them on the text.
+    """
+    temperature = sp.temperature
+    if 0 < temperature < _MAX_TEMP:
+        temperature = _MAX_TEMP
+    greedy = temperature < 1e-5  # vLLM's _SAMPLING_EPS
+    stop_ids = list(dict.fromkeys(sp.stop_token_ids))
+    all_stop: set[int] = set(stop_ids)
+    primary = sp.eos_token_ids[0] if sp.eos_token_ids else None
+    if primary is not None:
+        all_stop.add(primary)
+    # vLLM: set(generation_config eos ids) minus the primary one.
+    extra_eos = set(sp.eos_token_ids)
+    if primary is not None:
+        extra_eos.discard(primary)
+    if extra_eos:
+        all_stop.update(extra_eos)
+        if not sp.ignore_eos:
+            extra_eos.update(stop_ids)
+            stop_ids = list(extra_eos)
+    given: dict[str, Any] = {
+        "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty,
+        "repetition_penalty": sp.repetition_penalty,
+        "temperature": temperature,
+        "top_p": 1.0 if greedy else sp.top_p,
+        "top_k": 0 if greedy or sp.top_k < 0 else sp.top_k,
+        "min_p": 0.0 if greedy else sp.min_p,
+        "seed": None if sp.seed == -1 else sp.seed,
+        "ignore_eos": sp.ignore_eos,
+        "max_tokens": sp.max_tokens,
+        "min_tokens": sp.min_tokens,
+        "logprobs": sp.logprobs,
+        "logit_bias": dict(sp.logit_bias) if sp.logit_bias else None,
+    }
+    # msgspec's omit_defaults compares by identity, so equal-but-distinct floats would be
+    # sent; pass only values that differ from vLLM's defaults to keep the map minimal.
+    kwargs = {k: v for k, v in given.items() if v != _SAMPLING_DEFAULTS[k]}
+    return SamplingParams(
+        **kwargs,
+        stop=[],
+        stop_token_ids=stop_ids,
+        _eos_token_id=None if sp.ignore_eos else primary,
+        _all_stop_token_ids=list(all_stop),
+        bad_words=[],
+        skip_reading_prefix_cache=False,
+    )
+
+
+def encode_engine_request(req: EngineCoreRequest, aux: Sequence[bytes] = ()) -> list[bytes]:
+    return [RequestType.ADD.value, _ENCODER.encode(req), *aux]
+
+
+def encode_add(
+    req: GenerateRequest,
+    *,
+    client_index: int = 0,
+    arrival_time: float | None = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
+) -> list[bytes]:
+    """ADD frames (type byte + EngineCoreRequest) for one engine request.
+
+    The caller validates first (vLLM's front end does, the engine does not): prompt ids below
+    the vocab size and ``len(prompt) + max_tokens <= max_model_len``; either mistake kills the
+    engine. ``client_index`` picks the output socket (``outputs[client_index]`` of INIT).
+    """
+    core = EngineCoreRequest(
+        request_id=req.rid,
+        prompt_token_ids=req.prompt_ids,
+        mm_features=None,
+        sampling_params=to_vllm_sampling(req.sampling),
+        pooling_params=None,
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+        lora_request=None,
+        cache_salt=cache_salt,
+        data_parallel_rank=None,
+        client_index=client_index,
+        priority=priority,
+    )
+    return encode_engine_request(core)
+
+
+def encode_abort(rids: Sequence[str]) -> list[bytes]:
+    """ABORT frames. The engine answers an abort with nothing: finish the request locally."""
+    if not rids or not all(isinstance(r, str) and r for r in rids):
+        raise ValueError("encode_abort needs one or more non-empty request ids")
+    return [RequestType.ABORT.value, _ENCODER.encode(list(rids))]
+
+
+def encode_utility(
+    call_id: int, method: str, args: Sequence[Any] = (), *, client_index: int = 0
+) -> list[bytes]:
+    """UTILITY frames; ``call_id`` is an unsigned 64-bit id (vLLM: ``uuid1().int >> 64``)."""
+    if not 0 <= call_id < 1 << 64:
+        raise ValueError("utility call_id must fit an unsigned 64-bit integer")
+    body = UtilityRequest(client_index, call_id, method, list(args))
+    return [RequestType.UTILITY.value, _ENCODER.encode(body)]
+
+
+def encode_start_dp_wave(wave: int, exclude_engine_index: int | None = None) -> list[bytes]:
+    body = StartDpWave(wave, exclude_engine_index)
+    return [RequestType.START_DP_WAVE.value, _ENCODER.encode(body)]
+
+
+def encode_request_message(msg: InputMessage) -> list[bytes]:
+    """Inverse of ``decode_request``."""
+    if isinstance(msg, AddRequest):
+        return encode_engine_request(msg.request, msg.aux)
+    if isinstance(msg, AbortRequest):
+        return [RequestType.ABORT.value, _ENCODER.encode(msg.request_ids)]
+    if isinstance(msg, UtilityRequest):
+        return [RequestType.UTILITY.value, _ENCODER.encode(msg)]
+    return [RequestType.START_DP_WAVE.value, _ENCODER.encode(msg)]
