@@ -168,13 +168,16 @@ def normalized(answer: Answer) -> dict[str, Any]:
     text = answer.body.decode("latin-1")
     text = re.sub(r'"created":\d+', '"created":0', text)
     text, timed = re.subn(r'"(e2e_latency|uptime_s)":[0-9.e-]+', r'"\1":0', text)
-    text = text.replace(str(TINY_MODEL), "<tiny-model>")
+    # The checkout's path varies (a CI clone, a worktree): the length a body has with it.
+    text, moved = re.subn(re.escape(str(TINY_MODEL)), "<tiny-model>", text)
     headers = []
     for name, value in answer.headers:
         if name == "content-length":
             assert int(value) == len(answer.body)
             if timed:  # the length of a latency's digits varies
                 value = "<length>"
+            elif moved:
+                value = str(len(answer.body) - moved * (len(str(TINY_MODEL)) - len("<tiny-model>")))
         if name == "allow":  # Quart listed the methods in set order, which varied per run
             value = ", ".join(sorted(value.split(", ")))
         if name == "x-request-id" and re.fullmatch(r"[0-9a-f]{32}", value):
