@@ -68,6 +68,13 @@ def test_unknown_part_type_is_rejected_by_name() -> None:
     assert info.value.param == "messages[0].content[0].type"
 
 
+def _call(**changes: object) -> list[dict[str, object]]:
+    return [{"role": "assistant", "tool_calls": [{**CALL, **changes}]}]
+
+
+AT_CALL = "messages[0].tool_calls[0]"
+
+
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
@@ -76,26 +83,23 @@ def test_unknown_part_type_is_rejected_by_name() -> None:
         ([{"content": "x"}], "messages[0].role"),
         (["x"], "messages[0]"),
         ([{"role": "user", "content": 3}], "messages[0].content"),
-        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+            "messages[0].content[0].text",
+        ),
         ([{"role": "user", "content": [3]}], "messages[0].content[0]"),
         ([{"role": "user", "content": "x", "name": 3}], "messages[0].name"),
         ([{"role": "tool", "content": "x", "tool_call_id": 3}], "messages[0].tool_call_id"),
         ([{"role": "assistant", "content": "x", "reasoning": 3}], "messages[0].reasoning"),
         ([{"role": "assistant", "tool_calls": {}}], "messages[0].tool_calls"),
-        ([{"role": "assistant", "tool_calls": ["x"]}], "messages[0].tool_calls[0]"),
-        ([{"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}], "messages[0].tool_calls[0].type"),
-        ([{"role": "assistant", "tool_calls": [{**CALL, "id": None}]}], "messages[0].tool_calls[0].id"),
-        ([{"role": "assistant", "tool_calls": [{**CALL, "function": "f"}]}], "messages[0].tool_calls[0].function"),
-        (
-            [{"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}],
-            "messages[0].tool_calls[0].function.name",
-        ),
-        (
-            [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {}}}]}],
-            "messages[0].tool_calls[0].function.arguments",
-        ),
+        ([{"role": "assistant", "tool_calls": ["x"]}], AT_CALL),
+        (_call(type="custom"), f"{AT_CALL}.type"),
+        (_call(id=None), f"{AT_CALL}.id"),
+        (_call(function="f"), f"{AT_CALL}.function"),
+        (_call(function={"arguments": "{}"}), f"{AT_CALL}.function.name"),
+        (_call(function={"name": "f", "arguments": {}}), f"{AT_CALL}.function.arguments"),
     ],
-)  # fmt: skip
+)
 def test_malformed_messages(messages: object, param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         prepare_messages(messages)
@@ -122,10 +126,10 @@ def test_tool_call_arguments_are_decoded(arguments: str, decoded: object) -> Non
     ]
 
 
-def test_empty_tool_calls_are_no_key() -> None:
-    for calls in ([], None):
-        msg = prepare_messages([{"role": "assistant", "content": "x", "tool_calls": calls}])[0]
-        assert "tool_calls" not in msg
+@pytest.mark.parametrize("calls", [[], None])
+def test_empty_tool_calls_are_no_key(calls: list[object] | None) -> None:
+    msg = prepare_messages([{"role": "assistant", "content": "x", "tool_calls": calls}])[0]
+    assert "tool_calls" not in msg
 
 
 def test_reasoning_from_either_field_reaches_both_keys() -> None:
@@ -145,7 +149,7 @@ def test_developer_becomes_one_leading_system_message() -> None:
     msgs = [
         {"role": "system", "content": "S"},
         USER,
-        {"role": "developer", "content": [{"type": "text", "text": "D1"}, {"type": "text", "text": "D2"}]},
+        {"role": "developer", "content": [{"type": "text", "text": "D1"}, "D2"]},
         {"role": "developer", "content": ""},
     ]  # fmt: skip
     assert prepare_messages(msgs, developer_role=False) == [
@@ -164,10 +168,12 @@ def test_tools_take_vllms_shape() -> None:
         {"function": {"parameters": {"type": "object"}, "name": "a", "x": 1}},
         {"type": "function", "function": {"name": "b", "strict": True, "description": "d"}},
     ]
+    a = {"name": "a", "description": None, "parameters": {"type": "object"}}
+    b = {"name": "b", "description": "d", "parameters": None, "strict": True}
     assert prepare_tools(tools) == [
-        {"type": "function", "function": {"name": "a", "description": None, "parameters": {"type": "object"}}},
-        {"type": "function", "function": {"name": "b", "description": "d", "parameters": None, "strict": True}},
-    ]  # fmt: skip
+        {"type": "function", "function": a},
+        {"type": "function", "function": b},
+    ]
     assert prepare_tools(None) is None
     assert prepare_tools([]) is None
 

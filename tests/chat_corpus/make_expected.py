@@ -19,6 +19,7 @@ what smgd makes of ``messages``: vLLM renders that one.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import sys
@@ -38,11 +39,12 @@ def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else EXPECTED
     logging.disable(logging.WARNING)  # vLLM logs every coerced argument; the record says it
 
-    import transformers
-    import vllm
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.renderers import hf
-    from vllm.renderers.chat_utils import parse_chat_messages
+    # Imported by name: these exist only in the vLLM venv, which smgd's type check never sees.
+    transformers = importlib.import_module("transformers")
+    vllm = importlib.import_module("vllm")
+    protocol = importlib.import_module("vllm.entrypoints.openai.chat_completion.protocol")
+    hf = importlib.import_module("vllm.renderers.hf")
+    chat_utils = importlib.import_module("vllm.renderers.chat_utils")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     # What parse_chat_messages and safe_apply_chat_template read of a model config for a
@@ -75,11 +77,13 @@ def main() -> None:
             if tools is not None:
                 body["tools"] = tools
             try:
-                request = ChatCompletionRequest.model_validate(json.loads(json.dumps(body)))
+                request = protocol.ChatCompletionRequest.model_validate(
+                    json.loads(json.dumps(body))
+                )
                 tool_dicts = (
                     [tool.model_dump() for tool in request.tools] if request.tools else None
                 )
-                conversation, _, _ = parse_chat_messages(
+                conversation, _, _ = chat_utils.parse_chat_messages(
                     request.messages,
                     model_config,
                     content_format=record["templates"][name]["content_format"],
