@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from smgd.config import EngineConfig, WireFamily, engine_ipc_dir
 from smgd.errors import ConfigError
-from smgd.launch import launcher_script, mock_argv
+from smgd.launch import launcher_script, mock_argv, mock_script_args
 
 if TYPE_CHECKING:
     from smgd.engines.base import EngineClient
@@ -36,6 +36,7 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
             ",".join(map(str, text.tokenizer.eos_token_ids)),
             "--skip-ids",
             ",".join(map(str, sorted(text.tokenizer.special_ids))),
+            *mock_script_args(engine, config),
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
