@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,9 +14,6 @@ from smgd.errors import ConfigError
 from smgd.launch import mock_script_args
 from smgd.mock.main import add_mock_args, load_script
 from smgd.text.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 ENGINE = (
     '[[engines]]\nname = "e"\nwire = "mock"\nmodels = ["m"]\n'
@@ -106,3 +104,32 @@ def test_mock_refuses_a_script_it_cannot_use(tmp_path: Path) -> None:
         load_script(_args("--script", str(path)))
     with pytest.raises(SystemExit, match="missing required key `text`"):
         load_script(_args("--script", str(path), "--model-dir", str(TINY_MODEL_DIR)))
+
+
+def test_the_documented_example_does_what_the_reference_says(tmp_path: Path) -> None:
+    doc = (Path(__file__).parent.parent / "docs/reference/config.md").read_text()
+    example = doc.split("```toml\n# replies.toml")[1].split("```")[0]
+    path = tmp_path / "replies.toml"
+    path.write_text("# replies.toml" + example)
+    script = load_script(_args("--script", str(path), "--model-dir", str(TINY_MODEL_DIR)))
+    assert script is not None
+    tok = load_tokenizer(TINY_MODEL_DIR)
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    call = {"id": "call_1", "type": "function", "function": function}
+    asked: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answered = [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+    ]
+    replies = []
+    for turns in (asked, answered):
+        prompt = tok.encode(tok.render_chat(turns), add_special_tokens=False)
+        replies.append(tok.decode(script.pick(prompt) or []))
+    hello = tok.encode(tok.render_chat([{"role": "user", "content": "Hi"}]))
+    replies.append(tok.decode(script.pick(hello) or []))
+    assert replies[0].startswith("<tool_call>\n")
+    assert replies[1:] == [
+        "It is 21 °C in Paris.",
+        "<think>\nNothing to look up.\n</think>\n\nHello!",
+    ]
