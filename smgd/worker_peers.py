@@ -34,6 +34,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from smgd.worker_id import current_worker
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -260,8 +262,6 @@ class WorkerPeers:
 
 def worker_peers(environ: Mapping[str, str]) -> WorkerPeers | None:
     """This worker's place among metrics peers; None outside worker mode."""
-    from smgd.workers import current_worker
-
     worker = current_worker(environ)
     directory = environ.get(METRICS_DIR_ENV)
     fd = environ.get(METRICS_FD_ENV)

@@ -29,6 +29,7 @@ from smgd.config import (
     resolve_path,
 )
 from smgd.errors import ConfigError
+from smgd.reload import ReloadResult
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, open_gateway, post
 
 ENGINE = 'name = "{name}"\nwire = "{wire}"\nmodels = ["{model}"]\nmodel_dir = "m"\n'
@@ -501,13 +502,21 @@ async def test_lowercase_bearer_on_the_api(autojump_clock: trio.abc.Clock) -> No
     assert (models.status, completion.status, wrong.status) == (200, 200, 401)
 
 
+async def _unused_reload() -> ReloadResult:
+    raise AssertionError("these tests do not reload")
+
+
+def _unused_drain() -> None:
+    raise AssertionError("these tests do not drain")
+
+
 async def test_admin_token(autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMGD_TEST_ADMIN", "tok")
     async with open_gateway() as gateway:
         gateway.config = msgspec.structs.replace(
             gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_ADMIN")
         )
-        app = create_admin_app(gateway)
+        app = create_admin_app(gateway, _unused_reload, _unused_drain)
         async with app.test_app():
             client = app.test_client()
             statuses = [
@@ -530,8 +539,8 @@ async def test_admin_app_refuses_an_unset_token_env(
         gateway.config = msgspec.structs.replace(
             gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_UNSET")
         )
-        with pytest.raises(ConfigError):
-            create_admin_app(gateway)  # never an admin listener without its token
+        with pytest.raises(ConfigError):  # never an admin listener without its token
+            create_admin_app(gateway, _unused_reload, _unused_drain)
 
 
 async def test_reload_that_would_open_auth_is_refused(autojump_clock: trio.abc.Clock) -> None:

@@ -23,7 +23,10 @@ from smgd.api.server import listen_tcp
 from smgd.config import load_admin_token, run_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from smgd.gateway import Gateway
+    from smgd.reload import ReloadResult
 
 
 def admin_socket_path(gateway: Gateway) -> str:
@@ -45,7 +48,9 @@ def _error(message: str, status: int, kind: str) -> Response:
     return _json({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
 
 
-def create_admin_app(gateway: Gateway) -> QuartTrio:
+def create_admin_app(
+    gateway: Gateway, reload: Callable[[], Awaitable[ReloadResult]], drain: Callable[[], None]
+) -> QuartTrio:
     app = QuartTrio("smgd-admin")
     app.config["RESPONSE_TIMEOUT"] = None
     # Configured but unset or empty is a ConfigError here (and already at start): never open.
@@ -58,16 +63,13 @@ def create_admin_app(gateway: Gateway) -> QuartTrio:
         return None
 
     @app.post("/admin/reload")
-    async def reload() -> Response:
-        if gateway.reload is None:
-            return _error("reload is not available", 503, "service_unavailable")
-        result = await gateway.reload()
+    async def reload_route() -> Response:
+        result = await reload()
         return _json(result, 200 if result.ok else 400)
 
     @app.post("/admin/drain")
-    async def drain() -> Response:
-        gateway.draining = True
-        gateway.drain_event.set()
+    async def drain_route() -> Response:
+        drain()
         return _json({"draining": True})
 
     @app.get("/admin/engines")
@@ -87,7 +89,11 @@ def create_admin_app(gateway: Gateway) -> QuartTrio:
 
 
 async def serve_admin(
-    gateway: Gateway, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    gateway: Gateway,
+    reload: Callable[[], Awaitable[ReloadResult]],
+    drain: Callable[[], None],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     from smgd.ipc import prepare_ipc_endpoint
 
@@ -104,7 +110,7 @@ async def serve_admin(
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
     await serve(
-        create_admin_app(gateway),
+        create_admin_app(gateway, reload, drain),
         cfg,
         shutdown_trigger=trio.sleep_forever,
         task_status=task_status,

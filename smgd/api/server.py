@@ -28,7 +28,7 @@ from hypercorn.config import Sockets
 from smgd.api.http_worker import serve
 from smgd.errors import TransportError, errno_name
 from smgd.sdnotify import take_listen_fds
-from smgd.workers import worker_listen_fds
+from smgd.worker_id import worker_listen_fds
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
