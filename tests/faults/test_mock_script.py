@@ -82,3 +82,34 @@ async def test_scripted_tool_call_and_think_block_stream_token_by_token(tmp_path
         assert whole["usage"]["completion_tokens"] == len(pieces(TOOL_CALL)) + 1  # + EOS
         echoed = await stream(client, "m", "The quick brown fox", 4)
         assert echoed.text == "".join(pieces("The quick brown fox")[:4])
+
+
+async def test_tool_loop_history_and_media_parts_through_the_daemon(tmp_path: Path) -> None:
+    """A client's whole tool loop renders (the call's history, the result, text parts); an
+    image part is a 400 naming it, and the daemon serves on."""
+    # First: the tool's result is in the prompt (the first match wins, and "weather" is too).
+    tool_turn = "[[reply]]\nwhen = '<|im_start|>tool'\ntext = 'It is 21 C.'\n"
+    (tmp_path / "replies.toml").write_text(tool_turn + SCRIPT)
+    engine = mock_engine_toml("e0", "m") + 'script = "replies.toml"\n'
+    async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
+        function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        call = {"id": "call_1", "type": "function", "function": function}
+        messages: list[dict[str, Any]] = [
+            {"role": "developer", "content": "Use the tools."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        ]
+        tools = [{"type": "function", "function": {"name": "get_weather"}}]
+        body = {"model": "m", "messages": messages, "tools": tools}
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == "It is 21 C."
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        bad = {"model": "m", "messages": [{"role": "user", "content": [image]}]}
+        refused = await client.post("/v1/chat/completions", json=bad)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "messages[0].content[0].type"
+        assert "image_url" in error["message"] and "text-only" in error["message"]
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
