@@ -27,6 +27,7 @@ import msgspec
 from smgd.assets import BUILTIN_DIRS, BUILTIN_PREFIX, builtin_dir
 from smgd.errors import ConfigError
 from smgd.ipc import SUN_PATH_MAX
+from smgd.parse.registry import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -156,6 +157,21 @@ class MockConfig(_Section):
     step_ms: Millis = 20.0
     max_batch: PositiveCount = 256
     max_model_len: ContextLen = 4096
+    # A TOML file of scripted replies (MockScript); prompts no reply is for are echoed.
+    script: str | None = None
+
+
+class MockReply(_Section):
+    """One scripted reply of the mock engine."""
+
+    text: str  # what the engine writes, tokenized with the model's tokenizer, then EOS
+    when: str = ""  # for prompts whose text contains this ("" = every prompt)
+
+
+class MockScript(_Section):
+    """A ``[engines.mock] script`` file: the first reply whose ``when`` matches is written."""
+
+    reply: list[MockReply] = msgspec.field(default_factory=list)
 
 
 class TimeoutsConfig(_Section):
@@ -187,6 +203,11 @@ class EngineConfig(_Section):
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     max_model_len: ContextLen | None = None  # override what the engine / config.json says
     chat_template: str | None = None  # path to a template file, overrides the tokenizer's
+    # How this model writes tool calls and reasoning in its output (vLLM's parser names,
+    # smgd.parse's registry): its tool calls become `tool_calls`, its thinking
+    # `reasoning_content`.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     required: bool = True  # readiness waits for it
     # Admission: requests in flight on this engine before new ones queue; 0 = unlimited.
     max_inflight: Count = 0
@@ -213,9 +234,9 @@ _AT_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`")
 
 
-def _fields_of(path: str) -> list[str]:
+def _fields_of(path: str, root: type[msgspec.Struct]) -> list[str]:
     """Field names valid at a msgspec path like ``$.engines[0].launch``."""
-    struct: Any = Config
+    struct: Any = root
     for part in re.findall(r"\.(\w+)", path):
         fields = {f.name: f for f in msgspec.structs.fields(struct)}
         if part not in fields:
@@ -237,9 +258,9 @@ def _struct_in(typ: Any) -> type[msgspec.Struct] | None:
     return None
 
 
-def _type_at(path: str) -> msgspec.inspect.Type | None:
+def _type_at(path: str, root: type[msgspec.Struct]) -> msgspec.inspect.Type | None:
     """The schema's type at a msgspec path like ``$.engines[0].mock.step_ms`` (None: unknown)."""
-    node: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    node: msgspec.inspect.Type = msgspec.inspect.type_info(root)
     for part in re.findall(r"\.(\w+)|\[(?:\d+|\.\.\.)\]", path):
         node = _unwrap(node)
         if part == "":  # a list index, or msgspec's [...] for any key of a table
@@ -286,26 +307,26 @@ def _describe_range(node: msgspec.inspect.Type | None) -> str | None:
     return f"{kind} {low} and {high}"
 
 
-def _translate(err: msgspec.ValidationError) -> ConfigError:
+def _translate(err: msgspec.ValidationError, root: type[msgspec.Struct] = Config) -> ConfigError:
     match = _AT_PATH.match(str(err))
     assert match is not None
     msg, path = match["msg"], match["path"] or "$"
     hint = None
     if unknown := _UNKNOWN.match(msg):
         field = unknown["field"]
-        valid = _fields_of(path)
+        valid = _fields_of(path, root)
         close = difflib.get_close_matches(field, valid, n=1)
         path = f"{path}.{field}"
         msg = f"unknown key `{field}`"
         hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(valid)}"
     elif "Invalid enum value" in msg:
-        if choices := _choices(_type_at(path)):
+        if choices := _choices(_type_at(path, root)):
             hint = "one of " + ", ".join(choices)
     elif msg.startswith("Object missing required field"):
         field = msg.split("`")[1]
         path = f"{path}.{field}"
         msg = f"missing required key `{field}`"
-    elif (wanted := _describe_range(_type_at(path))) is not None:
+    elif (wanted := _describe_range(_type_at(path, root))) is not None:
         # msgspec says "Expected `float` >= 0.0" for a NaN as for -1: say the whole range.
         hint = f"{path.rsplit('.', 1)[-1]} is {wanted}"
     return ConfigError(msg, path=path, hint=hint)
@@ -447,6 +468,41 @@ def _check_workers(config: Config, served: dict[str, str]) -> None:
             )
 
 
+def load_mock_script(path: Path) -> MockScript:
+    """Read a mock engine script; :class:`ConfigError` says what is wrong where in the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read mock script {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"mock script {path} is not UTF-8 text") from None
+    try:
+        tree = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"mock script {path} is not valid TOML: {exc}") from None
+    try:
+        return msgspec.convert(tree, MockScript, strict=True)
+    except msgspec.ValidationError as exc:
+        inner = _translate(exc, MockScript)
+        where = inner.path.removeprefix("$.") if inner.path != "$" else "the top level"
+        raise ConfigError(
+            f"mock script {path}: {inner.message} at {where}", hint=inner.hint
+        ) from None
+
+
+def _check_parser(name: str | None, registry: Mapping[str, object], path: str) -> None:
+    if name is None or name in registry:
+        return
+    kind = path.rsplit(".", 1)[-1].replace("_", " ")
+    close = difflib.get_close_matches(name, list(registry), n=1)
+    valid = "valid: " + ", ".join(sorted(registry))
+    raise ConfigError(
+        f"unknown {kind} {name!r}",
+        path=path,
+        hint=f"did you mean `{close[0]}`? {valid}" if close else valid,
+    )
+
+
 def resolve_path(config: Config, value: str) -> Path:
     """``value`` as a path: ``builtin:<name>`` is a packaged directory (smgd.assets);
     ``~`` expands; a relative path resolves against the config file's directory."""
@@ -506,6 +562,13 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                     hint="point it at the model's directory (tokenizer.json, config.json), "
                     f"or name the packaged one: {BUILTIN_PREFIX}tiny-model",
                 )
+        if check_paths and engine.mock.script is not None:
+            try:
+                load_mock_script(resolve_path(config, engine.mock.script))
+            except ConfigError as exc:
+                raise ConfigError(exc.message, path=f"{at}.mock.script", hint=exc.hint) from None
+        _check_parser(engine.tool_parser, TOOL_PARSERS, f"{at}.tool_parser")
+        _check_parser(engine.reasoning_parser, REASONING_PARSERS, f"{at}.reasoning_parser")
         if (
             engine.launch is not None
             and engine.launch.kind == "command"

@@ -34,10 +34,13 @@ import msgspec
 import trio
 
 from smgd import ipc
+from smgd.config import resolve_path
 from smgd.errors import TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from smgd.config import Config, EngineConfig
 
 log = logging.getLogger("smgd.launch")
 
@@ -426,6 +429,17 @@ def mock_argv(wire: str, input_addr: str, output_addr: str, extra: Sequence[str]
         output_addr,
         *extra,
     ]
+
+
+def mock_script_args(engine: EngineConfig, config: Config) -> list[str]:
+    """A scripted mock's ``--script`` and the model whose tokenizer writes its replies."""
+    if engine.mock.script is None:
+        return []
+    args = ["--script", str(resolve_path(config, engine.mock.script))]
+    args += ["--model-dir", str(resolve_path(config, engine.model_dir))]
+    if engine.tokenizer_dir is not None:
+        args += ["--tokenizer-dir", str(resolve_path(config, engine.tokenizer_dir))]
+    return args
 
 
 def launcher_script(name: str) -> str:

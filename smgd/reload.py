@@ -7,8 +7,8 @@ reload does, engine by engine, matched by name:
 - **removed**: out of routing at once; its streams get ``server.drain_timeout_s`` to finish;
   then it is stopped;
 - **changed, only in** :data:`IN_PLACE` keys (admission limits, timeouts, served names,
-  ``required``, ``chat_template``): the running client takes the new values; nothing is
-  interrupted;
+  ``required``, ``chat_template``, the output parsers): the running client takes the new
+  values; nothing is interrupted;
 - **changed in any other key** (:func:`replace_keys`): **replaced**. It takes no new request
   (readiness shows it ``draining``; its models get 503 with Retry-After unless another engine
   serves them), its streams get ``server.drain_timeout_s``, then it is stopped fully (launched
@@ -60,6 +60,8 @@ IN_PLACE = frozenset(
         "models",
         "required",
         "chat_template",
+        "tool_parser",
+        "reasoning_parser",
         "max_inflight",
         "max_queue",
         "queue_timeout_s",

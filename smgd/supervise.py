@@ -41,7 +41,7 @@ from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient, tokenspeed_argv
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
 from smgd.errors import ConfigError, SmgdError, TransportError
-from smgd.launch import launcher_script, mock_argv
+from smgd.launch import launcher_script, mock_argv, mock_script_args
 from smgd.reload import Plan, ReloadResult, changed_keys, plan, replace_keys
 from smgd.sdnotify import notify
 from smgd.wire.common import EngineInfo
@@ -120,6 +120,7 @@ def build_engine_client(
             ",".join(map(str, text.tokenizer.eos_token_ids)),
             "--skip-ids",
             ",".join(map(str, sorted(text.tokenizer.special_ids))),
+            *mock_script_args(engine, config),
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)

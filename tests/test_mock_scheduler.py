@@ -1,8 +1,10 @@
-"""The sans-IO mock scheduler: batching, limits, stops, aborts."""
+"""The sans-IO mock scheduler: batching, limits, stops, aborts, scripted replies."""
 
 from __future__ import annotations
 
+from smgd.config import MockReply, MockScript
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler
+from smgd.mock.script import Script
 
 
 def run_to_end(sched: MockScheduler, limit: int = 10_000) -> dict[str, list[int]]:
@@ -66,3 +68,68 @@ def test_completion_tokens_cumulative() -> None:
     sched.add(MockRequest(rid="a", prompt_ids=[5], max_tokens=3))
     counts = [o.completion_tokens for _ in range(3) for o in sched.step()]
     assert counts == [1, 2, 3]
+
+
+# ----------------------------------------------------------------- scripted replies
+
+
+# A toy tokenizer: each character is a token (its code point), so replies read as text.
+def _encode(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _decode(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def _script(*replies: tuple[str, str]) -> Script:
+    parsed = MockScript(reply=[MockReply(when=when, text=text) for when, text in replies])
+    return Script.build(parsed, encode=_encode, decode=_decode)
+
+
+EOS = 3
+
+
+def _scripted(*replies: tuple[str, str]) -> MockScheduler:
+    return MockScheduler(max_batch=8, eos_ids=[EOS, 4], skip_ids=[1], script=_script(*replies))
+
+
+def test_script_writes_the_first_matching_reply_then_eos() -> None:
+    sched = _scripted(("weather", "<tool_call>{}</tool_call>"), ("", "default"))
+    sched.add(MockRequest(rid="a", prompt_ids=_encode("the weather?"), max_tokens=100))
+    sched.add(MockRequest(rid="b", prompt_ids=_encode("hello"), max_tokens=100))
+    outs = [o for _ in range(40) for o in sched.step()]
+    ids = {rid: [t for o in outs if o.rid == rid for t in o.new_ids] for rid in "ab"}
+    assert ids["a"] == [*_encode("<tool_call>{}</tool_call>"), EOS]
+    assert ids["b"] == [*_encode("default"), EOS]
+    last = {o.rid: o for o in outs if o.finish is not None}
+    assert last["a"].finish is MockFinish.STOP and last["a"].matched == EOS
+    assert last["a"].completion_tokens == len("<tool_call>{}</tool_call>") + 1
+
+
+def test_prompts_no_reply_is_for_are_echoed() -> None:
+    sched = _scripted(("weather", "sunny"))
+    sched.add(MockRequest(rid="a", prompt_ids=[1, 10, 11, 12], max_tokens=7))
+    assert run_to_end(sched)["a"] == [10, 11, 12, 10, 11, 12, 10]
+
+
+def test_reply_is_cut_by_max_tokens_and_repeats_with_ignore_eos() -> None:
+    sched = _scripted(("", "<think>x"))
+    sched.add(MockRequest(rid="cut", prompt_ids=[9], max_tokens=3))
+    sched.add(MockRequest(rid="again", prompt_ids=[9], max_tokens=18, ignore_eos=True))
+    out = run_to_end(sched)
+    assert out["cut"] == _encode("<th")
+    assert out["again"] == [*_encode("<think>x"), EOS, *_encode("<think>x"), EOS]
+
+
+def test_reply_matches_special_token_text_in_the_prompt() -> None:
+    # The prompt is decoded with its special tokens, so a reply can key on template markup.
+    sched = _scripted(("<tool_response>", "done"), ("", "call"))
+    sched.add(MockRequest(rid="a", prompt_ids=_encode("<tool_response>21"), max_tokens=10))
+    assert run_to_end(sched)["a"] == [*_encode("done"), EOS]
+
+
+def test_empty_script_is_the_echo() -> None:
+    sched = _scripted()
+    sched.add(MockRequest(rid="a", prompt_ids=[10, 11], max_tokens=3))
+    assert run_to_end(sched)["a"] == [10, 11, 10]

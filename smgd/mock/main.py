@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -13,6 +14,7 @@ import trio
 from smgd.launchers.lifeline import PARENT_ENV
 from smgd.mock.engine import EngineExit, MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
+from smgd.mock.script import Script
 
 if TYPE_CHECKING:
     import argparse
@@ -46,6 +48,13 @@ def add_mock_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fault-after-steps", type=int, default=0)
     parser.add_argument(
+        "--script",
+        default=None,
+        help="TOML file of scripted replies ([engines.mock] script); needs --model-dir",
+    )
+    parser.add_argument("--model-dir", default=None, help="the model whose tokenizer a script uses")
+    parser.add_argument("--tokenizer-dir", default=None, help="its tokenizer, if elsewhere")
+    parser.add_argument(
         "--remote",
         action="store_true",
         help="vllm: announce a remote engine core (for vLLM's own front end with "
@@ -77,10 +86,36 @@ def build_wire(args: argparse.Namespace) -> MockWire:
     )
 
 
+def load_script(args: argparse.Namespace) -> Script | None:
+    """The ``--script`` replies, tokenized with the model's tokenizer (None: no script)."""
+    if args.script is None:
+        return None
+    if args.model_dir is None:
+        raise SystemExit("mock-engine: --script needs --model-dir (its tokenizer writes the text)")
+    # Only a scripted mock loads a tokenizer: the plain echo starts without one.
+    from smgd.config import load_mock_script
+    from smgd.errors import ConfigError
+    from smgd.text.tokenizer import load_tokenizer
+
+    try:
+        script = load_mock_script(Path(args.script))
+        tokenizer = load_tokenizer(args.model_dir, args.tokenizer_dir)
+    except ConfigError as exc:
+        raise SystemExit(f"mock-engine: {exc.one_line()}") from None
+    return Script.build(
+        script,
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+    )
+
+
 def mock_engine_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sched = MockScheduler(
-        max_batch=args.max_batch, eos_ids=args.eos_token_ids, skip_ids=args.skip_ids
+        max_batch=args.max_batch,
+        eos_ids=args.eos_token_ids,
+        skip_ids=args.skip_ids,
+        script=load_script(args),
     )
     engine = MockEngine(
         build_wire(args),

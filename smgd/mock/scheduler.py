@@ -7,6 +7,8 @@ queued ones (``aborted_queued``, which SGLang answers with an ``AbortReq`` echo)
 
 Output tokens echo the prompt cyclically (skipping ``skip_ids``, e.g. special tokens), so a
 test can compute every stream's exact expected output and the demo streams readable text.
+With a :class:`~smgd.mock.script.Script`, a prompt it has a reply for gets that reply's tokens
+then the first EOS id instead (cyclically too, so ``ignore_eos`` writes the reply again).
 A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens, equally
 predictable.
 """
@@ -22,6 +24,8 @@ from smgd.wire.common import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+
+    from smgd.mock.script import Script
 
 
 class MockFinish(enum.Enum):
@@ -81,9 +85,14 @@ class MockScheduler:
         # Non-stream requests still report every 50 tokens, as SGLang does
         # (SGLANG_FORCE_STREAM_INTERVAL), so partial frames get exercised.
         nonstream_interval: int = 50,
+        script: Script | None = None,
     ) -> None:
         self.max_batch = max_batch
+        eos_ids = list(eos_ids)
         self.eos_ids = frozenset(eos_ids)
+        # What a scripted reply ends with: the model's (first) EOS, as a model stops.
+        self._reply_end = eos_ids[:1]
+        self.script = script
         self.skip_ids = frozenset(skip_ids) | self.eos_ids
         self.nonstream_interval = nonstream_interval
         self.waiting: deque[MockRequest] = deque()
@@ -98,8 +107,13 @@ class MockScheduler:
         return not self.waiting and not self.running and not self.aborted_queued
 
     def add(self, req: MockRequest) -> None:
-        source = [t for t in req.prompt_ids if t not in self.skip_ids]
-        req.source = source or [t for t in req.prompt_ids if t not in self.eos_ids] or [4]
+        reply = self.script.pick(req.prompt_ids) if self.script is not None else None
+        # (An empty reply of a model without EOS would be no tokens at all: it echoes.)
+        if reply is not None and (reply or self._reply_end):
+            req.source = reply + self._reply_end
+        else:
+            source = [t for t in req.prompt_ids if t not in self.skip_ids]
+            req.source = source or [t for t in req.prompt_ids if t not in self.eos_ids] or [4]
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
