@@ -124,6 +124,30 @@ class ChunkFormat:
             )
         )
 
+    def delta_chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        finish_reason: str | None = None,
+        logprobs: bytes = b"null",
+    ) -> bytes:
+        """A chat event with any ``delta`` (reasoning, tool calls): not the per-token path."""
+        finish = b"null" if finish_reason is None else b'"' + finish_reason.encode() + b'"'
+        return b"".join(
+            (
+                self._head,
+                self._index_bytes(index),
+                b',"delta":',
+                _encoder.encode(delta),
+                b',"logprobs":',
+                logprobs,
+                b',"finish_reason":',
+                finish,
+                self._end,
+            )
+        )
+
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The ``include_usage`` chunk: no choices, the whole request's usage."""
         head = self._head[: -len(b'{"index":')]  # ends with `"choices":[`

@@ -31,13 +31,16 @@ from smgd.api.core.prepare import (
     resolve_model,
 )
 from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
+from smgd.api.core.tools import ParseSpec, delta_fields, read_tool_choice
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.sampling import from_openai
+from smgd.text.chat import prepare_tools
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
     from smgd.api.core.pipeline import Choice
     from smgd.api.core.prepare import Call, SamplingFor
+    from smgd.api.core.tools import ChoiceParser
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OpenAIRenderer",
+    "ParsedRenderer",
     "TokenText",
     "chat_logprobs",
     "chat_reply",
@@ -205,11 +209,7 @@ class OpenAIRenderer:
         if not text and not choice.done and not (first and self.fmt.chat):
             return b""
         choice.sent_role = True
-        logprobs = b"null"
-        if self.tokens is not None and choice.logprobs is not None:
-            entries, offsets, texts = choice.logprobs.unsent()
-            if entries:
-                logprobs = encode_json(self._logprobs(entries, offsets, texts))
+        logprobs = self._unsent_logprobs(choice)
         return self.fmt.chunk(
             choice.index,
             text,
@@ -217,6 +217,13 @@ class OpenAIRenderer:
             finish_reason=choice.finish_reason,
             logprobs=logprobs,
         )
+
+    def _unsent_logprobs(self, choice: Choice) -> bytes:
+        if self.tokens is not None and choice.logprobs is not None:
+            entries, offsets, texts = choice.logprobs.unsent()
+            if entries:
+                return encode_json(self._logprobs(entries, offsets, texts))
+        return b"null"
 
     def _logprobs(
         self, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
@@ -233,6 +240,49 @@ class OpenAIRenderer:
 
     def error(self, err: SmgdError) -> bytes:
         return stream_error(err)
+
+
+class ParsedRenderer(OpenAIRenderer):
+    """Chat chunks of a request whose choices have parsers (tools, reasoning).
+
+    Each text piece goes through its choice's parser; the events it makes certain go out as
+    one chunk (``reasoning_content``, ``content``, ``tool_calls`` in OpenAI's delta shape), and
+    a choice's last chunk carries the parser's finish reason. Choices without a parser (their
+    engine has none) stream as :class:`OpenAIRenderer` streams them.
+    """
+
+    def __init__(
+        self,
+        fmt: ChunkFormat,
+        state: RequestState,
+        parsers: dict[int, ChoiceParser],
+        *,
+        include_usage: bool,
+        tokens: TokenText | None = None,
+    ) -> None:
+        super().__init__(fmt, state, include_usage=include_usage, tokens=tokens)
+        self.parsers = parsers
+
+    def delta(self, choice: Choice, text: str) -> bytes:
+        parser = self.parsers.get(choice.index)
+        if parser is None:
+            return super().delta(choice, text)
+        events = parser.feed(text)
+        if choice.done:
+            events += parser.finish()
+            events += parser.forced_calls()
+        fields = delta_fields(events)
+        out = b""
+        if not choice.sent_role:
+            fields = {"role": "assistant", "content": "", **fields}
+        logprobs = self._unsent_logprobs(choice)
+        if fields or logprobs != b"null":
+            choice.sent_role = True
+            out = self.fmt.delta_chunk(choice.index, fields, logprobs=logprobs)
+        if choice.done:
+            reason = parser.finish_reason(choice.finish_reason)
+            out += self.fmt.delta_chunk(choice.index, {}, finish_reason=reason)
+        return out
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -271,6 +321,7 @@ async def _respond(
     include_usage: bool,
     echo: dict[int, str] | None,
     tokenizer: Tokenizer,
+    parsers: dict[int, ChoiceParser] | None = None,
 ) -> Reply:
     prefix = "chatcmpl-" if chat else "cmpl-"
     wants_logprobs = jobs[0].request.sampling.logprobs is not None
@@ -284,7 +335,13 @@ async def _respond(
             chat=chat,
             include_usage=include_usage,
         )
-        render = OpenAIRenderer(fmt, state, include_usage=include_usage, echo=echo, tokens=tokens)
+        render: OpenAIRenderer
+        if parsers:
+            render = ParsedRenderer(fmt, state, parsers, include_usage=include_usage, tokens=tokens)
+        else:
+            render = OpenAIRenderer(
+                fmt, state, include_usage=include_usage, echo=echo, tokens=tokens
+            )
         body = stream(
             jobs,
             state,
@@ -304,7 +361,15 @@ async def _respond(
         if echo is not None:
             text = echo[choice.index] + text
         entry: dict[str, Any] = {"index": choice.index}
-        if chat:
+        finish_reason = choice.finish_reason
+        parser = parsers.get(choice.index) if parsers else None
+        if parser is not None:
+            parser.feed(text)
+            parser.finish()
+            parser.forced_calls()
+            entry["message"] = parser.message()
+            finish_reason = parser.finish_reason(finish_reason)
+        elif chat:
             entry["message"] = {"role": "assistant", "content": text}
         else:
             entry["text"] = text
@@ -316,7 +381,7 @@ async def _respond(
                 if chat
                 else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
-        entry["finish_reason"] = choice.finish_reason
+        entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
     payload = {
@@ -380,6 +445,7 @@ async def chat_reply(call: Call) -> Reply:
         )
     if "messages" not in body:
         raise InvalidRequest("`messages` is required", param="messages")
+    tools = read_tool_choice(body, prepare_tools(body.get("tools")))
     prompt = text.tokenizer.render_chat(
         body["messages"],
         add_generation_prompt=_flag(body, "add_generation_prompt", True),
@@ -402,9 +468,16 @@ async def chat_reply(call: Call) -> Reply:
     )  # fmt: skip
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
+    spec = ParseSpec(tools, thinking=kwargs.get("enable_thinking") is not False)
+    parsers: dict[int, ChoiceParser] = {}
+    for job in jobs:
+        config = job.engine.config
+        parser = spec.for_engine(config.tool_parser, config.reasoning_parser)
+        if parser is not None:
+            parsers[job.choice.index] = parser
     return await _respond(
         call, jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None,
-        tokenizer=text.tokenizer,
+        tokenizer=text.tokenizer, parsers=parsers,
     )  # fmt: skip
 
 
