@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from smgd.config import EngineConfig, WireFamily, engine_ipc_dir
@@ -11,6 +12,27 @@ from smgd.launch import launcher_script, mock_argv
 if TYPE_CHECKING:
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway
+
+
+def grammar_args(engine: EngineConfig) -> list[str]:
+    """The engine flags for ``[engines.structured_output]`` of a launched engine ([] = the
+    engine's defaults). config.validate refuses the same flags in ``launch.args`` as well."""
+    so = engine.structured_output
+    kind = engine.launch.kind if engine.launch is not None else None
+    named = [] if so.backend == "auto" else ["--grammar-backend", so.backend]
+    if kind == "sglang":
+        return named + ["--constrained-json-disable-any-whitespace"] * so.disable_any_whitespace
+    if kind == "tokenspeed":
+        return named + ["--disable-any-whitespace"] * so.disable_any_whitespace
+    if kind == "vllm" and so.backend != "none":
+        settings: dict[str, object] = {}
+        if so.backend != "auto" or so.disable_any_whitespace:
+            # vLLM's "auto" refuses disable_any_whitespace: name xgrammar, which auto picks
+            settings["backend"] = "xgrammar" if so.backend == "auto" else so.backend
+        if so.disable_any_whitespace:
+            settings["disable_any_whitespace"] = True
+        return ["--structured-outputs-config", json.dumps(settings)] if settings else []
+    return []  # vLLM has no "none" (smgd refuses constraints itself); the mock, a command
 
 
 def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
@@ -57,6 +79,7 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
                 f"ipc://{output_path}",
                 "--model-path",
                 model_dir,
+                *grammar_args(engine),
                 *launch.args,
             ]
         elif launch.kind == "tokenspeed":
@@ -65,7 +88,7 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
             argv = tokenspeed_argv(
                 python=launch.python or "python3",
                 model=str(gateway.text(engine.models[0]).model_dir),
-                args=list(launch.args),
+                args=[*grammar_args(engine), *launch.args],
             )
         elif launch.kind == "vllm":
             from smgd.engines.vllm import vllm_argv
@@ -74,7 +97,7 @@ def build_engine_client(engine: EngineConfig, gateway: Gateway) -> EngineClient:
                 python=launch.python or "python3",
                 launcher=launcher_script("vllm_engine.py"),
                 model=str(gateway.text(engine.models[0]).model_dir),
-                args=list(launch.args),
+                args=[*grammar_args(engine), *launch.args],
             )
     if wire == "vllm":
         from smgd.engines.vllm import VllmEngineClient
