@@ -1,4 +1,4 @@
-"""Structured output on the REAL engines, through the whole daemon (``smgd serve``, HTTP).
+r"""Structured output on the REAL engines, through the whole daemon (``smgd serve``, HTTP).
 
 Needs both engine venvs and tiny models (``.ci/sglang-env.sh``, ``.ci/vllm-env.sh``)::
 
@@ -16,7 +16,7 @@ allows free whitespace, or an unbounded string, lets it run to ``max_tokens``.
 
 Where the engines are wrong: xgrammar (0.2.7 in SGLang, 0.2.8 in vLLM) compiles a string with
 ``maxLength`` to ``[^"\\\r\n]{0,N}``: raw control characters pass (and escapes do not), so the
-random model writes invalid JSON like ``{"city": "45\x07 over", "n": 7}`` (seen on SGLang, 14
+random model writes invalid JSON like ``{"city": "45\x07 over", "n": 7}`` (seen on SGLang, 17
 of 38 seeds). :func:`test_max_length_strings_let_control_characters_through` pins that; the
 schemas here bound strings with ``pattern`` instead.
 
