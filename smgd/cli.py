@@ -21,6 +21,7 @@ import msgspec
 from smgd import __version__, assets
 from smgd.config import Config, check_secrets, load_config, scalar_flags
 from smgd.errors import ConfigError, SmgdError
+from smgd.logs import announce, setup_logging
 
 DEFAULT_CONFIG = "smgd.toml"
 EXIT_CONFIG = 2  # a bad config file / flag: exit 2, like argparse's usage errors
@@ -89,8 +90,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from smgd.daemon import serve_main
-    from smgd.logs import announce, setup_logging
+    from smgd.daemon import serve_main  # the whole daemon: only `serve` pays for importing it
 
     path, builtin = _config_path(args)
     overrides = _overrides(args)

@@ -95,9 +95,10 @@ class ServerConfig(_Section):
     # Largest accepted request body. 8 MiB fits a 1M-character prompt with room to spare.
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BODY_BYTES)] = 8 * 1024 * 1024
     # Upper bound of the adaptive coalescing window: when the event loop lags, a stream waits up
-    # to this long between SSE events so each carries several tokens (an event costs ~150-200 µs
-    # of CPU whatever it carries). 0 = one event per engine step always. 150 ms keeps a loaded
-    # stream fluid (~7 tokens per event at 20 ms steps) while cutting per-token CPU several-fold.
+    # to this long between SSE events so each carries several tokens (an event costs ~60-80 µs
+    # of CPU whatever it carries: docs/design.md). 0 = one event per engine step always.
+    # 150 ms keeps a loaded stream fluid (~7 tokens per event at 20 ms steps) while cutting
+    # per-token CPU several-fold.
     coalesce_max_ms: Millis = 150.0
     # Bearer keys for the inference endpoints; empty = no auth. Read from this env var
     # (comma-separated) and/or this file (one key per line), never from smgd.toml itself.
@@ -607,7 +608,8 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
 
 # The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,
 # and hs.sock for a vLLM handshake) unless [engines.addresses] names them, and admin.sock in
-# run_dir (smgd.api.admin, admin.port 0). The longest name decides whether a directory fits.
+# run_dir (smgd.api.http.server, admin.port 0). The longest name decides whether a
+# directory fits.
 ENGINE_SOCKET = "out.sock"
 ADMIN_SOCKET = "admin.sock"
 

@@ -1,26 +1,36 @@
-"""The state the HTTP layer sees: router, per-model text pipelines, drain flag, counters.
+"""The daemon's shared state: the running config, the router, text pipelines, drain, counters.
 
-One :class:`Gateway` per daemon. The API handlers get it from the app; the daemon fills it.
+One :class:`Gateway` per daemon (per worker, with ``server.workers``). Everyone reads it; each
+field has one writer, named next to it, and nobody else assigns it:
+
+- :mod:`smgd.supervise` (engine supervision, reload): the config, the text pipelines, the
+  router's engines and routing, the restart and reload counters;
+- :mod:`smgd.daemon`: the start time and the drain flag (the signal task and the admin
+  listener's drain action, which the daemon hands to it);
+- the HTTP layer (:mod:`smgd.api`): ``http_done`` and the reload hooks it registers.
+
+Others act through the functions their owner hands them (the admin listener gets the
+daemon's reload and drain), never by writing a field. ``tests/test_layers.py`` checks that no
+module assigns a field it does not own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from smgd.config import Config, EngineConfig, resolve_path
+from smgd.config import Config, resolve_path
 from smgd.errors import ConfigError, ModelNotFound
 from smgd.router import Router
-from smgd.wire.common import EngineInfo
+from smgd.text.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
     from pathlib import Path
-
-    from smgd.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -46,32 +56,33 @@ class ModelText:
         return None
 
 
-@dataclass
+@dataclass(eq=False)
 class Gateway:
+    """Read-mostly state; each field is written only by the owner its section names."""
+
+    # ---- written by smgd.supervise (apply_config on a reload; the router as engines come
+    # and go; counters as engines relaunch and reloads end)
     config: Config
-    router: Router
+    router: Router  # engines: put/remove by the supervisors; routing: apply_config
     texts: dict[str, ModelText] = field(default_factory=dict)  # by served model name
-    draining: bool = False
-    drain_event: trio.Event = field(default_factory=trio.Event)
-    http_done: trio.Event = field(default_factory=trio.Event)  # the HTTP server has returned
-    started_at: float = 0.0
-    # How the daemon was started, so a reload re-reads the same file with the same overrides.
-    config_path: str | None = None
-    overrides: list[str] = field(default_factory=list)
+    engine_restarts: dict[str, int] = field(default_factory=dict)  # by engine name
     reloads_total: int = 0
     reload_failures_total: int = 0
-    engine_restarts: dict[str, int] = field(default_factory=dict)  # by engine name
+    # ---- written by smgd.daemon
+    started_at: float = 0.0  # trio.current_time() at start (construction only)
+    # Set together, once, when the drain starts (SIGTERM, SIGINT, POST /admin/drain).
+    draining: bool = False
+    drain_event: trio.Event = field(default_factory=trio.Event)
+    # ---- written by the HTTP layer (smgd.api)
+    http_done: trio.Event = field(default_factory=trio.Event)  # the HTTP server has returned
     # Parts that read settings at start-up register here to follow a reload: each hook gets
     # the new config, validates what it needs (raising ConfigError rejects the whole reload)
     # and returns the function that applies it.
     reload_hooks: list[Callable[[Config], Callable[[], None]]] = field(default_factory=list)
-    # Set by the daemon: re-read and apply smgd.toml (returns a ReloadResult).
-    reload: Callable[[], Awaitable[Any]] | None = None
-    admin_binds: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config: Config) -> Gateway:
-        gateway = cls(config=config, router=Router(config.routing))
+    def from_config(cls, config: Config, *, started_at: float = 0.0) -> Gateway:
+        gateway = cls(config=config, router=Router(config.routing), started_at=started_at)
         gateway.texts = gateway.stage_texts(config)
         return gateway
 
@@ -80,9 +91,8 @@ class Gateway:
         return [hook(config) for hook in self.reload_hooks]
 
     def apply_config(self, config: Config, texts: dict[str, ModelText]) -> None:
-        """Switch to a validated new config (reload): text pipelines, routing, log level."""
-        import logging
-
+        """Switch to a validated new config (smgd.supervise, on a reload): text pipelines,
+        routing, log level."""
         self.config = config
         self.texts = texts
         self.router.routing = config.routing
@@ -90,8 +100,6 @@ class Gateway:
 
     def stage_texts(self, config: Config) -> dict[str, ModelText]:
         """Load every engine's tokenizer for ``config`` (reusing loaded ones); raise ConfigError."""
-        from smgd.text.tokenizer import load_tokenizer
-
         texts: dict[str, ModelText] = {}
         cache: dict[tuple[str, str | None, str | None], ModelText] = {}
         for text in self.texts.values():
@@ -126,20 +134,6 @@ class Gateway:
             raise ModelNotFound(
                 f"The model `{model}` does not exist.", param="model", code="model_not_found"
             ) from None
-
-    def fallback_info(self, engine: EngineConfig) -> EngineInfo:
-        """Context length and vocab when the engine does not report them (never 0)."""
-        text = self.text(engine.models[0])
-        max_len = engine.max_model_len or text.max_model_len
-        if engine.wire.value == "mock":
-            max_len = engine.max_model_len or engine.mock.max_model_len
-        if not max_len:
-            raise ConfigError(
-                "no context length: the model's config.json has no max_position_embeddings",
-                path=f"$.engines[{self.config.engines.index(engine)}].max_model_len",
-                hint="set max_model_len for this engine",
-            )
-        return EngineInfo(max_model_len=max_len, vocab_size=text.vocab_size)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

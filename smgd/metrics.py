@@ -4,10 +4,10 @@ Two sources feed one private :class:`~prometheus_client.CollectorRegistry` per a
 several daemons in one process, so nothing touches the global registry):
 
 - :class:`RequestMetrics` is plain counters and pre-bucketed histograms, updated by
-  :meth:`RequestMetrics.record` once when a request ends (from the request's
-  :class:`~smgd.api.pipeline.RequestState`), and by :meth:`RequestMetrics.refused` /
-  :meth:`RequestMetrics.http` once per HTTP response. No per-token work, no locks: every
-  update and every scrape runs on the trio thread.
+  :meth:`RequestMetrics.record` once when a request ends (from the request's state, read
+  through the :class:`FinishedRequest` protocol that the api's ``RequestState`` meets), and
+  by :meth:`RequestMetrics.refused` / :meth:`RequestMetrics.http` once per HTTP response.
+  No per-token work, no locks: every update and every scrape runs on the trio thread.
 - :class:`GatewayCollector` reads ``gateway.router.engines()`` statistics and the gateway's
   reload/restart counters *at scrape time*, so engine gauges cost nothing on the hot path.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
@@ -43,15 +43,15 @@ from smgd.errors import (
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator, Sequence
 
-    from smgd.api.pipeline import RequestState
     from smgd.gateway import Gateway
 
 __all__ = [
     "E2E_BUCKETS",
     "ITL_BUCKETS",
-    "REGISTRY_KEY",
     "TTFT_BUCKETS",
     "Buckets",
+    "FinishedChoice",
+    "FinishedRequest",
     "GatewayCollector",
     "RequestMetrics",
     "abort_reason",
@@ -72,11 +72,48 @@ ITL_BUCKETS = (
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
 )  # fmt: skip
 
-# app.extensions key of the app's private CollectorRegistry (served at GET /metrics).
-REGISTRY_KEY = "smgd.metrics"
-
 # Request outcomes (the `status` label of smgd_requests_total).
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
+
+
+class FinishedChoice(Protocol):
+    """What :meth:`RequestMetrics.record` reads of one engine request (smgd.api.core.pipeline's
+    ``Choice``); a protocol, so the metrics do not import the api above them."""
+
+    @property
+    def done(self) -> bool: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def counts_prompt(self) -> bool: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def stopped_here(self) -> bool: ...
+
+
+class FinishedRequest(Protocol):
+    """What :meth:`RequestMetrics.record` reads of a request (smgd.api.core.pipeline's
+    ``RequestState``)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def choices(self) -> Sequence[FinishedChoice]: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def failure(self) -> SmgdError | None: ...
+    @property
+    def t_start(self) -> float: ...
+    @property
+    def t_first(self) -> float | None: ...
+    @property
+    def gaps(self) -> Sequence[float]: ...
 
 
 @dataclass
@@ -161,7 +198,7 @@ class RequestMetrics:
         """A request answered with an error status before any engine output."""
         self.abort(abort_reason(err, draining=draining))
 
-    def record(self, state: RequestState, now: float, *, draining: bool = False) -> None:
+    def record(self, state: FinishedRequest, now: float, *, draining: bool = False) -> None:
         """Fold one finished (or abandoned) request in; ``now`` is its end time."""
         model = state.model
         for choice in state.choices:

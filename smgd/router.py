@@ -31,7 +31,7 @@ class Router:
         self._engines: dict[str, EngineClient] = {}
         self._counter = itertools.count()
 
-    # ---- membership (the daemon adds/removes engines as they start, die, reload)
+    # ---- membership (smgd.supervise puts and removes engines as they start, die, reload)
     def put(self, engine: EngineClient) -> None:
         self._engines[engine.name] = engine
 

@@ -1,10 +1,12 @@
-"""systemd integration in plain stdlib: notifications and socket activation.
+"""systemd integration: notifications, the watchdog ping, socket activation.
 
 Notifications (READY=1, STOPPING=1, RELOADING=1, WATCHDOG=1) are non-blocking: a full socket
 drops the message, so calling :func:`notify` from the trio loop can never stall it. Without
 ``NOTIFY_SOCKET`` it does nothing. A ``NOTIFY_SOCKET`` that cannot be used (a path over the
 108-byte unix socket address limit, nobody listening, no permission) never raises: it is
-logged as an error once, and notifications are dropped.
+logged as an error once, and notifications are dropped. :func:`watchdog` is the task that
+pings ``WATCHDOG=1`` when the unit asked for a watchdog (the daemon and the workers'
+supervisor each run it; a worker never does, it does not see the variables).
 
 Socket activation (``sd_listen_fds``): systemd passes listening sockets as fds 3, 4, ... and
 says so with ``LISTEN_PID`` (the pid they are meant for) and ``LISTEN_FDS`` (how many).
@@ -19,6 +21,8 @@ import os
 import socket
 import time
 from typing import TYPE_CHECKING
+
+import trio
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -79,6 +83,19 @@ def watchdog_interval() -> float | None:
     if not usec or (pid and int(pid) != os.getpid()):
         return None
     return int(usec) / 2_000_000
+
+
+async def watchdog(interval: float | None = None) -> None:
+    """Send WATCHDOG=1 now and every ``interval`` seconds (by default
+    :func:`watchdog_interval`); return at once if no watchdog is asked for (or WATCHDOG_USEC
+    is 0, which would make this a busy loop)."""
+    if interval is None:
+        interval = watchdog_interval()
+    if not interval:
+        return
+    while True:
+        notify("WATCHDOG=1")
+        await trio.sleep(interval)
 
 
 def listen_fds(environ: Mapping[str, str], pid: int) -> list[int]:

@@ -89,7 +89,7 @@ def target_from_config(
     if admin.port > 0:
         host = f"[{admin.host}]" if ":" in admin.host else admin.host
         return Target(f"http://{host}:{admin.port}", token=token or None, public_url=public_url)
-    sock = str(run_dir(config) / "admin.sock")  # the path smgd.api.admin binds
+    sock = str(run_dir(config) / "admin.sock")  # the path smgd.api.http.server binds
     return Target("http://smgd", uds=sock, token=token or None, public_url=public_url)
 
 

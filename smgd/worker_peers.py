@@ -34,13 +34,14 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from smgd.worker_id import current_worker
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
 __all__ = [
     "METRICS_DIR_ENV",
     "METRICS_FD_ENV",
-    "PEERS_KEY",
     "WorkerPeers",
     "ask_all",
     "bind_sockets",
@@ -65,7 +66,6 @@ MAX_EXPOSITION_BYTES = 16 * 1024 * 1024
 WORKER_LABEL = "worker"
 # A request line is one short word; anything longer is not a peer of ours.
 MAX_REQUEST_LINE = 64
-PEERS_KEY = "smgd.worker_peers"  # app.extensions: this worker's WorkerPeers
 
 
 def socket_path(directory: str, index: int) -> str:
@@ -260,8 +260,6 @@ class WorkerPeers:
 
 def worker_peers(environ: Mapping[str, str]) -> WorkerPeers | None:
     """This worker's place among metrics peers; None outside worker mode."""
-    from smgd.workers import current_worker
-
     worker = current_worker(environ)
     directory = environ.get(METRICS_DIR_ENV)
     fd = environ.get(METRICS_FD_ENV)

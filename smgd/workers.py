@@ -25,8 +25,10 @@ small supervisor and N ordinary smgd daemons do the work:
   (not when engines are ready; ``/readiness`` tells that per worker), WATCHDOG=1 from its own
   loop, STOPPING=1 on a stop.
 
-Only worker 0 binds the admin listener. ``/metrics`` and ``/readiness`` on the public port
-describe the worker that accepted the connection.
+Only worker 0 binds the admin listener. ``/metrics``, ``/readiness`` and ``/get_load`` on the
+public port cover every worker, whichever accepted the connection (:mod:`smgd.worker_peers`).
+A worker reads its place (``k/N``) and its listening fds from the environment the supervisor
+gives it, through the leaf :mod:`smgd.worker_id`.
 """
 
 from __future__ import annotations
@@ -41,72 +43,30 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
 import trio
 
 from smgd.errors import TransportError
+from smgd.sdnotify import notify, take_listen_fds, watchdog
+from smgd.worker_id import WORKER_ENV, WORKER_FDS_ENV
 from smgd.worker_peers import METRICS_DIR_ENV, METRICS_FD_ENV, bind_sockets
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from smgd.config import Config
 
-__all__ = [
-    "WORKER_ENV",
-    "WORKER_FDS_ENV",
-    "Worker",
-    "current_worker",
-    "for_worker",
-    "serve_workers",
-]
+__all__ = ["reload_others", "reuseport_sockets", "serve_workers", "watch_supervisor"]
 
 log = logging.getLogger("smgd.workers")
 
-WORKER_ENV = "SMGD_WORKER"  # "k/N" in a worker's environment
-WORKER_FDS_ENV = "SMGD_WORKER_FDS"  # its listening fds, comma-separated
 # A worker that dies is restarted after this delay, doubling up to the cap: a crash loop costs
 # little while a one-off failure recovers in a second. Reset once a worker stayed up a minute.
 RESTART_INITIAL_S = 1.0
 RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0
-# Same as the single-process listener (smgd.api.server): bursts of connects from many clients.
+# Same as the single-process listener (smgd.api.http.server): bursts of connects from many clients.
 LISTEN_BACKLOG = 4096
 # Environment a worker must not see: systemd's notification, watchdog and activation variables
 # are the supervisor's (a worker answering them would confuse systemd).
 _SUPERVISOR_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS")
-
-
-@dataclass(frozen=True, slots=True)
-class Worker:
-    index: int
-    count: int
-
-
-def current_worker(environ: Mapping[str, str] | None = None) -> Worker | None:
-    """This process's place among the workers, or None outside worker mode."""
-    raw = (os.environ if environ is None else environ).get(WORKER_ENV)
-    if not raw:
-        return None
-    index, _, count = raw.partition("/")
-    worker = Worker(int(index), int(count))
-    if not 0 <= worker.index < worker.count:
-        raise ValueError(f"{WORKER_ENV}={raw!r}: index out of range")
-    return worker
-
-
-def worker_listen_fds(environ: Mapping[str, str] | None = None) -> list[int]:
-    raw = (os.environ if environ is None else environ).get(WORKER_FDS_ENV, "")
-    return [int(fd) for fd in raw.split(",") if fd]
-
-
-def for_worker(config: Config, worker: Worker | None = None) -> Config:
-    """The config as worker ``k`` runs it: only its share of the engines (i % N == k)."""
-    worker = current_worker() if worker is None else worker
-    if worker is None:
-        return config
-    mine = [e for i, e in enumerate(config.engines) if i % worker.count == worker.index]
-    return msgspec.structs.replace(config, engines=mine)
 
 
 # How often a worker checks that its supervisor is still there. A worker left behind by a
@@ -215,8 +175,6 @@ class _Supervisor:
 
 
 async def _signals(sup: _Supervisor) -> None:
-    from smgd.sdnotify import notify
-
     with trio.open_signal_receiver(
         signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1
     ) as signals:
@@ -242,9 +200,6 @@ async def serve_workers(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The supervisor: bind, start ``server.workers`` workers, forward signals, restart."""
-    from smgd.daemon import watchdog_task
-    from smgd.sdnotify import notify, take_listen_fds, watchdog_interval
-
     count = config.server.workers
     activated = take_listen_fds()
     sockets: list[socket.socket] = []
@@ -274,9 +229,7 @@ async def serve_workers(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_signals, sup)
-            interval = watchdog_interval()
-            if interval:
-                nursery.start_soon(watchdog_task, interval)
+            nursery.start_soon(watchdog)
             send, receive = trio.open_memory_channel[int](count)
             async with trio.open_nursery() as workers:
                 for index in range(count):

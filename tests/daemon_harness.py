@@ -14,8 +14,7 @@ import trio
 
 from smgd.assets import TINY_MODEL_DIR
 from smgd.config import load_config
-from smgd.daemon import run_daemon
-from smgd.gateway import Gateway
+from smgd.daemon import Running, run_daemon
 
 from .engine_harness import short_ipc_dir
 
@@ -45,10 +44,11 @@ def rewrite_config(path: Path, *engines: str, drain_s: float = 10.0) -> None:
 @asynccontextmanager
 async def running_daemon(
     path: Path, *, install_signals: bool = False, wait_ready: bool = True
-) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+) -> AsyncIterator[tuple[Running, httpx.AsyncClient]]:
+    """The daemon on ``path`` (its state, addresses, reload and drain) and a client of it."""
     config = load_config(path, environ={})
     async with trio.open_nursery() as nursery:
-        gateway, binds = await nursery.start(
+        daemon: Running = await nursery.start(
             lambda task_status: run_daemon(
                 config,
                 config_path=str(path),
@@ -58,10 +58,10 @@ async def running_daemon(
         )
         if wait_ready:
             with trio.fail_after(30):
-                for engine in gateway.router.engines():
+                for engine in daemon.gateway.router.engines():
                     await engine.wait_ready()
-        async with httpx.AsyncClient(base_url=binds[0], timeout=60) as client:
-            yield gateway, client
+        async with httpx.AsyncClient(base_url=daemon.binds[0], timeout=60) as client:
+            yield daemon, client
         nursery.cancel_scope.cancel()
 
 

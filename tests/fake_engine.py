@@ -7,7 +7,8 @@ per ``step_s``; ``_encode_abort`` records the abort. Everything else (``open_str
 abort-on-early-exit, validation, stream coalescing) is the real base class.
 
 :func:`open_app` builds a :class:`~smgd.gateway.Gateway` over the shipped tiny model with fake
-engines in its router, and yields the quart-trio app with lifespan running.
+engines in its router, and yields smgd's app with its lifespan running; :func:`post`,
+:func:`get` and :func:`post_stream` call it in process (:mod:`tests.asgi_client`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
-from quart_trio import QuartTrio
 
-from smgd.api.app import create_app
+from smgd.api.http.app import create_app
+from smgd.api.http.dispatch import Dispatcher
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.base import EngineClient, EngineState
 from smgd.gateway import Gateway
@@ -33,6 +35,7 @@ from smgd.wire.common import (
     GenerateRequest,
     TokenDelta,
 )
+from tests.asgi_client import connect, http_scope, lifespan, request
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "smgd" / "assets" / "tiny-model"
 MODEL = "tiny"
@@ -189,10 +192,10 @@ async def open_gateway(
 @asynccontextmanager
 async def open_app(
     *engines: FakeEngine, server: ServerConfig | None = None, environ: dict[str, str] | None = None
-) -> AsyncIterator[tuple[QuartTrio, Gateway]]:
+) -> AsyncIterator[tuple[Dispatcher, Gateway]]:
     async with open_gateway(*engines, server=server) as gateway:
         app = create_app(gateway, environ=environ or {})
-        async with app.test_app():
+        async with lifespan(app):
             yield app, gateway
 
 
@@ -202,7 +205,7 @@ async def open_app(
 @dataclass
 class Reply:
     status: int
-    headers: dict[str, str]
+    headers: httpx.Headers  # looked up in any case, as clients do
     body: bytes
 
     def json(self) -> Any:
@@ -212,7 +215,7 @@ class Reply:
 @dataclass
 class SseReply:
     status: int
-    headers: dict[str, str]
+    headers: httpx.Headers
     raw: bytes
     events: list[str]  # the payload of every `data:` line, in order
     comments: int  # `: ...` comment lines (keep-alives)
@@ -223,21 +226,16 @@ class SseReply:
 
 
 async def post(
-    app: QuartTrio, path: str, body: Any, headers: dict[str, str] | None = None
+    app: Dispatcher, path: str, body: Any, headers: dict[str, str] | None = None
 ) -> Reply:
-    client = app.test_client()
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = await client.post(path, data=data, headers=headers or {})
-    return Reply(
-        response.status_code, dict(response.headers), await response.get_data(as_text=False)
-    )
+    answer = await request(app, "POST", path, data, headers)
+    return Reply(answer.status, httpx.Headers(answer.headers), answer.body)
 
 
-async def get(app: QuartTrio, path: str, headers: dict[str, str] | None = None) -> Reply:
-    response = await app.test_client().get(path, headers=headers or {})
-    return Reply(
-        response.status_code, dict(response.headers), await response.get_data(as_text=False)
-    )
+async def get(app: Dispatcher, path: str, headers: dict[str, str] | None = None) -> Reply:
+    answer = await request(app, "GET", path, b"", headers)
+    return Reply(answer.status, httpx.Headers(answer.headers), answer.body)
 
 
 def parse_sse(raw: bytes) -> tuple[list[str], int]:
@@ -256,7 +254,7 @@ def parse_sse(raw: bytes) -> tuple[list[str], int]:
 
 
 async def post_stream(
-    app: QuartTrio,
+    app: Dispatcher,
     path: str,
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
@@ -265,18 +263,15 @@ async def post_stream(
 ) -> SseReply:
     """POST and read the SSE body; with ``disconnect_after``, hang up after that many reads.
 
-    quart-trio's test connection waits in ``__aexit__`` for a body end that a cancelled
-    response never sends, so after a hang-up the connection is left through a cancel scope.
+    After a hang-up the app gets a second to end its call (it must not wait for the stream).
     """
-    client = app.test_client()
+    payload = json.dumps(body).encode()
     raw = bytearray()
-    status: int | None = None
-    hdrs: dict[str, str] = {}
     disconnected_at: float | None = None
-    with trio.CancelScope() as scope:
-        async with client.request(path, method="POST", headers=headers or {}) as conn:
-            await conn.send(json.dumps(body).encode())
-            await conn.send_complete()
+    scope = http_scope("POST", path, headers, length=len(payload))
+    with trio.CancelScope() as cancel:
+        async with connect(app, scope) as conn:
+            conn.send(payload)
             reads = 0
             while True:
                 try:
@@ -285,12 +280,13 @@ async def post_stream(
                     break
                 reads += 1
                 if disconnect_after is not None and reads >= disconnect_after:
-                    await conn.disconnect()
+                    conn.disconnect()
                     disconnected_at = trio.current_time()
-                    scope.deadline = disconnected_at + 1.0
+                    cancel.deadline = disconnected_at + 1.0
                     break
-            status = conn.status_code  # type: ignore[attr-defined]
-            hdrs = dict(conn.headers or {})  # type: ignore[attr-defined]
+    assert not cancel.cancelled_caught, "the app did not end its call after the hang-up"
     events, comments = parse_sse(bytes(raw))
-    assert status is not None
-    return SseReply(status, hdrs, bytes(raw), events, comments, disconnected_at)
+    assert conn.status is not None
+    return SseReply(
+        conn.status, httpx.Headers(conn.headers), bytes(raw), events, comments, disconnected_at
+    )

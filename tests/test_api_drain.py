@@ -13,10 +13,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from smgd.admission import Admission
-from smgd.api import http_worker
-from smgd.api.app import create_app
-from smgd.api.execute import Cutoff, _StreamWatch
-from smgd.api.hot import SmgdApp
+from smgd.api.core.execute import Cutoff, _StreamWatch
+from smgd.api.http import worker_loop
+from smgd.api.http.app import create_app
+from smgd.api.http.dispatch import Dispatcher
 from smgd.errors import Draining
 from tests.fake_engine import (
     MODEL,
@@ -41,7 +41,7 @@ def assert_drain_error(error: dict[str, Any]) -> None:
     assert "drain timeout" in error["message"]
 
 
-async def cut_later(app: SmgdApp) -> None:
+async def cut_later(app: Dispatcher) -> None:
     await trio.sleep(CUT_AT_S)
     app.end_responses()
 
@@ -51,7 +51,7 @@ async def test_a_running_stream_ends_with_the_error_event_and_its_engine_request
 ) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _), trio.open_nursery() as nursery:
-        assert isinstance(app, SmgdApp)
+        assert isinstance(app, Dispatcher)
         nursery.start_soon(cut_later, app)
         reply = await post_stream(app, "/v1/completions", BODY)
     assert reply.status == 200
@@ -67,7 +67,7 @@ async def test_a_running_stream_ends_with_the_error_event_and_its_engine_request
 async def test_every_choice_of_an_n2_stream_is_aborted(autojump_clock: trio.abc.Clock) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _), trio.open_nursery() as nursery:
-        assert isinstance(app, SmgdApp)
+        assert isinstance(app, Dispatcher)
         nursery.start_soon(cut_later, app)
         reply = await post_stream(app, "/v1/completions", {**BODY, "n": 2})
     assert reply.events[-1] == "[DONE]"
@@ -81,7 +81,7 @@ async def test_a_non_streamed_request_gets_503_and_is_aborted(
 ) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _), trio.open_nursery() as nursery:
-        assert isinstance(app, SmgdApp)
+        assert isinstance(app, Dispatcher)
         nursery.start_soon(cut_later, app)
         reply = await post(app, "/v1/completions", {**BODY, "stream": False})
     assert reply.status == 503
@@ -102,7 +102,7 @@ async def test_a_stream_waiting_for_admission_ends_without_reaching_the_engine(
         replies.append(await post_stream(app, "/v1/completions", BODY))
 
     async with open_app(fake) as (app, _), trio.open_nursery() as nursery:
-        assert isinstance(app, SmgdApp)
+        assert isinstance(app, Dispatcher)
         nursery.start_soon(one)
         await trio.sleep(0.1)
         nursery.start_soon(one)  # queued behind the first: the engine takes one at a time
@@ -120,7 +120,7 @@ async def test_a_stream_waiting_for_admission_ends_without_reaching_the_engine(
 async def test_a_request_after_the_cut_ends_at_once(autojump_clock: trio.abc.Clock) -> None:
     fake = FakeEngine()
     async with open_app(fake) as (app, _):
-        assert isinstance(app, SmgdApp)
+        assert isinstance(app, Dispatcher)
         app.end_responses()  # nothing running: nothing to end
         streamed = await post_stream(app, "/v1/completions", BODY)
         whole = await post(app, "/v1/completions", {**BODY, "stream": False})
@@ -133,7 +133,7 @@ async def test_a_request_after_the_cut_ends_at_once(autojump_clock: trio.abc.Clo
 
 
 @asynccontextmanager
-async def serving(engine: FakeEngine) -> AsyncIterator[tuple[SmgdApp, int]]:
+async def serving(engine: FakeEngine) -> AsyncIterator[tuple[Dispatcher, int]]:
     """smgd's worker loop over real sockets (streams are written directly), and its app."""
     async with open_gateway(engine) as gateway:
         app = create_app(gateway, environ={})
@@ -141,7 +141,7 @@ async def serving(engine: FakeEngine) -> AsyncIterator[tuple[SmgdApp, int]]:
         config.bind = ["127.0.0.1:0"]
         config.accesslog = None
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(http_worker.serve, app, config)
+            binds = await nursery.start(worker_loop.serve, app, config)
             yield app, int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
 

@@ -147,7 +147,7 @@ async def test_request_id_minted_when_absent(autojump_clock: trio.abc.Clock) -> 
     assert a.json()["id"] == "cmpl-" + a.headers["x-request-id"]
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])  # hot path, Quart's
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])
 async def test_a_merged_request_id_header_uses_its_first_value(
     autojump_clock: trio.abc.Clock, path: str
 ) -> None:

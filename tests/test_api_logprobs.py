@@ -22,9 +22,9 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from smgd.api.app import create_app
-from smgd.api.openai import TokenText
-from smgd.api.pipeline import Choice, LogprobTrack
+from smgd.api.core.pipeline import Choice, LogprobTrack
+from smgd.api.handlers.openai import TokenText
+from smgd.api.http.app import create_app
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.sglang import SglangEngineClient
 from smgd.gateway import Gateway

@@ -8,6 +8,7 @@ import trio
 
 from smgd.text.tokenizer import load_tokenizer
 from smgd.wire.common import Finish, FinishReason, TokenDelta
+from tests.asgi_client import connect, http_scope
 from tests.fake_engine import (
     EOS,
     MODEL,
@@ -257,18 +258,13 @@ async def test_slow_client_gets_coalesced_chunks(autojump_clock: trio.abc.Clock)
     # 40 engine steps queue up before the client reads: nothing is lost, fewer chunks come out.
     fake = engine(step_s=0.001)
     async with open_app(fake) as (app, _):
-        client = app.test_client()
         raw = bytearray()
-        async with client.request("/v1/completions", method="POST") as conn:
-            await conn.send(b'{"model": "tiny", "prompt": "hi", "max_tokens": 40, "stream": true}')
-            await conn.send_complete()
+        scope = http_scope("POST", "/v1/completions")
+        async with connect(app, scope) as conn:
+            conn.send(b'{"model": "tiny", "prompt": "hi", "max_tokens": 40, "stream": true}')
             raw += await conn.receive()
             await trio.sleep(1)  # the client stalls; the engine keeps producing
-            while True:
-                try:
-                    raw += await conn.receive()
-                except trio.EndOfChannel:
-                    break
+            raw += await conn.read_all()
     from tests.fake_engine import parse_sse
 
     events, _ = parse_sse(bytes(raw))

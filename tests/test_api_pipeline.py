@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from smgd.api.pipeline import (
+from smgd.api.core.pipeline import (
     Choice,
     RequestState,
     check_request_id,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import trio
 
-from smgd.api.prepare import BIG_PROMPT_CHARS, encode
+from smgd.api.core.prepare import BIG_PROMPT_CHARS, encode
 from smgd.assets import TINY_MODEL_DIR
 from smgd.errors import InvalidRequest
 from smgd.text.tokenizer import Tokenizer, load_tokenizer

@@ -15,7 +15,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from smgd.api.app import create_app
+from smgd.api.http.app import create_app
 from smgd.gateway import Gateway
 from smgd.text.tokenizer import load_tokenizer
 from tests.fake_engine import MODEL, TINY_MODEL, Behaviour, FakeEngine, open_gateway

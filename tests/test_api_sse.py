@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from smgd.api.sse import DONE, ChunkFormat, event
+from smgd.api.core.sse import DONE, ChunkFormat, event
 
 
 def frame(raw: bytes) -> object:

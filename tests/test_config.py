@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import trio
 
-from smgd.api.admin import create_admin_app
-from smgd.api.hot import authorized
+from smgd.api.http.app import create_admin_app
+from smgd.api.http.dispatch import authorized
 from smgd.assets import DEFAULT_CONFIG, TINY_MODEL_DIR
 from smgd.cli import main
 from smgd.config import (
@@ -29,6 +29,8 @@ from smgd.config import (
     resolve_path,
 )
 from smgd.errors import ConfigError
+from smgd.reload import ReloadResult
+from tests.asgi_client import lifespan, request
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, open_gateway, post
 
 ENGINE = 'name = "{name}"\nwire = "{wire}"\nmodels = ["{model}"]\nmodel_dir = "m"\n'
@@ -501,17 +503,24 @@ async def test_lowercase_bearer_on_the_api(autojump_clock: trio.abc.Clock) -> No
     assert (models.status, completion.status, wrong.status) == (200, 200, 401)
 
 
+async def _unused_reload() -> ReloadResult:
+    raise AssertionError("these tests do not reload")
+
+
+def _unused_drain() -> None:
+    raise AssertionError("these tests do not drain")
+
+
 async def test_admin_token(autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMGD_TEST_ADMIN", "tok")
     async with open_gateway() as gateway:
         gateway.config = msgspec.structs.replace(
             gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_ADMIN")
         )
-        app = create_admin_app(gateway)
-        async with app.test_app():
-            client = app.test_client()
+        app = create_admin_app(gateway, _unused_reload, _unused_drain)
+        async with lifespan(app):
             statuses = [
-                (await client.get("/admin/engines", headers=headers)).status_code
+                (await request(app, "GET", "/admin/engines", b"", headers)).status
                 for headers in (
                     {"Authorization": "bearer tok"},
                     {"Authorization": "Bearer tok"},
@@ -530,8 +539,8 @@ async def test_admin_app_refuses_an_unset_token_env(
         gateway.config = msgspec.structs.replace(
             gateway.config, admin=AdminConfig(port=9000, token_env="SMGD_TEST_UNSET")
         )
-        with pytest.raises(ConfigError):
-            create_admin_app(gateway)  # never an admin listener without its token
+        with pytest.raises(ConfigError):  # never an admin listener without its token
+            create_admin_app(gateway, _unused_reload, _unused_drain)
 
 
 async def test_reload_that_would_open_auth_is_refused(autojump_clock: trio.abc.Clock) -> None:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import trio
 
-from smgd.api.server import bind_public
+from smgd.api.http.server import bind_public
+from smgd.assets import TINY_MODEL_DIR
 from smgd.config import Config, ServerConfig
 from smgd.errors import TransportError
 from smgd.gateway import Gateway
@@ -52,7 +53,8 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
     keep = engine_toml("keep", "m-keep", step_ms=10)
     other = engine_toml("other", "m-other")
     path.write_text(config_text(keep, other))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         results: list[int] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream_many, client, "m-keep", 64, 60, results)
@@ -67,8 +69,7 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
             # Keep the same run_dir so the untouched engines' sockets stay where they are.
             new = f'run_dir = "{run_dir}"\n' + new.split("\n", 1)[1]
             path.write_text(new)
-            assert gateway.reload is not None
-            result = await gateway.reload()
+            result = await daemon.reload()
         assert results == [60] * 64
         names = {e.name for e in gateway.router.engines()}
         if change == "add":
@@ -94,7 +95,8 @@ async def test_reload_while_64_streams_run_loses_no_token(tmp_path: Path, change
 async def test_sighup_reloads(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(engine_toml("a", "m-a")))
-    async with running_daemon(path, install_signals=True) as (gateway, client):
+    async with running_daemon(path, install_signals=True) as (daemon, client):
+        gateway = daemon.gateway
         before = gateway.reloads_total
         os.kill(os.getpid(), signal.SIGHUP)
         with trio.fail_after(10):
@@ -179,7 +181,7 @@ async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.Monke
     text = config_text(engine_toml("a", "m-a"))
     path.write_text(text)
     body = {"model": "m-a", "prompt": "hi", "max_tokens": 2}
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         monkeypatch.setenv("SMGD_TEST_KEYS", "k1,k2")
         run_line, rest = text.split("\n", 1)
@@ -188,8 +190,7 @@ async def test_reload_applies_api_keys(tmp_path: Path, monkeypatch: pytest.Monke
             + "\n"
             + rest.replace("[server]\n", '[server]\napi_keys_env = "SMGD_TEST_KEYS"\n')
         )
-        assert gateway.reload is not None
-        result = await gateway.reload()
+        result = await daemon.reload()
         assert result.ok, result.error
         assert (await client.post("/v1/completions", json=body)).status_code == 401
         ok = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
@@ -201,7 +202,8 @@ async def test_killed_engine_fails_only_its_streams_and_comes_back(tmp_path: Pat
     path.write_text(
         config_text(engine_toml("a", "m-a", step_ms=10), engine_toml("b", "m-b", step_ms=10))
     )
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         outcomes: dict[str, list[str]] = {"m-a": [], "m-b": []}
 
         async def one(model: str) -> None:
@@ -238,17 +240,40 @@ async def test_killed_engine_fails_only_its_streams_and_comes_back(tmp_path: Pat
 async def test_admin_endpoints_are_not_on_the_public_listener(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(engine_toml("a", "m-a")))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         for route in ("/admin/reload", "/admin/drain"):
             assert (await client.post(route)).status_code == 404
         assert (await client.get("/admin/engines")).status_code == 404
         assert not gateway.draining
-        sock = gateway.admin_binds[0]
+        sock = daemon.admin_binds[0]
         assert sock.startswith("http://unix:")
         transport = httpx.AsyncHTTPTransport(uds=sock[len("http://unix:") :])
         async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
             engines = (await admin.get("/admin/engines")).json()
         assert [e["name"] for e in engines["engines"]] == ["a"]
+
+
+async def test_the_admin_listener_reloads_and_drains_through_the_daemon(tmp_path: Path) -> None:
+    """The admin app writes no gateway field: its reload and drain are the daemon's."""
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")))
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
+        transport = httpx.AsyncHTTPTransport(uds=daemon.admin_binds[0][len("http://unix:") :])
+        async with httpx.AsyncClient(transport=transport, base_url="http://admin") as admin:
+            reloaded = await admin.post("/admin/reload")
+            assert reloaded.status_code == 200 and reloaded.json()["ok"] is True
+            assert (gateway.reloads_total, gateway.reload_failures_total) == (1, 0)
+            path.write_text(path.read_text().replace('wire = "mock"', 'wire = "tgi"'))
+            refused = await admin.post("/admin/reload")
+            assert refused.status_code == 400 and "$.engines[0].wire" in refused.json()["error"]
+            assert (gateway.reloads_total, gateway.reload_failures_total) == (2, 1)
+            assert (await client.get("/readiness")).status_code == 200
+            drained = await admin.post("/admin/drain")
+            assert drained.json() == {"draining": True}
+        assert gateway.draining and gateway.drain_event.is_set()
+        assert (await client.get("/readiness")).status_code == 503  # within drain_settle_s
 
 
 @pytest.mark.parametrize(
@@ -280,4 +305,24 @@ async def test_startup_failures_exit_nonzero_with_a_clear_message(
             proc.communicate()
     assert proc.returncode == 1
     assert needle in err
+    assert "Traceback" not in err
+
+
+async def test_a_config_error_found_while_starting_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Past load_config: a model directory without a tokenizer is found when the daemon loads
+    it; that is still a config error (exit 2, one line with the key), not a crash (exit 1)."""
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("a", "m-a")).replace(str(TINY_MODEL_DIR), str(empty)))
+    proc = serve_process(path)
+    try:
+        _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("smgd: ")]
+    assert line.startswith("smgd: config error at $.engines[0].model_dir: ")
     assert "Traceback" not in err

@@ -1,4 +1,4 @@
-"""Direct SSE writes (smgd.api.direct) through smgd's real worker loop, over real sockets."""
+"""Direct SSE writes (smgd.api.http.direct) through smgd's real worker loop, over real sockets."""
 
 from __future__ import annotations
 
@@ -18,25 +18,27 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol.h11 import H11Protocol
 
-from smgd.api import http_worker
-from smgd.api.app import create_app
-from smgd.api.direct import DirectWriter, direct_writer
-from smgd.api.pacer import LoadPacer
+from smgd.api.core.pacer import LoadPacer
+from smgd.api.core.sse import KEEPALIVE
+from smgd.api.http import worker_loop
+from smgd.api.http.app import create_app
+from smgd.api.http.direct import DirectWriter, direct_writer
+from smgd.config import ServerConfig
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
 
 
 @asynccontextmanager
-async def serving(*engines: FakeEngine) -> AsyncIterator[int]:
-    async with open_gateway(*engines) as gateway:
+async def serving(*engines: FakeEngine, server: ServerConfig | None = None) -> AsyncIterator[int]:
+    async with open_gateway(*engines, server=server) as gateway:
         app = create_app(gateway, environ={})
         config = HypercornConfig()
         config.bind = ["127.0.0.1:0"]
         config.accesslog = None
         config.graceful_timeout = 1
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(http_worker.serve, app, config)
+            binds = await nursery.start(worker_loop.serve, app, config)
             yield int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
 
@@ -99,6 +101,33 @@ def _text(events: list[Any]) -> str:
 
 def _completion(max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "stream": True, **extra}
+
+
+async def post_raw(port: int, path: str, body: dict[str, Any]) -> tuple[bytes, float]:
+    """POST; the whole dechunked body and the seconds from the request to its end."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        sent_at = trio.current_time()
+        await stream.send_all(_post_bytes(path, body))
+        data = bytearray()
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            chunk = await stream.receive_some(65536)
+            assert chunk, "the server closed the connection before the body ended"
+            data += chunk
+        took = trio.current_time() - sent_at
+    head, _, raw = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return dechunk(raw), took
+
+
+def _saturate(monkeypatch: pytest.MonkeyPatch, window_s: float) -> None:
+    """Every pacer reads its loop as saturated: direct streams hold output ``window_s``."""
+
+    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
+        pacer.lag_s = pacer.sustained_lag_s = 1.0
+        pacer.window_s = window_s
+        return pacer.window_s
+
+    monkeypatch.setattr(LoadPacer, "observe", saturated)
 
 
 async def _reference_text(port: int, tokens: int, http_timeout_s: float = 5.0) -> str:
@@ -271,7 +300,7 @@ async def test_a_finished_direct_stream_leaves_no_reference_cycle_behind() -> No
                 type(o).__qualname__
                 for o in gc.garbage
                 if type(o).__module__.startswith("smgd.")
-                and type(o).__module__ != "smgd.api.http_worker"
+                and type(o).__module__ != "smgd.api.http.worker_loop"
             )
         finally:
             gc.set_debug(0)
@@ -295,12 +324,7 @@ async def test_a_loaded_loop_merges_direct_events_without_losing_a_token(
 ) -> None:
     # Keep the pacer saturated, its window at 30 ms between events, while the engine makes a
     # token every 2 ms: each direct event must carry several tokens.
-    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
-        pacer.lag_s = pacer.sustained_lag_s = 1.0
-        pacer.window_s = 0.03
-        return pacer.window_s
-
-    monkeypatch.setattr(LoadPacer, "observe", saturated)
+    _saturate(monkeypatch, 0.03)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
         reference = await _reference_text(port, 120)
@@ -321,14 +345,7 @@ async def test_a_saturated_loop_never_holds_back_a_streams_first_token(
 ) -> None:
     # The window merges output that follows an event too closely; before the first event
     # there is nothing to follow, and holding the first token would only add to TTFT.
-    window_s = 1.0
-
-    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
-        pacer.lag_s = pacer.sustained_lag_s = 1.0
-        pacer.window_s = window_s
-        return pacer.window_s
-
-    monkeypatch.setattr(LoadPacer, "observe", saturated)
+    _saturate(monkeypatch, 1.0)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
         await trio.sleep(0.1)  # a few pacer ticks: it reads saturated from now on
@@ -420,7 +437,8 @@ async def test_chat_streams_directly_with_role_first_and_usage_last() -> None:
 async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from smgd.api import direct, openai
+    from smgd.api.handlers import openai
+    from smgd.api.http import direct
 
     engine = FakeEngine(behaviour=Behaviour(step_s=0.0, tokens_per_step=1))
     tokens = 2000
@@ -452,3 +470,63 @@ async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
     assert events[-2] == {"error": errors[0]} and events[-1] == "[DONE]"
     text = _text(events)
     assert len(text) > 100 and reference.startswith(text)  # in order, nothing lost before it
+
+
+# --------------------------------------------------------------------------- keep-alive
+
+
+@pytest.mark.parametrize(("interval_s", "fewest", "most"), [(0.05, 3, 8), (0.0, 0, 0)])
+async def test_a_direct_stream_waiting_for_its_first_token_sends_keep_alives(
+    interval_s: float, fewest: int, most: int
+) -> None:
+    # A 0.3 s prefill: one comment per interval until the first event (none when off).
+    engine = FakeEngine(behaviour=Behaviour(first_step_s=0.3, step_s=0.001))
+    server = ServerConfig(keepalive_interval_s=interval_s)
+    async with serving(engine, server=server) as port:
+        body, _ = await post_raw(port, "/v1/completions", _completion(3))
+    before, _, events = body.partition(b"data: ")
+    assert before == KEEPALIVE * before.count(KEEPALIVE)  # only comments before the first event
+    assert fewest <= before.count(KEEPALIVE) <= most, body
+    assert KEEPALIVE not in events  # the tokens then flowed without a pause
+    assert events.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_direct_stream_whose_tokens_flow_sends_no_keep_alive() -> None:
+    # A token every 10 ms for 0.6 s with a 50 ms interval: the stream's task wakes at each
+    # interval (the reader writes the events), and must see that events went out meanwhile.
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.01))
+    async with serving(engine, server=ServerConfig(keepalive_interval_s=0.05)) as port:
+        body, took = await post_raw(port, "/v1/completions", _completion(60))
+    assert took > 0.3  # several intervals passed
+    assert KEEPALIVE not in body
+    assert body.count(b"data: ") > 30
+
+
+# --------------------------------------------------------------------------- a finish is never held
+
+
+@pytest.mark.parametrize(
+    ("tokens", "events"),
+    [
+        # The finish comes 20 ms after the first event, inside the window: sent at once.
+        (2, 2),
+        # The second token is held (inside the window); the finish, 20 ms later, goes out at
+        # once with it rather than at the window's end: three tokens in two events.
+        (3, 2),
+    ],
+)
+async def test_a_saturated_loop_never_holds_back_a_finish(
+    monkeypatch: pytest.MonkeyPatch, tokens: int, events: int
+) -> None:
+    window_s = 1.0
+    _saturate(monkeypatch, window_s)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.02))
+    async with serving(engine) as port:
+        reference = await _reference_text(port, tokens)
+        await trio.sleep(0.1)  # a few pacer ticks: it reads saturated from now on
+        body, took = await post_raw(port, "/v1/completions", _completion(tokens))
+    chunks = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert len(chunks) == events
+    assert _text(chunks) == reference
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert took < window_s / 2, took  # held, the end would come at the window's end

@@ -10,7 +10,7 @@ import pytest
 import trio
 from hypercorn.config import Config
 
-from smgd.api import http_worker
+from smgd.api.http import worker_loop
 from smgd.daemon import DRAIN_MARGIN_S
 
 from .http_helpers import SendPathCounter, dechunk
@@ -52,10 +52,10 @@ async def _serve(
     config: Config,
     stop: trio.Event | None = None,
 ) -> int:
-    """Start ``http_worker.serve`` in ``nursery`` (stopping on ``stop``, if given); its port."""
+    """Start ``worker_loop.serve`` in ``nursery`` (stopping on ``stop``, if given); its port."""
     trigger = None if stop is None else stop.wait
     binds = await nursery.start(
-        partial(http_worker.serve, asgi_app, config, shutdown_trigger=trigger)
+        partial(worker_loop.serve, asgi_app, config, shutdown_trigger=trigger)
     )
     return int(binds[0].rsplit(":", 1)[1])
 
@@ -117,7 +117,7 @@ async def test_the_shutdown_trigger_stops_accepting_and_serve_returns() -> None:
 
 
 def test_write_now_is_zero_for_a_stream_without_a_socket() -> None:
-    assert http_worker._write_now(object(), b"x") == 0
+    assert worker_loop._write_now(object(), b"x") == 0
 
 
 # -- keep-alive: smgd's KeepAliveTimer in place of hypercorn's per-request idle task --------
@@ -332,7 +332,7 @@ async def test_responses_running_at_the_graceful_deadline_are_ended_then_cut(
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
             partial(
-                http_worker.serve,
+                worker_loop.serve,
                 endless_app(ended if ends else None),
                 config,
                 shutdown_trigger=stop.wait,
@@ -351,12 +351,12 @@ async def test_responses_running_at_the_graceful_deadline_are_ended_then_cut(
     if ends:
         # The response ended on the call: its last chunk and the body's end were written.
         assert data.endswith(b"4\r\nend;\r\n0\r\n\r\n")
-        assert closed_at - called_at[0] < http_worker.END_GRACE_S
+        assert closed_at - called_at[0] < worker_loop.END_GRACE_S
     else:
         # It did not end: cut END_GRACE_S after the call, no end of body.
         assert not data.endswith(b"0\r\n\r\n")
-        assert closed_at - called_at[0] == pytest.approx(http_worker.END_GRACE_S, abs=0.1)
+        assert closed_at - called_at[0] == pytest.approx(worker_loop.END_GRACE_S, abs=0.1)
 
 
 def test_the_daemon_waits_for_the_http_server_longer_than_its_end_grace() -> None:
-    assert DRAIN_MARGIN_S > http_worker.END_GRACE_S
+    assert DRAIN_MARGIN_S > worker_loop.END_GRACE_S

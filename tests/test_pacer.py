@@ -7,7 +7,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from smgd.api.pacer import (
+from smgd.api.core.pacer import (
     DIRECT_LAG_S,
     LAG_HIGH_S,
     LAG_LOW_S,

@@ -31,9 +31,10 @@ from smgd.engines.base import EngineClient, EngineState
 from smgd.errors import EngineDead, Overloaded, TransportError
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv
-from smgd.reload import IN_PLACE, Supervised, _keep_running, replace_keys, supervise_engine
+from smgd.reload import IN_PLACE, keep_running, plan, replace_keys
 from smgd.router import Router
 from smgd.status import run_reload, target_from_config
+from smgd.supervise import Supervised, supervise_engine
 from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams
 
 from .daemon_harness import (
@@ -109,9 +110,49 @@ def test_restart_keys_keep_their_running_values(tmp_path: Path) -> None:
     path.write_text('run_dir = "/tmp/a"\n[server]\nport = 1\nmax_body_bytes = 10\n')
     running = load_config(path, environ={})
     path.write_text('run_dir = "/tmp/b"\n[server]\nport = 2\nmax_body_bytes = 20\n')
-    kept = _keep_running(load_config(path, environ={}), running)
+    kept = keep_running(load_config(path, environ={}), running)
     assert (kept.run_dir, kept.server.port) == ("/tmp/a", 1)  # need a restart: the old values
     assert kept.server.max_body_bytes == 20  # applies live: the new value
+
+
+def test_the_plan_sorts_every_engine_by_what_a_reload_does_to_it() -> None:
+    running = Config(
+        engines=[
+            _engine(name="same"),
+            _engine(name="gone"),
+            _engine(name="tuned"),
+            _engine(name="moved"),
+            _engine(name="both"),
+        ]
+    )
+    loaded = msgspec.structs.replace(
+        running,
+        run_dir="/elsewhere",  # needs a restart: reported, and the running value kept
+        engines=[
+            _engine(name="same"),
+            _engine(name="tuned", max_inflight=3),
+            _engine(name="moved", ipc_dir="/x"),
+            _engine(name="both", max_queue=9, ipc_dir="/y"),
+            _engine(name="new"),
+        ],
+    )
+    todo = plan(running, loaded)
+    names = {
+        kind: [e.name for e in getattr(todo, kind)]
+        for kind in ("added", "removed", "changed", "replaced", "in_place", "starts")
+    }
+    assert names == {
+        "added": ["new"],
+        "removed": ["gone"],
+        "changed": ["tuned", "moved", "both"],
+        "replaced": ["moved", "both"],  # one key outside IN_PLACE is enough
+        "in_place": ["tuned"],
+        "starts": ["new", "moved", "both"],
+    }
+    assert todo.needs_restart == ["run_dir"]
+    assert todo.config.run_dir == running.run_dir
+    assert todo.before["both"] == running.engines[4]
+    assert plan(running, running).changed == [] and plan(running, running).needs_restart == []
 
 
 # --------------------------------------------------------------------------- in place
@@ -253,10 +294,10 @@ async def test_a_handshake_loop_names_its_cause_in_the_log_and_in_last_error(
     config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
     gateway = Gateway(config=Config(), router=Router(Config().routing))
     monkeypatch.setattr(
-        "smgd.reload.build_engine_client",
-        lambda engine, _: _NeverReady(engine, fallback_info=None),
+        "smgd.supervise.build_engine_client",
+        lambda engine, *_: _NeverReady(engine, fallback_info=None),
     )
-    caplog.set_level(logging.WARNING, logger="smgd.reload")
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
     cause = "the engine did not complete the handshake within 5 s"
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
@@ -285,10 +326,10 @@ async def test_last_error_is_the_newest_cause_not_the_carried_one(
     gateway = Gateway(config=Config(), router=Router(Config().routing))
     kinds = iter([_NeverReady, _CannotBind, _NeverReady])
     monkeypatch.setattr(
-        "smgd.reload.build_engine_client",
-        lambda engine, _: next(kinds)(engine, fallback_info=None),
+        "smgd.supervise.build_engine_client",
+        lambda engine, *_: next(kinds)(engine, fallback_info=None),
     )
-    caplog.set_level(logging.WARNING, logger="smgd.reload")
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
         await trio.sleep(6.5)  # attempt 1 failed at t=5; attempt 2 failed to bind at t=6
@@ -296,7 +337,7 @@ async def test_last_error_is_the_newest_cause_not_the_carried_one(
         assert client is not None
         assert client.last_error == "engine e: cannot bind ipc:///x: Address already in use"
         nursery.cancel_scope.cancel()
-    assert [r.getMessage() for r in caplog.records if r.name == "smgd.reload"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "smgd.supervise"] == [
         "engine e failed: the engine did not complete the handshake within 5 s;"
         " restarting in 1.0 s",
         "engine e failed: engine e: cannot bind ipc:///x: Address already in use;"
@@ -349,12 +390,6 @@ def _pid(gateway: Gateway, name: str) -> int:
     return int(child.pid)
 
 
-async def _reload(gateway: Gateway) -> ReloadResult:
-    assert gateway.reload is not None
-    result: ReloadResult = await gateway.reload()
-    return result
-
-
 async def _serves(gateway: Gateway, client: httpx.AsyncClient, name: str, model: str) -> None:
     engine = gateway.router.get(name)
     assert engine is not None
@@ -377,7 +412,8 @@ async def test_admission_limits_and_timeouts_apply_in_place_under_load(tmp_path:
     path = tmp_path / "smgd.toml"
     keep = engine_toml("keep", "m-keep", step_ms=10)
     path.write_text(config_text(keep, engine_toml("other", "m-other", step_ms=10)))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         before, pid = gateway.router.get("other"), _pid(gateway, "other")
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (32, 100), "m-other": (32, 100)})
@@ -390,7 +426,7 @@ async def test_admission_limits_and_timeouts_apply_in_place_under_load(tmp_path:
                 "[engines.timeouts]\nsilence_s = 30.0\n",
             )
             rewrite_config(path, keep, changed)
-            result = await _reload(gateway)
+            result = await daemon.reload()
         assert result.ok and result.changed == ["other"] and result.replaced == []
         # Nothing was interrupted: every token of every stream, the same client and process.
         assert results == {"m-keep": [(100, None)] * 32, "m-other": [(100, None)] * 32}
@@ -415,7 +451,8 @@ async def test_a_changed_launched_engine_drains_then_is_replaced_under_load(
     path = tmp_path / "smgd.toml"
     keep = engine_toml("keep", "m-keep", step_ms=10)
     path.write_text(config_text(keep, engine_toml("other", "m-other", step_ms=10), drain_s=20))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         old, kept = gateway.router.get("other"), gateway.router.get("keep")
         old_pid, keep_pid = _pid(gateway, "other"), _pid(gateway, "keep")
         refused: list[httpx.Response] = []
@@ -426,7 +463,7 @@ async def test_a_changed_launched_engine_drains_then_is_replaced_under_load(
             done: list[ReloadResult] = []
 
             async def reload() -> None:
-                done.append(await _reload(gateway))
+                done.append(await daemon.reload())
 
             nursery.start_soon(reload)
             with trio.fail_after(10):
@@ -453,13 +490,14 @@ async def test_streams_past_the_drain_timeout_end_with_an_error_event(tmp_path: 
     path = tmp_path / "smgd.toml"
     keep = engine_toml("keep", "m-keep", step_ms=10)
     path.write_text(config_text(keep, engine_toml("other", "m-other", step_ms=10), drain_s=0.5))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         async with trio.open_nursery() as nursery:
             results = _spawn_streams(nursery, client, {"m-keep": (16, 150), "m-other": (16, 1000)})
             await _streaming(gateway, {"keep": 16, "other": 16}, results)
             rewrite_config(path, keep, engine_toml("other", "m-other", step_ms=5), drain_s=0.5)
             with trio.fail_after(15):
-                result = await _reload(gateway)
+                result = await daemon.reload()
         assert result.ok and result.replaced == ["other"]
         assert results["m-keep"] == [(150, None)] * 16
         # Cut mid-stream: an error event (then [DONE]), no usage chunk, not a silent truncation.
@@ -491,13 +529,14 @@ async def test_a_changed_external_engine_is_replaced_and_reattaches(tmp_path: Pa
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        async with running_daemon(path) as (gateway, client):
+        async with running_daemon(path) as (daemon, client):
+            gateway = daemon.gateway
             old = gateway.router.get("ext")
             async with trio.open_nursery() as nursery:
                 results = _spawn_streams(nursery, client, {"m-keep": (32, 100), "m-ext": (32, 60)})
                 await _streaming(gateway, {"keep": 32, "ext": 32}, results)
                 rewrite_config(path, keep, external.format(len=2048))
-                result = await _reload(gateway)
+                result = await daemon.reload()
             assert result.ok and result.replaced == ["ext"], result
             assert results == {"m-keep": [(100, None)] * 32, "m-ext": [(60, None)] * 32}
             assert gateway.router.get("ext") is not old
@@ -516,7 +555,8 @@ async def test_every_engine_changed_at_once_under_load(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
     names = ("a", "b", "c")
     path.write_text(config_text(*(engine_toml(n, f"m-{n}", step_ms=10) for n in names)))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         old = {n: gateway.router.get(n) for n in names}
         async with trio.open_nursery() as nursery:
             plan = {f"m-{n}": (21 + (n == "a"), 100) for n in names}  # 64 streams
@@ -528,7 +568,7 @@ async def test_every_engine_changed_at_once_under_load(tmp_path: Path) -> None:
                 engine_toml("b", "m-b", step_ms=5, extra="max_queue = 8\n"),  # replaced
                 engine_toml("c", "m-c", step_ms=10, extra="max_queue = 8\n"),  # in place
             )
-            result = await _reload(gateway)
+            result = await daemon.reload()
         assert result.ok and result.changed == ["a", "b", "c"] and result.replaced == ["a", "b"]
         assert results == {f"m-{n}": [(100, None)] * (21 + (n == "a")) for n in names}
         assert gateway.router.get("c") is old["c"]
@@ -548,14 +588,15 @@ async def test_a_reload_that_cannot_be_applied_is_refused_whole(tmp_path: Path) 
     path = tmp_path / "smgd.toml"
     keep = engine_toml("keep", "m-keep", step_ms=10)
     path.write_text(config_text(keep))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         before, pid, config = gateway.router.get("keep"), _pid(gateway, "keep"), gateway.config
         bad = (
             f'[[engines]]\nname = "bad"\nwire = "sglang"\nmodels = ["m-bad"]\n'
             f'model_dir = "{model}"\n'
         )
         rewrite_config(path, engine_toml("keep", "m-keep", step_ms=5), bad)
-        result = await _reload(gateway)
+        result = await daemon.reload()
         assert not result.ok
         assert "$.engines[1].max_model_len" in (result.error or "")
         # Nothing changed: not the valid half either.
@@ -578,7 +619,8 @@ async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
         f'model_dir = "{TINY_MODEL_DIR}"\n'
         '[engines.launch]\nkind = "command"\ncommand = ["/nonexistent/engine"]\n'
     )
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         target = target_from_config(load_config(path, environ={}))
         out, err = io.StringIO(), io.StringIO()
         async with trio.open_nursery() as nursery:
@@ -599,7 +641,7 @@ async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
         await _serves(gateway, client, "keep", "m-keep")
         # Fixing the file brings it back, without a restart of smgd.
         rewrite_config(path, keep, other)
-        result = await _reload(gateway)
+        result = await daemon.reload()
         assert result.ok and result.replaced == ["other"] and result.failed == {}
         await _serves(gateway, client, "other", "m-other")
 
@@ -615,7 +657,8 @@ async def test_readiness_shows_the_cause_through_a_crash_loop(tmp_path: Path) ->
     )
     path = tmp_path / "smgd.toml"
     path.write_text(config_text(crash))
-    async with running_daemon(path, wait_ready=False) as (gateway, client):
+    async with running_daemon(path, wait_ready=False) as (daemon, client):
+        gateway = daemon.gateway
         with trio.fail_after(20):
             while True:
                 report = (await client.get("/readiness")).json()["engines"]["crash"]
@@ -633,7 +676,8 @@ async def test_sighup_with_a_changed_engine_keeps_smgd_running(tmp_path: Path) -
     path = tmp_path / "smgd.toml"
     text = config_text(engine_toml("mock", "m", step_ms=10))
     path.write_text(text)
-    async with running_daemon(path, install_signals=True) as (gateway, client):
+    async with running_daemon(path, install_signals=True) as (daemon, client):
+        gateway = daemon.gateway
         path.write_text(text.replace('wire = "mock"', 'wire = "mock"\nmax_queue = 256'))
         before = gateway.reloads_total
         os.kill(os.getpid(), signal.SIGHUP)

@@ -16,8 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from smgd.daemon import watchdog_task
-from smgd.sdnotify import notify, watchdog_interval
+from smgd.sdnotify import notify, watchdog, watchdog_interval
 
 from .daemon_harness import config_text, engine_toml, running_daemon
 from .engine_harness import short_ipc_dir
@@ -115,12 +114,36 @@ async def test_watchdog_pings_every_interval(
     async with notify_socket(monkeypatch, f"@smgd-test-{uuid.uuid4().hex}") as inbox:
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watchdog_task, 7.5)
+            nursery.start_soon(watchdog, 7.5)
             with trio.fail_after(100):
                 await inbox.wait_for("WATCHDOG=1", count=5)
             nursery.cancel_scope.cancel()
     times = [when - start for when, text in inbox.messages if text == "WATCHDOG=1"]
     assert times[:5] == pytest.approx([0.0, 7.5, 15.0, 22.5, 30.0])
+
+
+@pytest.mark.usefixtures("no_systemd")
+@pytest.mark.parametrize("usec", [None, "0", "3000000"])
+async def test_watchdog_pings_only_when_systemd_asks_for_it(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock, usec: str | None
+) -> None:
+    """No WATCHDOG_USEC (or 0, which would make the loop spin): the task returns at once."""
+    if usec is not None:
+        monkeypatch.setenv("WATCHDOG_USEC", usec)
+    pings: list[float] = []
+
+    def record(state: str) -> bool:
+        pings.append(trio.current_time())
+        assert len(pings) < 100, "the watchdog spins"  # a spinning loop fails here, fast
+        return True
+
+    monkeypatch.setattr("smgd.sdnotify.notify", record)
+    start = trio.current_time()
+    with trio.move_on_after(10) as waited:
+        await watchdog()
+    assert waited.cancelled_caught is (usec == "3000000")
+    expected = [0.0, 1.5, 3.0, 4.5, 6.0, 7.5, 9.0] if usec == "3000000" else []
+    assert [t - start for t in pings] == pytest.approx(expected)
 
 
 @pytest.mark.usefixtures("no_systemd")
@@ -134,22 +157,17 @@ async def test_daemon_notifies_ready_reloading_watchdog_and_stopping(
     address = f"@smgd-test-{uuid.uuid4().hex}"
     async with (
         notify_socket(monkeypatch, address) as inbox,
-        running_daemon(path) as (
-            gateway,
-            client,
-        ),
+        running_daemon(path) as (daemon, client),
     ):
         with trio.fail_after(30):
             await inbox.wait_for("READY=1")
         assert (await client.get("/readiness")).status_code == 200
-        assert gateway.reload is not None
-        result = await gateway.reload()
+        result = await daemon.reload()
         assert result.ok
         with trio.fail_after(5):
             await inbox.wait_for("READY=1", count=2)
             await inbox.wait_for("WATCHDOG=1", count=3)
-        gateway.draining = True
-        gateway.drain_event.set()
+        daemon.drain()
         with trio.fail_after(5):
             await inbox.wait_for("STOPPING=1")
     states = [s.split("\n")[0] for s in inbox.states() if s != "WATCHDOG=1"]

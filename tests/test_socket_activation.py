@@ -12,7 +12,7 @@ import httpx
 import pytest
 import trio
 
-from smgd.api.server import public_binds
+from smgd.api.http.server import public_binds
 from smgd.config import ServerConfig
 from smgd.sdnotify import listen_fds, take_listen_fds
 

@@ -110,9 +110,10 @@ async def test_status_and_reload_against_a_running_daemon(tmp_path: Path) -> Non
     path = tmp_path / "smgd.toml"
     engine = engine_toml("solo", "m-solo", step_ms=10)
     path.write_text(config_text(engine))
-    async with running_daemon(path) as (gateway, client):
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
         target = target_from_config(load_config(path, environ={}), public_url=str(client.base_url))
-        assert gateway.admin_binds  # the admin listener the CLI talks to is up
+        assert daemon.admin_binds  # the admin listener the CLI talks to is up
         await stream_completion(client, "m-solo", "hello", 4)
         out, err = io.StringIO(), io.StringIO()
         async with trio.open_nursery() as nursery:

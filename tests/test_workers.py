@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,8 @@ import trio
 
 from smgd.config import load_config
 from smgd.errors import ConfigError
-from smgd.workers import Worker, current_worker, for_worker, reuseport_sockets
+from smgd.worker_id import Worker, current_worker, for_worker
+from smgd.workers import reuseport_sockets
 
 from .daemon_harness import (
     config_text,
@@ -177,4 +179,35 @@ async def test_two_workers_share_the_port_restart_on_death_and_drain_on_sigterm(
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+async def test_an_admin_reload_reaches_every_worker(tmp_path: Path) -> None:
+    """`smgd reload` talks to worker 0's admin listener; worker 0 applies the reload, then the
+    supervisor has every other worker reload too (each counts one in /metrics)."""
+    path = _two_workers(tmp_path, engine_toml("e0", "m"), engine_toml("e1", "m"))
+    proc = serve_process(path)
+    try:
+        url = await wait_url(proc)
+        await _ready_everywhere(url)
+        path.write_text(path.read_text().replace("step_ms = 5.0", "step_ms = 5.0\nmax_batch = 8"))
+        done = await trio.run_process(
+            [sys.executable, "-m", "smgd", "reload", "--config", str(path)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        assert "replaced e0" in done.stdout.decode()  # worker 0's share
+        with trio.fail_after(30):
+            while True:
+                async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                    text = (await client.get("/metrics")).text
+                if all(f'smgd_reloads_total{{worker="{k}"}} 1.0' in text for k in (0, 1)):
+                    break
+                await trio.sleep(0.1)
+        assert 'smgd_reload_failures_total{worker="1"} 0.0' in text
+    finally:
+        proc.terminate()
         proc.communicate()

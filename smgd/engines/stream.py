@@ -40,7 +40,7 @@ class RequestStream:
         self._pending: TokenDelta | None = None
         self._error: BaseException | None = None
         self._waiter: trio.Event | None = None
-        # Set by a consumer in direct mode (smgd.api.direct): called with each delta on the
+        # Set by a consumer in direct mode (smgd.api.http.direct): called with each delta on the
         # reader task; True = consumed there. It must not raise. A finish still wakes the
         # consumer, which ends the stream.
         self.sink: Callable[[TokenDelta], bool] | None = None

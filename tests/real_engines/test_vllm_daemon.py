@@ -38,7 +38,7 @@ import pytest
 import trio
 
 from smgd.config import load_config
-from smgd.daemon import run_daemon
+from smgd.daemon import Running, run_daemon
 from smgd.engines.base import EngineState
 from smgd.engines.handshake import STATE_FILE
 from smgd.engines.vllm import VllmEngineClient
@@ -119,11 +119,12 @@ async def daemon(
     """The whole daemon on ``path``; yields once its one engine is ready; cancelled on exit."""
     config = load_config(path, environ={})
     async with trio.open_nursery() as nursery:
-        gateway, binds = await nursery.start(
+        running: Running = await nursery.start(
             lambda task_status: run_daemon(
                 config, config_path=str(path), install_signals=False, task_status=task_status
             )
         )
+        gateway, binds = running.gateway, running.binds
         (engine,) = gateway.router.engines()
         assert isinstance(engine, VllmEngineClient)
         with trio.fail_after(ready_s):

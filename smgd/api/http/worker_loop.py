@@ -34,6 +34,11 @@ Requests h11 cannot parse (a malformed request line, headers over ``h11_max_inco
 a transfer coding other than chunked) and requests with both ``Content-Length`` and
 ``Transfer-Encoding`` are answered by :class:`H11Protocol`: the OpenAI error envelope as the
 body (hypercorn's own answer has none), then the connection is closed.
+
+Several of these hooks are private to hypercorn (``H11Protocol._create_stream`` and
+``_send_error_response``, ``TCPServer._read_data`` and ``_initiate_server_close``, the idle
+task's ``restart``/``stop``): tests/test_pins.py names each and pins the hypercorn and h11
+versions they were checked against.
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from smgd.api.direct import BODY_END, CONNECTION_KEY
-from smgd.api.errors import http_error
+from smgd.api.core.errors import http_error
+from smgd.api.http.direct import BODY_END, CONNECTION_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -121,16 +126,16 @@ class H11Protocol(HypercornH11Protocol):
 class DirectSendTCPServer(TCPServer):
     def __init__(self, app: Any, config: Config, context: Any, state: Any, stream: Any) -> None:
         # A state dict of its own, naming this connection: hypercorn copies it into every
-        # request's scope, where smgd.api.direct finds the connection to write to.
+        # request's scope, where smgd.api.http.direct finds the connection to write to.
         super().__init__(
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
         # A direct stream wrote its body's terminator itself (DirectWriter.finish): the one
         # h11 writes when the response completes must not reach the client a second time.
         self.body_end_written = False
-        # The hot routes (smgd.api.hot) run with no task reading ASGI messages; a request
-        # that must stop when its client goes away sets this instead, and the read loop calls
-        # it when it ends.
+        # Requests (smgd.api.http.dispatch) run with no task reading ASGI messages; the one
+        # running sets this to stop when its client goes away, and the read loop calls it
+        # when it ends.
         self.on_disconnect: Callable[[], None] | None = None
         self.disconnected = False
         self._keep_alive = KeepAliveTimer(self)

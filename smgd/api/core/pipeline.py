@@ -18,7 +18,7 @@ import re
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from smgd.api.errors import engine_finish_error
+from smgd.api.core.errors import engine_finish_error
 from smgd.errors import InvalidRequest
 from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 
@@ -196,8 +196,8 @@ class RequestState:
         "gaps",
         "kind",
         "model",
+        "recorder",
         "request_id",
-        "sink",
         "t_end",
         "t_first",
         "t_start",
@@ -221,7 +221,7 @@ class RequestState:
         # work. A 10 000-event generation holds 80 KB until it ends.
         self.gaps = array("d")
         # Called once with (state, end time) when the request ends (the metrics recorder).
-        self.sink: Callable[[RequestState, float], None] | None = None
+        self.recorder: Callable[[RequestState, float], None] | None = None
 
     def first_output(self, now: float) -> None:
         if self.t_first is None:

@@ -11,6 +11,9 @@
 - ``POST /v1/detokenize`` (also ``/detokenize``): ``{"model", "tokens"}`` → ``{"prompt"}``.
 - ``GET /metrics``: Prometheus text from the app's private registry (:mod:`smgd.metrics`).
 - ``GET /get_load``: SGLang-style load, one entry per engine (``docs/reference/metrics.md``).
+
+With several workers (``server.workers``), ``/readiness``, ``/metrics`` and ``/get_load``
+answer for all of them: this worker asks the others (:mod:`smgd.worker_peers`).
 """
 
 from __future__ import annotations
@@ -18,32 +21,39 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
-from quart import Blueprint, Response, current_app
 
-from smgd.api.prepare import api, encode, read_json, resolve_model
-from smgd.api.sse import encode_json
+from smgd.api.core.prepare import JSON_HEADERS, Reply, encode, json_reply, resolve_model
+from smgd.api.core.sse import encode_json
 from smgd.errors import InvalidRequest
-from smgd.metrics import REGISTRY_KEY
-from smgd.worker_peers import PEERS_KEY, ask_all, merge_load, merge_metrics, merge_readiness
+from smgd.worker_peers import ask_all, merge_load, merge_metrics, merge_readiness
 
 if TYPE_CHECKING:
+    from smgd.api.core.prepare import Call
     from smgd.gateway import Gateway
 
-__all__ = ["blueprint", "load_report", "model_cards", "readiness_report"]
-
-blueprint = Blueprint("ops", __name__)
+__all__ = [
+    "detokenize",
+    "get_load",
+    "health",
+    "load_answer",
+    "load_report",
+    "metrics",
+    "model_cards",
+    "models",
+    "readiness",
+    "readiness_answer",
+    "readiness_report",
+    "tokenize",
+]
 
 TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
+# A failing readiness probe asks again after this many seconds.
+_NOT_READY_HEADERS = {**JSON_HEADERS, "Retry-After": "5"}
 
 
-def _json(payload: Any, status: int = 200) -> Response:
-    return Response(encode_json(payload), status=status, content_type="application/json")
-
-
-@blueprint.get("/health")
-@blueprint.get("/liveness")
-async def health() -> Response:
-    return _json({"status": "ok"})
+async def health(call: Call) -> Reply:
+    """``GET /health``, ``GET /liveness``."""
+    return json_reply({"status": "ok"})
 
 
 def readiness_report(gateway: Gateway) -> tuple[bool, dict[str, Any]]:
@@ -75,19 +85,17 @@ def readiness_answer(gateway: Gateway) -> bytes:
     return encode_json({"ready": ready, "report": report})
 
 
-@blueprint.get("/readiness")
-async def readiness() -> Response:
-    gateway = api().gateway
-    peers = current_app.extensions.get(PEERS_KEY)
+async def readiness(call: Call) -> Reply:
+    """``GET /readiness``."""
+    gateway, peers = call.ctx.gateway, call.ctx.peers
     if peers is None:
         ready, report = readiness_report(gateway)
     else:  # with workers: ready only if every worker is
         answers = await ask_all(peers, "readiness", readiness_answer(gateway))
         ready, report = merge_readiness(answers)
-    response = _json(report, 200 if ready else 503)
-    if not ready:
-        response.headers["Retry-After"] = "5"
-    return response
+    if ready:
+        return json_reply(report)
+    return json_reply(report, 503, _NOT_READY_HEADERS)
 
 
 def model_cards(gateway: Gateway, created: int) -> list[dict[str, Any]]:
@@ -110,17 +118,16 @@ def model_cards(gateway: Gateway, created: int) -> list[dict[str, Any]]:
     return cards
 
 
-@blueprint.get("/v1/models")
-async def models() -> Response:
-    ctx = api()
-    return _json({"object": "list", "data": model_cards(ctx.gateway, ctx.created)})
+async def models(call: Call) -> Reply:
+    """``GET /v1/models``."""
+    ctx = call.ctx
+    return json_reply({"object": "list", "data": model_cards(ctx.gateway, ctx.created)})
 
 
-@blueprint.post("/v1/tokenize")
-@blueprint.post("/tokenize")
-async def tokenize() -> Response:
-    ctx = api()
-    body = await read_json()
+async def tokenize(call: Call) -> Reply:
+    """``POST /v1/tokenize``, ``POST /tokenize``."""
+    ctx = call.ctx
+    body = call.json()
     model, text = resolve_model(ctx.gateway, body)
     tokenizer = text.tokenizer
     special = body.get("add_special_tokens")
@@ -130,14 +137,18 @@ async def tokenize() -> Response:
         prompt = tokenizer.render_chat(
             body["messages"], add_generation_prompt=body.get("add_generation_prompt") is not False
         )
-        ids = await encode(tokenizer, prompt, add_special_tokens=bool(special))
+        ids = await encode(
+            tokenizer, prompt, add_special_tokens=bool(special), limiter=ctx.tokenize_limiter
+        )
     else:
         raw = body.get("prompt")
         if not isinstance(raw, str):
             raise InvalidRequest("`prompt` (a string) or `messages` is required", param="prompt")
-        ids = await encode(tokenizer, raw, add_special_tokens=special is not False)
+        ids = await encode(
+            tokenizer, raw, add_special_tokens=special is not False, limiter=ctx.tokenize_limiter
+        )
     lens = [e.info.max_model_len for e in ctx.gateway.router.models().get(model, []) if e.info]
-    return _json(
+    return json_reply(
         {
             "tokens": ids,
             "count": len(ids),
@@ -146,12 +157,10 @@ async def tokenize() -> Response:
     )
 
 
-@blueprint.post("/v1/detokenize")
-@blueprint.post("/detokenize")
-async def detokenize() -> Response:
-    ctx = api()
-    body = await read_json()
-    _, text = resolve_model(ctx.gateway, body)
+async def detokenize(call: Call) -> Reply:
+    """``POST /v1/detokenize``, ``POST /detokenize``."""
+    body = call.json()
+    _, text = resolve_model(call.ctx.gateway, body)
     tokens = body.get("tokens")
     vocab = text.vocab_size
     if not isinstance(tokens, list) or not all(
@@ -160,18 +169,19 @@ async def detokenize() -> Response:
         raise InvalidRequest(
             f"`tokens` must be an array of token ids in [0, {vocab})", param="tokens"
         )
-    return _json({"prompt": text.tokenizer.decode(tokens, skip_special_tokens=False)})
+    return json_reply({"prompt": text.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
-@blueprint.get("/metrics")
-async def metrics() -> Response:
-    body = generate_latest(current_app.extensions[REGISTRY_KEY])
-    peers = current_app.extensions.get(PEERS_KEY)
-    if peers is not None:  # with workers, one scrape covers them all (smgd.worker_peers)
-        body = merge_metrics(await ask_all(peers, "metrics", body), peers.count)
+async def metrics(call: Call) -> Reply:
+    """``GET /metrics``."""
+    ctx = call.ctx
+    assert ctx.registry is not None, "the app has no metrics registry"
+    body = generate_latest(ctx.registry)
+    if ctx.peers is not None:  # with workers, one scrape covers them all (smgd.worker_peers)
+        body = merge_metrics(await ask_all(ctx.peers, "metrics", body), ctx.peers.count)
     # The classic text format's content type: every Prometheus/agent version parses it (the
     # client's default advertises version=1.0.0, which older scrapers do not know).
-    return Response(body, content_type=TEXT_0_0_4)
+    return Reply(body, {"Content-Type": TEXT_0_0_4})
 
 
 def load_report(gateway: Gateway) -> list[dict[str, Any]]:
@@ -209,11 +219,10 @@ def load_answer(gateway: Gateway) -> bytes:
     return encode_json(load_report(gateway))
 
 
-@blueprint.get("/get_load")
-async def get_load() -> Response:
-    gateway = api().gateway
-    peers = current_app.extensions.get(PEERS_KEY)
+async def get_load(call: Call) -> Reply:
+    """``GET /get_load``."""
+    gateway, peers = call.ctx.gateway, call.ctx.peers
     if peers is None:
-        return _json(load_report(gateway))
+        return json_reply(load_report(gateway))
     # With workers: every worker's engines, in worker order, dp_rank renumbered over them all.
-    return _json(merge_load(await ask_all(peers, "load", load_answer(gateway))))
+    return json_reply(merge_load(await ask_all(peers, "load", load_answer(gateway))))

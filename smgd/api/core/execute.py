@@ -1,4 +1,4 @@
-"""The trio shell around :mod:`smgd.api.pipeline`: run a request's engine streams.
+"""The trio shell around :mod:`smgd.api.core.pipeline`: run a request's engine streams.
 
 - :func:`collect`: non-streamed; one task per choice, the first error cancels the rest.
 - :func:`stream`: an async generator of SSE bytes for the response body. One choice (the hot
@@ -16,8 +16,12 @@ each one ends as any failed request does: a stream with its error event, ``[DONE
 end of its body, a non-streamed request with a 503; each engine request is aborted.
 
 Metrics: each output event notes its time on the request state (TTFT, inter-event gaps);
-:func:`log_request`, run once from every path's ``finally``, hands the state to the app's
-recorder (:mod:`smgd.metrics`), which observes everything in one go.
+:func:`log_request`, run once from every path's ``finally``, hands the state to its
+``recorder`` (the app's :mod:`smgd.metrics`), which observes everything in one go.
+
+A stream written directly (one choice on an HTTP/1.1 connection of smgd's own worker loop)
+gets an :class:`EventWriter`: the HTTP layer's writer (``DirectWriter`` in
+:mod:`smgd.api.http.direct`) as this module sees it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import trio
-from quart import current_app, has_app_context
 
-from smgd.api.pipeline import new_engine_rid
-from smgd.api.sse import KEEPALIVE
+from smgd.api.core.pipeline import new_engine_rid
+from smgd.api.core.sse import KEEPALIVE
 from smgd.errors import Draining, EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
@@ -40,29 +43,24 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
     from contextlib import AbstractAsyncContextManager
 
-    from smgd.api.direct import DirectWriter
-    from smgd.api.pacer import LoadPacer
-    from smgd.api.pipeline import Choice, RequestState
+    from smgd.api.core.pacer import LoadPacer
+    from smgd.api.core.pipeline import Choice, RequestState
     from smgd.engines.base import EngineClient
     from smgd.engines.stream import RequestStream
     from smgd.router import Router
     from smgd.wire.common import GenerateRequest
 
 __all__ = [
-    "RECORDER_KEY",
     "Cutoff",
+    "EventWriter",
     "Job",
     "Renderer",
-    "attach_sink",
     "collect",
     "log_request",
     "stream",
 ]
 
 log = logging.getLogger("smgd.api")
-
-# app.extensions key of the per-request metrics recorder, (state, end time) -> None.
-RECORDER_KEY = "smgd.record"
 
 
 class Cutoff:
@@ -220,10 +218,33 @@ class Renderer(Protocol):
     def error(self, err: SmgdError) -> bytes: ...
 
 
-def attach_sink(state: RequestState) -> None:
-    """Pick up the app's metrics recorder (call inside the request context, before streaming)."""
-    if state.sink is None and has_app_context():
-        state.sink = current_app.extensions.get(RECORDER_KEY)
+class EventWriter(Protocol):
+    """Writes one stream's events straight to its client's socket, as HTTP/1.1 chunks.
+
+    Methods run on the engine's reader task (:meth:`write`, :meth:`finish`) or the stream's
+    own task (:meth:`flush`); nothing here waits except :meth:`flush`.
+    """
+
+    @property
+    def broken(self) -> bool:
+        """The client's socket broke: nothing more can be written."""
+
+    @property
+    def backlog(self) -> bytearray:
+        """Bytes the kernel did not take yet; :meth:`flush` sends them."""
+
+    @property
+    def writes(self) -> int:
+        """Chunks the kernel took at once so far."""
+
+    def write(self, payload: bytes) -> bool:
+        """Send ``payload`` as one chunk now; False if it waits in the backlog or broke."""
+
+    def finish(self, payload: bytes) -> bool:
+        """Send ``payload`` as the body's last chunk and end the body, in one write."""
+
+    async def flush(self) -> None:
+        """Send the backlog, waiting for the socket."""
 
 
 def log_request(state: RequestState) -> None:
@@ -234,9 +255,9 @@ def log_request(state: RequestState) -> None:
     A client error or a client that went away stays at info.
     """
     now = trio.current_time()
-    if state.sink is not None:
+    if state.recorder is not None:
         try:
-            state.sink(state, now)
+            state.recorder(state, now)
         except Exception:  # metrics must never break a response
             log.exception("%s: recording metrics failed", state.request_id)
     fields = state.log_fields(now)
@@ -295,7 +316,6 @@ async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = 
 
     ``cutoff`` cancels the jobs (their engine requests are aborted) and raises its error.
     """
-    attach_sink(state)
     errors: list[SmgdError] = []
     cutoff = cutoff or _NEVER_CUT
 
@@ -340,12 +360,11 @@ def stream(
     keepalive_s: float,
     nursery: trio.Nursery | None,
     pacer: LoadPacer | None = None,
-    writer: DirectWriter | None = None,
+    writer: EventWriter | None = None,
     cutoff: Cutoff | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack; ``cutoff``
     ends the stream with its error event."""
-    attach_sink(state)  # here, in the request context: the body runs after it is gone
     cutoff = cutoff or _NEVER_CUT
     if len(jobs) == 1:
         return _stream_one(jobs[0], state, render, keepalive_s, pacer, writer, cutoff)
@@ -362,15 +381,15 @@ async def _direct(
     choice: Choice,
     state: RequestState,
     render: Renderer,
-    writer: DirectWriter,
+    writer: EventWriter,
     keepalive_s: float,
     pacer: LoadPacer | None = None,
     cutoff: Cutoff = _NEVER_CUT,
 ) -> None:
-    """Let the reader task write this stream's events (:mod:`smgd.api.direct`) until it ends.
+    """Let the reader task write this stream's events through ``writer`` until it ends.
 
     Returns once the choice is done and every byte is written: the reader wrote the last
-    event, the end and the body's terminator together (:meth:`DirectWriter.finish`), so the
+    event, the end and the body's terminator together (:meth:`EventWriter.finish`), so the
     client has the whole response before this task runs again. Raises the engine's error, or
     :class:`_ClientGone`; the caller sends an error event the normal way.
 
@@ -466,7 +485,7 @@ async def _stream_one(
     render: Renderer,
     keepalive_s: float,
     pacer: LoadPacer | None,
-    writer: DirectWriter | None,
+    writer: EventWriter | None,
     cutoff: Cutoff,
 ) -> AsyncGenerator[bytes, None]:
     choice = job.choice
@@ -477,8 +496,8 @@ async def _stream_one(
             try:
                 async with watch.opening(job) as rs:
                     if writer is not None:
-                        # Quart sent the response head before it asked for the body: every
-                        # event can go straight to the socket, the first one included.
+                        # The dispatcher sent the response head before it asked for the body:
+                        # every event can go straight to the socket, the first one included.
                         try:
                             await _direct(
                                 rs, choice, state, render, writer, keepalive_s, pacer, cutoff

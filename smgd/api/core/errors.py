@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from smgd.api.sse import DONE, encode_json, event
+from smgd.api.core.sse import DONE, encode_json, event
 from smgd.errors import EngineDead, EngineRejected, SmgdError
 from smgd.wire.common import Finish, FinishReason
 
@@ -25,15 +25,14 @@ __all__ = [
     "stream_error",
 ]
 
-# werkzeug HTTPExceptions Quart raises itself (routing, body limits) and the requests h11
-# refuses (smgd.api.http_worker) → OpenAI error types.
+# Statuses answered without a SmgdError → OpenAI error types: the dispatcher's own refusals
+# (404, 405, 408: smgd.api.http.dispatch) and the requests h11 refuses (400, 431, 501:
+# smgd.api.http.worker_loop).
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
     431: "invalid_request_error",
     501: "invalid_request_error",  # h11: a transfer coding it does not implement; the client's
 }
@@ -56,7 +55,7 @@ def error_headers(err: SmgdError, request_id: str | None) -> dict[str, str]:
 
 
 def http_error(status: int, message: str) -> bytes:
-    """Envelope for an error that is not a :class:`SmgdError` (routing, 413, internal)."""
+    """Envelope for an error that is not a :class:`SmgdError` (:data:`HTTP_ERRORS`)."""
     kind = HTTP_ERRORS.get(status, "internal_error" if status >= 500 else "invalid_request_error")
     return encode_json({"error": {"message": message, "type": kind, "param": None, "code": None}})
 

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI-compatible).
 
-Streams are SSE (:mod:`smgd.api.sse`): the first chat chunk of each choice carries
+Streams are SSE (:mod:`smgd.api.core.sse`): the first chat chunk of each choice carries
 ``delta.role``, the last one ``finish_reason`` (``stop`` / ``length``), ``include_usage``
 adds a ``choices: []`` usage chunk before ``[DONE]``. ``n > 1`` and batched completion
 prompts become one engine request per choice, with ``index = prompt_index * n + j``.
@@ -9,7 +9,7 @@ Logprobs (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs: k``) com
 two shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions
 ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, one entry per
 token counted in ``usage``. A streamed chunk carries the entries of the tokens whose text it
-completes (see :class:`~smgd.api.pipeline.LogprobTrack`). Completions ``tokens`` are each
+completes (see :class:`~smgd.api.core.pipeline.LogprobTrack`). Completions ``tokens`` are each
 token's contribution to the returned text, which ``text_offset`` indexes; every other token
 string comes from :class:`TokenText`.
 """
@@ -19,30 +19,25 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from quart import Blueprint, Response
-
-from smgd.api.errors import stream_error
-from smgd.api.execute import collect, stream
-from smgd.api.pipeline import MIN_LOGPROB, RequestState
-from smgd.api.prepare import (
+from smgd.api.core.errors import stream_error
+from smgd.api.core.execute import collect, stream
+from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
+from smgd.api.core.prepare import (
     JSON_HEADERS,
     Reply,
     context_len,
     encode,
     plan_jobs,
-    quart_call,
-    read_json,
     resolve_model,
-    to_response,
 )
-from smgd.api.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
+from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.sampling import from_openai
 
 if TYPE_CHECKING:
-    from smgd.api.execute import Job
-    from smgd.api.pipeline import Choice
-    from smgd.api.prepare import Call, SamplingFor
+    from smgd.api.core.execute import Job
+    from smgd.api.core.pipeline import Choice
+    from smgd.api.core.prepare import Call, SamplingFor
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
@@ -51,15 +46,12 @@ if TYPE_CHECKING:
 __all__ = [
     "OpenAIRenderer",
     "TokenText",
-    "blueprint",
     "chat_logprobs",
     "chat_reply",
     "completion_logprobs",
     "completion_reply",
     "stop_reason",
 ]
-
-blueprint = Blueprint("openai", __name__)
 
 # Chat keys that would change the prompt in ways smgd does not implement; rejected by name.
 _CHAT_UNSUPPORTED = ("chat_template", "documents")
@@ -148,7 +140,7 @@ def completion_logprobs(
     """Legacy completions' ``choices[i].logprobs``.
 
     ``tokens`` are the tokens' contributions to the returned text (they concatenate to it and
-    ``text_offset`` indexes it; see :class:`~smgd.api.pipeline.LogprobTrack`); the keys of
+    ``text_offset`` indexes it; see :class:`~smgd.api.core.pipeline.LogprobTrack`); the keys of
     ``top_logprobs`` are tokens' own texts, and also hold the sampled token (OpenAI: "up to
     logprobs+1 elements").
     """
@@ -364,14 +356,9 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-@blueprint.post("/v1/chat/completions")
-async def chat_completions() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
-    return to_response(await chat_reply(quart_call(), await read_json()))
-
-
-async def chat_reply(call: Call, body: dict[str, Any]) -> Reply:
+async def chat_reply(call: Call) -> Reply:
     """``POST /v1/chat/completions``: 4xx errors are raised before any engine sees the request."""
+    body = call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     for key in _CHAT_UNSUPPORTED:
@@ -448,14 +435,9 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
     )
 
 
-@blueprint.post("/v1/completions")
-async def completions() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
-    return to_response(await completion_reply(quart_call(), await read_json()))
-
-
-async def completion_reply(call: Call, body: dict[str, Any]) -> Reply:
+async def completion_reply(call: Call) -> Reply:
     """``POST /v1/completions``: 4xx errors are raised before any engine sees the request."""
+    body = call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)

@@ -1,4 +1,9 @@
-"""Request preparation shared by the OpenAI and native endpoints.
+"""Request preparation shared by the OpenAI and native endpoints, and what every handler gets.
+
+A handler is ``Call -> Reply`` (:mod:`smgd.api.handlers`): a :class:`Call` carries the request's
+body, id and everything the app holds for it (:class:`ApiContext`); a :class:`Reply` is the
+answer, a JSON document or an SSE body. :mod:`smgd.api.http.dispatch` builds the call and sends
+the reply.
 
 Body → JSON dict (400 on anything else), model → :class:`~smgd.gateway.ModelText` (404),
 text → token ids (big prompts in a worker thread), then engines picked and every engine
@@ -10,50 +15,47 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
-from quart import Response, current_app, g, request
 
-from smgd.api.asgi_connection import QUEUED_BODY_KEY
-from smgd.api.direct import direct_writer
-from smgd.api.execute import RECORDER_KEY, Cutoff, Job
-from smgd.api.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
+from smgd.api.core.execute import Cutoff, Job
+from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
+from smgd.api.core.sse import encode_json
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
 if TYPE_CHECKING:
-    from smgd.api.direct import DirectWriter
-    from smgd.api.pacer import LoadPacer
+    from prometheus_client import CollectorRegistry
+
+    from smgd.api.core.execute import EventWriter
+    from smgd.api.core.pacer import LoadPacer
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
     from smgd.wire.common import SamplingParams
+    from smgd.worker_peers import WorkerPeers
 
 __all__ = [
     "JSON_HEADERS",
     "MAX_CHOICES",
     "ApiContext",
     "Call",
+    "Handler",
+    "Recorder",
     "Reply",
-    "api",
-    "app_nursery",
     "context_len",
     "decode_body",
     "encode",
+    "json_reply",
     "plan_jobs",
-    "quart_call",
-    "read_json",
-    "request_id",
     "resolve_model",
-    "response_writer",
-    "to_response",
 ]
 
 log = logging.getLogger("smgd.api")
@@ -73,15 +75,22 @@ _decoder = msgspec.json.Decoder()
 
 @dataclass(slots=True)
 class ApiContext:
-    """What the handlers need, stored in ``app.extensions["smgd"]``."""
+    """What an app's handlers share: one per app, built by :mod:`smgd.api.http.app`.
+
+    ``api_keys``, ``keepalive_s`` and ``max_body_bytes`` change on a reload; the rest is fixed
+    for the app's life.
+    """
 
     gateway: Gateway
-    api_keys: tuple[bytes, ...]
+    api_keys: tuple[bytes, ...]  # empty: no key needed
     tokenize_limiter: trio.CapacityLimiter
     keepalive_s: float
     created: int  # unix time the app was built (the `created` of /v1/models)
+    max_body_bytes: int
     pacer: LoadPacer | None = None  # adaptive SSE coalescing under load
     cutoff: Cutoff = field(default_factory=Cutoff)  # ends running requests at a drain's deadline
+    registry: CollectorRegistry | None = None  # the app's metrics, served at GET /metrics
+    peers: WorkerPeers | None = None  # the other workers (server.workers > 1), else None
 
 
 Recorder = Callable[["RequestState", float], None]
@@ -89,22 +98,22 @@ Recorder = Callable[["RequestState", float], None]
 
 @dataclass(slots=True)
 class Call:
-    """What a generation handler needs beyond its body, passed explicitly.
-
-    The handlers (:mod:`smgd.api.openai`, :mod:`smgd.api.native`) take one instead of reading
-    Quart's context, so the same code serves Quart's routes (:func:`quart_call`) and the
-    hot-route path that bypasses Quart (:mod:`smgd.api.hot`).
-    """
+    """One request as its handler sees it: the body, the id, and what the app holds for it."""
 
     ctx: ApiContext
     request_id: str  # echoed in X-Request-Id (/generate's `rid` may replace it)
+    body: bytes  # the whole request body
     nursery: trio.Nursery  # the app-wide nursery: home of n > 1 pumps
-    writer: DirectWriter | None  # direct SSE writes for this connection, where they apply
+    writer: EventWriter | None  # direct SSE writes for this connection, where they apply
     recorder: Recorder | None = None  # the app's metrics recorder
     recorded: bool = False  # the recorder saw this request (errors must not count it again)
 
+    def json(self) -> dict[str, Any]:
+        """The body as a JSON object (400 on anything else)."""
+        return decode_body(self.body)
+
     def record(self, state: RequestState, now: float) -> None:
-        """``RequestState.sink``: hand the finished request to the metrics recorder once."""
+        """``RequestState.recorder``: hand the finished request to the metrics recorder once."""
         self.recorded = True
         if self.recorder is not None:
             self.recorder(state, now)
@@ -117,7 +126,7 @@ class Call:
             created=int(time.time()),
             t_start=trio.current_time(),
         )
-        state.sink = self.record
+        state.recorder = self.record
         return state
 
 
@@ -130,54 +139,16 @@ class Reply:
 
     body: bytes | AsyncGenerator[bytes, None]
     headers: Mapping[str, str]
+    status: int = 200
 
 
-def to_response(reply: Reply) -> Response:
-    """A :class:`Reply` as Quart's response."""
-    response = Response(reply.body, headers=dict(reply.headers))
-    if not isinstance(reply.body, bytes):
-        response.timeout = None  # Quart's 60 s RESPONSE_TIMEOUT would cut long streams
-    return response
+def json_reply(payload: Any, status: int = 200, headers: Mapping[str, str] = JSON_HEADERS) -> Reply:
+    """``payload`` as a JSON document."""
+    return Reply(encode_json(payload), headers, status)
 
 
-def quart_call() -> Call:
-    """The :class:`Call` of the Quart request being handled."""
-    return Call(
-        ctx=api(),
-        request_id=request_id(),
-        nursery=app_nursery(),
-        writer=response_writer(),
-        recorder=current_app.extensions.get(RECORDER_KEY),
-    )
-
-
-def api() -> ApiContext:
-    ctx: ApiContext = current_app.extensions["smgd"]
-    return ctx
-
-
-def app_nursery() -> trio.Nursery:
-    """quart-trio's app-wide nursery (set up by the ASGI lifespan): home of n > 1 pumps."""
-    nursery: trio.Nursery = current_app.nursery  # type: ignore[attr-defined]
-    return nursery
-
-
-def response_writer() -> DirectWriter | None:
-    """Direct SSE writes for this request's connection, where they apply (smgd.api.direct)."""
-    return direct_writer(request.scope)
-
-
-def request_id() -> str:
-    rid: str = g.request_id
-    return rid
-
-
-async def read_json() -> dict[str, Any]:
-    data = request.scope.get(QUEUED_BODY_KEY)  # read before the handler ran, if it was
-    if data is None:
-        data = await request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
-    assert isinstance(data, bytes)
-    return decode_body(data)
+# A route's handler (smgd.api.handlers): 4xx/5xx errors are raised as SmgdErrors.
+Handler = Callable[[Call], Awaitable[Reply]]
 
 
 def decode_body(data: bytes) -> dict[str, Any]:
@@ -218,12 +189,11 @@ async def encode(
     text: str,
     *,
     add_special_tokens: bool,
-    limiter: trio.CapacityLimiter | None = None,
+    limiter: trio.CapacityLimiter,
     context: int | None = None,
     param: str = "prompt",
 ) -> list[int]:
-    """Token ids of ``text``; a big prompt in a worker thread under ``limiter`` (default: the
-    app's, from Quart's context).
+    """Token ids of ``text``; a big prompt in a worker thread under ``limiter``.
 
     With ``context`` (the model's context length), a text longer than that many tokens can
     possibly hold is refused at once (400 ``context_length_exceeded``, naming ``param``): the
@@ -245,7 +215,7 @@ async def encode(
         tokenizer.encode_many,
         [text],
         add_special_tokens,
-        limiter=api().tokenize_limiter if limiter is None else limiter,
+        limiter=limiter,
     )
     return ids[0]
 

@@ -1,18 +1,20 @@
 """Direct SSE writes: an event goes from the engine's reader task straight to the client socket.
 
 Through the ASGI stack, every SSE event of every stream costs a task switch (the engine's
-reader wakes the stream's task), a trip through the response generator, Quart's send loop,
-hypercorn's ``app_send`` and h11's chunk writer, then the socket write. Under load that is
+reader wakes the stream's task), a trip through the response generator, the dispatcher's send
+loop, hypercorn's ``app_send`` and h11's chunk writer, then the socket write. Under load that is
 most of smgd's CPU per token (docs/performance.md). Once a stream's response has started, none
 of it is needed: the bytes on the wire are one HTTP/1.1 chunk per event, and the connection
 has nothing else to send until the stream ends.
 
-So a stream on an HTTP/1.1 connection of smgd's own worker loop (:mod:`smgd.api.http_worker`)
-hands its engine stream a *sink* as soon as the body starts (Quart has sent the response head
-through h11 by then, so even the first event, the one that sets TTFT, is direct): the
+So a stream on an HTTP/1.1 connection of smgd's own worker loop
+(:mod:`smgd.api.http.worker_loop`) hands its engine stream a *sink* (``RequestStream.sink``) as
+soon as the body starts (the dispatcher has sent the response head through h11 by then, so
+even the first event, the one that sets TTFT, is direct): the
 reader task applies each delta (detokenize, stop strings), renders the event and writes it as
-a chunk with one ``os.write`` (:class:`DirectWriter`). The stream's task sleeps meanwhile and
-wakes only when the writer needs it:
+a chunk with one ``os.write`` (:class:`DirectWriter`, which :mod:`smgd.api.core.execute` sees
+as its ``EventWriter``). The stream's task sleeps meanwhile and wakes only when the writer
+needs it:
 
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event

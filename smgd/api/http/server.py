@@ -1,7 +1,9 @@
-"""The HTTP server: hypercorn's HTTP/1.1 protocol serving the quart-trio app (nursery.start).
+"""The HTTP listeners: the public API (:func:`serve_http`) and the admin one (:func:`serve_admin`).
 
-The worker loop is :func:`smgd.api.http_worker.serve` (hypercorn's parts, with a direct socket
-write for each response chunk), not ``hypercorn.trio.serve``.
+The public app (:func:`smgd.api.http.app.create_app`) runs under smgd's worker loop,
+:func:`smgd.api.http.worker_loop.serve` (hypercorn's parts, with a direct socket write for
+each response chunk); the admin app, whose requests are few and short, under
+``hypercorn.trio.serve``.
 
 The public listener binds ``server.host:server.port``, unless systemd socket activation passed
 listening sockets (``LISTEN_PID`` is this process, ``LISTEN_FDS >= 1``): then hypercorn serves
@@ -10,6 +12,12 @@ those fds (``fd://3`` ...) and the host and port in the config are not used.
 Binding (:func:`bind_public`) is separate from serving (:func:`serve_http`): the daemon binds
 before it launches any engine, so a port that is taken fails at once, naming the address,
 without launching an engine for nothing.
+
+The admin listener is a unix socket by default, ``<run_dir>/admin.sock``, inside the 0700 run
+directory, so only smgd's user can reach it. ``[admin] port > 0`` moves it to TCP on
+``admin.host`` (loopback by default); ``admin.token_env`` then names an env var holding a
+bearer token that every admin request must carry (an unset or empty one is a config error at
+start).
 """
 
 from __future__ import annotations
@@ -21,20 +29,25 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import hypercorn.trio
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 
-from smgd.api.http_worker import serve
+from smgd.api.http.app import create_admin_app, create_app
+from smgd.api.http.worker_loop import serve
+from smgd.config import run_dir
 from smgd.errors import TransportError, errno_name
+from smgd.ipc import prepare_ipc_endpoint
 from smgd.sdnotify import take_listen_fds
-from smgd.workers import worker_listen_fds
+from smgd.worker_id import worker_listen_fds
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from smgd.config import ServerConfig
     from smgd.gateway import Gateway
+    from smgd.reload import ReloadResult
 
 log = logging.getLogger("smgd.http")
 
@@ -135,8 +148,6 @@ async def serve_http(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the app on ``listener`` (bound here if None) until the drain closes it."""
-    from smgd.api.app import create_app
-
     app = create_app(gateway)
     if listener is None:
         listener = bind_public(gateway)
@@ -152,3 +163,42 @@ async def serve_http(
     finally:
         listener.close()
         gateway.http_done.set()
+
+
+def admin_socket_path(gateway: Gateway) -> str:
+    return str(run_dir(gateway.config) / "admin.sock")
+
+
+def admin_bind(gateway: Gateway) -> str:
+    admin = gateway.config.admin
+    if admin.port > 0:
+        return f"{admin.host}:{admin.port}"
+    return f"unix:{admin_socket_path(gateway)}"
+
+
+async def serve_admin(
+    gateway: Gateway,
+    reload: Callable[[], Awaitable[ReloadResult]],
+    drain: Callable[[], None],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin app (with the daemon's ``reload`` and ``drain``) until cancelled."""
+    bind = admin_bind(gateway)
+    if bind.startswith("unix:"):
+        prepare_ipc_endpoint(bind[len("unix:") :])  # 0700 dir, stale socket cleared, live refused
+    cfg = HypercornConfig()
+    cfg.bind = [bind]
+    admin = gateway.config.admin
+    if admin.port > 0:
+        # Bound here, so a taken port is an error naming the address; hypercorn owns the fd.
+        cfg.bind = [f"fd://{listen_tcp(admin.host, admin.port, cfg.backlog).detach()}"]
+    cfg.graceful_timeout = 1.0  # admin requests are short
+    cfg.accesslog = None
+    cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
+    await hypercorn.trio.serve(
+        create_admin_app(gateway, reload, drain),
+        cfg,
+        shutdown_trigger=trio.sleep_forever,
+        task_status=task_status,
+    )

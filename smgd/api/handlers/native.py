@@ -20,37 +20,31 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Blueprint, Response, g
 
-from smgd.api.errors import stream_error
-from smgd.api.execute import collect, stream
-from smgd.api.openai import TokenText
-from smgd.api.pipeline import MIN_LOGPROB, check_request_id
-from smgd.api.prepare import (
+from smgd.api.core.errors import stream_error
+from smgd.api.core.execute import collect, stream
+from smgd.api.core.pipeline import MIN_LOGPROB, check_request_id
+from smgd.api.core.prepare import (
     JSON_HEADERS,
     Reply,
     context_len,
     encode,
     plan_jobs,
-    quart_call,
-    read_json,
     resolve_model,
-    to_response,
 )
-from smgd.api.sse import DONE, SSE_HEADERS, encode_json, event
+from smgd.api.core.sse import DONE, SSE_HEADERS, encode_json, event
+from smgd.api.handlers.openai import TokenText
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.sampling import from_native
 
 if TYPE_CHECKING:
-    from smgd.api.execute import Job
-    from smgd.api.pipeline import Choice, LogprobTrack, RequestState
-    from smgd.api.prepare import Call
+    from smgd.api.core.execute import Job
+    from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState
+    from smgd.api.core.prepare import Call
     from smgd.sampling import TextOptions
     from smgd.wire.common import SamplingParams
 
-__all__ = ["NativeRenderer", "blueprint", "generate_reply"]
-
-blueprint = Blueprint("native", __name__)
+__all__ = ["NativeRenderer", "generate_reply"]
 
 # SGLang request keys for features no engine path here implements; rejected by name.
 _UNSUPPORTED = (
@@ -141,18 +135,13 @@ class NativeRenderer:
         return stream_error(err)
 
 
-@blueprint.post("/generate")
-async def generate() -> Response:
-    """Quart's route; smgd's own worker loop serves it through :mod:`smgd.api.hot`."""
-    call = quart_call()
-    try:
-        return to_response(await generate_reply(call, await read_json()))
-    finally:
-        g.request_id = call.request_id  # a valid `rid` is echoed, on errors too
+async def generate_reply(call: Call) -> Reply:
+    """``POST /generate``: 4xx errors are raised before any engine sees the request.
 
-
-async def generate_reply(call: Call, body: dict[str, Any]) -> Reply:
-    """``POST /generate``: 4xx errors are raised before any engine sees the request."""
+    A valid ``rid`` becomes the request's id (``call.request_id``): echoed in ``X-Request-Id``,
+    on errors too, and named in the log line.
+    """
+    body = call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:

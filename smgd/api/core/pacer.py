@@ -1,13 +1,15 @@
 """Adaptive coalescing: fewer, fuller SSE events when the event loop is loaded, none when idle.
 
-Each SSE event costs ~150-200 µs of CPU in the HTTP stack (hypercorn + h11 + trio's socket
-send), whatever it carries, so when one process serves hundreds of streams the way to keep up
-is to send several tokens per event. :class:`LoadPacer` measures how late the trio loop wakes a
-sleeping task (its *lag*: how long runnable work keeps the loop busy) and turns that into a
-per-stream *window*: after sending an event, a stream waits ``window_s`` before taking its next
-output, and everything the engine produced meanwhile goes out as one event (nothing is dropped:
-:class:`~smgd.engines.stream.RequestStream` coalesces). An idle loop has no lag, so every token
-goes out as soon as it is decoded; the first token of a stream is never delayed.
+An SSE event costs about the same CPU whatever it carries: ~80 µs on the ordinary path, while
+a second to fourth token in the same event adds 1-3 µs each (16 streams, a fake engine in the
+same process whose step is included; docs/design.md). So when one process serves hundreds of
+streams the way to keep up is to send several tokens per event. :class:`LoadPacer` measures
+how late the trio loop wakes a sleeping task (its *lag*: how long runnable work keeps the loop
+busy) and turns that into a per-stream *window*: after sending an event, a stream waits
+``window_s`` before taking its next output, and everything the engine produced meanwhile goes
+out as one event (nothing is dropped: :class:`~smgd.engines.stream.RequestStream` coalesces).
+An idle loop has no lag, so every token goes out as soon as it is decoded; the first token of a
+stream is never delayed.
 
 The window is proportional to the smoothed lag between ``LAG_LOW_S`` and ``LAG_HIGH_S``; more
 window means fewer events, less lag: the loop settles where it keeps up.
@@ -18,7 +20,7 @@ cancellation and a ``Cancelled`` raised and caught, which under load (hundreds o
 only time windows open) is a tenth of smgd's CPU. The pacer task wakes a whole bucket with one
 ``unpark_all`` at its tick; a window is rounded up to the next tick.
 
-Streams written directly by the engine's reader task (:mod:`smgd.api.direct`) have no task to
+Streams written directly by the engine's reader task (:mod:`smgd.api.http.direct`) have no task to
 park: they hold output themselves and ask for a callback at a tick (:meth:`LoadPacer.call_at`),
 and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 
@@ -54,7 +56,7 @@ LAG_LOW_S = 0.001
 # a 20 ms ceiling settled at ~3 tokens per event and 77 µs of CPU per token; 5-8 ms settles at
 # ~4 tokens per event and 58-65 µs per token with the same delivered throughput.
 LAG_HIGH_S = 0.006
-# Smoothed lag at which direct-mode streams (smgd.api.direct) start to coalesce too: the same
+# Smoothed lag at which direct-mode streams (smgd.api.http.direct) start to coalesce too: the same
 # point where the ordinary window is fully open. Measured with `smgd bench` (20 ms steps): with
 # the ordinary 1 ms threshold, the lag of each burst of 256 new requests opened direct windows
 # at C=256 (ITL p99 28 -> 123 ms) for no CPU saved. Gated here, C=256 stays at ~1 token per
@@ -97,10 +99,12 @@ class LoadPacer:
     def direct_window_s(self) -> float:
         """The window for direct-mode streams: open only while the loop stays saturated.
 
-        A direct event costs a fifth of an ordinary one (no task switch, no ASGI stack), so
-        holding it back saves little until the loop cannot keep up at all; below that, and in
-        a burst of new requests (which lags the loop for a moment), it would only stretch
-        inter-token gaps. So the gate is the slow average of the lag, not the window's.
+        A direct event skips the task switch and the ASGI stack (~63 against ~80 µs of CPU
+        per event, measured as in the module's docstring). Holding it back still saves CPU,
+        but stretches inter-token gaps: worth it once the loop cannot keep up at all, not
+        below that, nor in a burst of new requests, which lags the loop for a moment and which
+        held events only slowed (:data:`SUSTAINED_SMOOTHING`). So the gate is the slow
+        average of the lag, not the window's.
         """
         return self.window_s if self.sustained_lag_s >= DIRECT_LAG_S else 0.0
 

@@ -1,0 +1,436 @@
+"""The one request envelope: every route of an app, public or admin, through one dispatcher.
+
+An app is a table of routes (path → :class:`Route`: its handler, its method, whether a drain
+refuses it) served by a :class:`Dispatcher`, an ASGI application. Each handler is
+``Call -> Reply`` (:mod:`smgd.api.handlers`); around it the dispatcher does, for every request
+and in this order:
+
+1. reads the body, without a scheduler pass when it is already queued; a client gone before
+   its end gets no answer;
+2. takes the client's ``X-Request-Id`` (400 if malformed; of a list ``a, b``, as proxies merge
+   repeated headers, the first) or mints one, and echoes it on every response;
+3. checks the API key where the path needs one (401) and refuses generation routes while
+   smgd drains (503 + ``Retry-After``);
+4. routes: an unknown path is 404, a method the route does not take 405 (with ``Allow``);
+   ``OPTIONS`` is answered with ``Allow``, ``HEAD`` as ``GET`` (the server sends no body);
+5. a body over ``max_body_bytes`` is 413, one not complete within :data:`BODY_TIMEOUT_S` 408;
+6. runs the handler: every error is the OpenAI envelope with its status and headers
+   (:mod:`smgd.api.core.errors`), an unexpected exception a logged 500;
+7. counts the response in ``smgd_http_requests`` (route template, method, status; an unknown
+   route or method is ``unmatched``) and an error answered before any engine output in
+   ``smgd_aborts`` by cause (a generation request that ran is recorded once, by its
+   :class:`~smgd.api.core.pipeline.RequestState`).
+
+Why smgd's own dispatcher and not a framework's: ``POST /v1/completions``,
+``/v1/chat/completions`` and ``/generate`` carry nearly all of a gateway's traffic, and what
+each costs *per request* sets how long a burst of new requests takes: when 256 streams end and
+restart together, TTFT is the time the whole burst needs (docs/performance.md). Through Quart
+a request cost a nursery and two tasks (quart-trio's message reader and handler), a request
+context, the before/after hooks, werkzeug's URL matching, request and response objects and
+Quart's send loop: profiled at C = 256 with 8-token requests, a third of smgd's CPU. Here it is
+a dict lookup, a few header reads and the handler, and on smgd's worker loop nothing between
+the body's arrival and the engine submit waits: the handler, the response head (a direct
+socket write) and the submit run in one scheduler pass.
+
+A client that disconnects cancels its request (a generation's engine request is aborted): on
+smgd's worker loop the connection calls back when its read loop ends
+(``DirectSendTCPServer.on_disconnect``), so no task per request waits for it; under another
+ASGI server (the admin listener's, the tests') a task watches ``receive``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+
+from smgd.api.core.errors import error_body, error_headers, http_error
+from smgd.api.core.pipeline import check_request_id, new_request_id
+from smgd.api.core.prepare import Call
+from smgd.api.http.direct import CONNECTION_KEY, direct_writer
+from smgd.errors import Draining, PayloadTooLarge, SmgdError, Unauthorized
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
+
+    from smgd.api.core.prepare import ApiContext, Handler, Recorder
+    from smgd.api.http.worker_loop import DirectSendTCPServer
+    from smgd.metrics import RequestMetrics
+
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "Dispatcher",
+    "Route",
+    "authorized",
+    "client_request_id",
+    "read_body",
+]
+
+log = logging.getLogger("smgd.api")
+
+# Time to receive a whole request body. The largest allowed body (max_body_bytes, 8 MiB by
+# default) arrives in milliseconds on a local socket; 60 s only cuts stalled uploads.
+BODY_TIMEOUT_S = 60.0
+# The route label of a response to a path or method no route serves (one label, however many
+# paths clients try: the metric's cardinality stays bounded).
+UNMATCHED = "unmatched"
+# The messages of the dispatcher's own refusals (the words werkzeug used, which Quart answered
+# before the dispatcher did).
+NOT_FOUND = (
+    "The requested URL was not found on the server. If you entered the URL manually please "
+    "check your spelling and try again."
+)
+NOT_ALLOWED = "The method is not allowed for the requested URL."
+TIMED_OUT = (
+    "The server closed the network connection because the browser didn't finish the request "
+    "within the specified time."
+)
+
+BodyOutcome = Literal["complete", "too_large", "timeout", "disconnected"]
+
+
+class Route:
+    """One path's handler: the method it takes (``GET`` also answers ``HEAD``), and whether a
+    drain refuses it (a generation: no new one starts once smgd drains)."""
+
+    __slots__ = ("allow", "generation", "handler", "methods", "served")
+
+    def __init__(
+        self, method: Literal["GET", "POST"], handler: Handler, *, generation: bool = False
+    ) -> None:
+        self.handler = handler
+        self.methods = frozenset(("GET", "HEAD") if method == "GET" else (method,))
+        self.served = self.methods | {"OPTIONS"}  # counted under the route's own label
+        self.allow = ", ".join(sorted(self.served))  # the Allow header of an OPTIONS answer
+        self.generation = generation
+
+
+class _Refusal(Exception):
+    """A request refused for a reason that is not a :class:`SmgdError` (404, 405, 408)."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+class Dispatcher:
+    """Serves a route table as an ASGI application (its lifespan included).
+
+    ``key_paths``: prefixes of the paths that need one of ``ctx.api_keys`` (none needed while
+    that is empty); ``key_refusal`` is the 401's message. ``metrics`` counts responses and
+    refusals, ``recorder`` the generation requests that ran. ``background``: tasks that run
+    for the app's life, beside the requests.
+    """
+
+    def __init__(
+        self,
+        routes: Mapping[str, Route],
+        ctx: ApiContext,
+        *,
+        key_paths: tuple[str, ...],
+        key_refusal: str,
+        metrics: RequestMetrics | None = None,
+        recorder: Recorder | None = None,
+        background: Iterable[Callable[[], Awaitable[None]]] = (),
+    ) -> None:
+        self.routes = routes
+        self.ctx = ctx
+        self._key_paths = key_paths
+        self._key_refusal = key_refusal
+        self._metrics = metrics
+        self._recorder = recorder
+        self._background = tuple(background)
+        self.nursery: trio.Nursery | None = None  # the app-wide nursery, while it runs
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The app's life: its nursery (home of ``n > 1`` stream pumps) and background tasks,
+        until cancelled. The ASGI lifespan runs it."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for task in self._background:
+                    nursery.start_soon(task)
+                self.nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.nursery = None
+
+    def end_responses(self) -> None:
+        """The drain's deadline passed: end every request still running, each properly.
+
+        Streams send their error event (``code: "drain_timeout"``) and ``[DONE]``; the HTTP
+        server (:func:`smgd.api.http.worker_loop.serve`) lets them write it before it closes.
+        """
+        timeout = self.ctx.gateway.config.server.drain_timeout_s
+        ended = self.ctx.cutoff.cut(
+            "smgd is shutting down: the request was still running when the drain timeout "
+            f"({timeout:g} s) ran out"
+        )
+        if ended:
+            log.warning("drain timeout: ending %d request(s) with an error", ended)
+
+    async def __call__(
+        self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self.serve(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:  # a websocket: no route takes one (hypercorn refuses the handshake with 403)
+            await send({"type": "websocket.close", "code": 1000, "reason": ""})
+
+    async def _lifespan(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await nursery.start(self.run)
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    nursery.cancel_scope.cancel()
+                    break
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def serve(self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        """One HTTP request, from its body to the end of its response."""
+        limit = self.ctx.max_body_bytes
+        outcome, data = await read_body(receive, limit, BODY_TIMEOUT_S)
+        if outcome == "disconnected":
+            return  # gone before the body's end: nothing to answer
+        conn: DirectSendTCPServer | None = (scope.get("state") or {}).get(CONNECTION_KEY)
+        if conn is None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await self._answer(scope, outcome, data, limit, send)
+                nursery.cancel_scope.cancel()
+            return
+        if conn.disconnected:
+            return
+        with trio.CancelScope() as request_scope:
+            conn.on_disconnect = request_scope.cancel
+            try:
+                await self._answer(scope, outcome, data, limit, send)
+            finally:
+                conn.on_disconnect = None
+
+    def _check_access(self, path: str, route: Route | None, authorization: str | None) -> None:
+        """401 without a valid key where one is needed; 503 for a generation while draining."""
+        ctx = self.ctx
+        needs_key = ctx.api_keys and path.startswith(self._key_paths)
+        if needs_key and not authorized(ctx.api_keys, authorization):
+            raise Unauthorized(self._key_refusal)
+        if route is not None and route.generation and ctx.gateway.draining:
+            raise Draining("smgd is shutting down; retry on another instance")
+
+    async def _answer(
+        self, scope: Any, outcome: BodyOutcome, data: bytes, limit: int, send: ASGISendCallable
+    ) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        route = self.routes.get(path)
+        label = path if route is not None and method in route.served else UNMATCHED
+        request_id = new_request_id()
+        call: Call | None = None
+        try:
+            header = _header(scope, b"x-request-id")
+            if header is not None:
+                request_id = client_request_id(header)
+            self._check_access(path, route, _header(scope, b"authorization"))
+            if route is None:
+                raise _Refusal(404, NOT_FOUND)
+            if method not in route.methods:
+                if method != "OPTIONS":  # a 405 must say what is allowed (RFC 9110 §15.5.6)
+                    raise _Refusal(405, NOT_ALLOWED, {"Allow": route.allow})
+                headers = {"Allow": route.allow, "X-Request-Id": request_id}
+                await self._send_whole(send, label, method, 200, b"", headers)
+                return
+            if outcome == "too_large":
+                raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
+            if outcome == "timeout":
+                raise _Refusal(408, TIMED_OUT)
+            nursery = self.nursery
+            assert nursery is not None, "a request before the app's lifespan started"
+            call = Call(
+                ctx=self.ctx,
+                request_id=request_id,
+                body=data,
+                nursery=nursery,
+                writer=direct_writer(scope),
+                recorder=self._recorder,
+            )
+            reply = await route.handler(call)
+        except SmgdError as err:
+            if call is not None:
+                request_id = call.request_id  # /generate's `rid`, once it was checked
+            if err.status >= 500:
+                log.warning("%s: %s %s", request_id, err.status, err.message)
+            if self._metrics is not None and (call is None or not call.recorded):
+                self._metrics.refused(err, draining=self.ctx.gateway.draining)
+            headers = error_headers(err, request_id)
+            await self._send_whole(send, label, method, err.status, error_body(err), headers)
+            return
+        except _Refusal as exc:
+            headers = {
+                "Content-Type": "application/json",
+                **exc.headers,
+                "X-Request-Id": request_id,
+            }
+            body = http_error(exc.status, exc.message)
+            await self._send_whole(send, label, method, exc.status, body, headers)
+            return
+        except Exception as exc:  # never trio.Cancelled (a BaseException): that one propagates
+            log.exception("%s: unhandled error", request_id, exc_info=exc)
+            internal = SmgdError(f"internal error: {type(exc).__name__}")
+            if self._metrics is not None:
+                self._metrics.refused(internal, draining=self.ctx.gateway.draining)
+            headers = error_headers(internal, request_id)
+            await self._send_whole(send, label, method, 500, error_body(internal), headers)
+            return
+        headers = {**reply.headers, "X-Request-Id": call.request_id}
+        if isinstance(reply.body, bytes):
+            await self._send_whole(send, label, method, reply.status, reply.body, headers)
+            return
+        if self._metrics is not None:
+            self._metrics.http(label, method, reply.status)
+        events = reply.body
+        try:
+            await send(_start(reply.status, headers))
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await events.aclose()  # the stream's own finally: engine abort, request log
+
+    async def _send_whole(
+        self,
+        send: ASGISendCallable,
+        label: str,
+        method: str,
+        status: int,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> None:
+        if self._metrics is not None:
+            self._metrics.http(label, method, status)
+        await send(_start(status, {**headers, "Content-Length": str(len(body))}))
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
+    """``Authorization: Bearer <one of keys>``; the scheme name is case-insensitive (RFC 9110)."""
+    scheme, _, credentials = (header or "").strip().partition(" ")
+    given = credentials.strip().encode()
+    if scheme.lower() != "bearer" or not given:
+        return False
+    ok = False
+    for key in keys:  # compare with every key: the time taken does not reveal which matched
+        ok |= hmac.compare_digest(given, key)
+    return ok
+
+
+def client_request_id(header: str) -> str:
+    """The client's request id from an ``X-Request-Id`` header value (400 if malformed).
+
+    A proxy that receives the header twice may merge the two into one list, ``a, b``
+    (RFC 9110 §5.3): the first value is the original client's, and the one used.
+    """
+    return check_request_id(header.split(",", 1)[0].strip(), "X-Request-Id")
+
+
+def _start(status: int, headers: Mapping[str, str]) -> Any:
+    return {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()],
+    }
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    """The first value of request header ``name`` (lower case), decoded as latin-1."""
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            text: str = value.decode("latin-1")
+            return text
+    return None
+
+
+async def read_body(
+    receive: ASGIReceiveCallable, limit: int | None, wait_s: float | None
+) -> tuple[BodyOutcome, bytes]:
+    """The request's whole body, read up to its end, ``limit`` bytes or ``wait_s`` seconds.
+
+    Messages already queued (hypercorn queues a small request's body and its end as two
+    messages before the request's task first runs) are taken without a scheduler pass or a
+    cancel scope; only a body still on its way is awaited, under the timeout. Messages after
+    the body's end (a disconnect) stay queued.
+    """
+    body = _Body(limit)
+    nowait = _nowait_receiver(receive)
+    if nowait is not None:
+        while True:
+            try:
+                message = nowait()
+            except trio.WouldBlock:
+                break
+            if (outcome := body.add(message)) is not None:
+                return outcome, body.data(outcome)
+    with trio.move_on_after(math.inf if wait_s is None else wait_s):
+        while True:
+            if (outcome := body.add(await receive())) is not None:
+                return outcome, body.data(outcome)
+    return "timeout", b""
+
+
+def _nowait_receiver(receive: Any) -> Callable[[], Any] | None:
+    """The ``receive_nowait`` of the trio memory channel behind hypercorn's ``receive``, if any
+    (hypercorn passes a channel's bound ``receive``: tests/test_pins.py checks it still does)."""
+    channel = getattr(receive, "__self__", None)
+    return channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+
+
+class _Body:
+    """A request body as its ASGI messages arrive."""
+
+    __slots__ = ("_limit", "_parts", "_size")
+
+    def __init__(self, limit: int | None) -> None:
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, message: Any) -> BodyOutcome | None:
+        """Take one message; the outcome once the body is settled, else None."""
+        if message["type"] == "http.disconnect":
+            return "disconnected"
+        if message["type"] != "http.request":
+            return None
+        data = message.get("body", b"")
+        if data:
+            self._parts.append(data)
+            self._size += len(data)
+        if self._limit is not None and self._size > self._limit:
+            return "too_large"
+        return None if message.get("more_body", False) else "complete"
+
+    def data(self, outcome: BodyOutcome) -> bytes:
+        """The whole body once ``complete``; nothing for any other outcome."""
+        if outcome != "complete":
+            return b""
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

@@ -1,0 +1,256 @@
+"""The one request envelope (smgd.api.http.dispatch): body reading, the app's lifespan, and
+disconnects on smgd's worker loop. What each route answers is pinned in test_http_answers.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from smgd.api.core.prepare import Reply, json_reply
+from smgd.api.http.app import create_app
+from smgd.api.http.dispatch import BODY_TIMEOUT_S, Route, read_body
+from smgd.config import ServerConfig
+
+from .asgi_client import connect, http_scope, lifespan, request
+from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
+from .test_direct import _post_bytes, serving
+
+Message = dict[str, Any]
+
+RID = {"X-Request-Id": "rid-1"}
+STREAM = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True}
+
+
+async def test_a_body_in_several_messages_is_read_whole() -> None:
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        body = json.dumps({**STREAM, "stream": False, "prompt": "Hello " * 300}).encode()
+        async with lifespan(app):
+            whole = await request(app, "POST", "/v1/completions", body, RID)
+            split = await request(app, "POST", "/v1/completions", body, RID, parts=7)
+        assert whole.status == 200
+        assert json.loads(split.body)["choices"] == json.loads(whole.body)["choices"]
+
+
+# --------------------------------------------------------------------------- read_body
+
+
+def _queue(*messages: Message) -> Any:
+    send, receive = trio.open_memory_channel[Message](math.inf)
+    for message in messages:
+        send.send_nowait(message)
+    return send, receive.receive
+
+
+def _part(body: bytes, more: bool) -> Message:
+    return {"type": "http.request", "body": body, "more_body": more}
+
+
+async def test_read_body_takes_a_queued_body_without_a_checkpoint() -> None:
+    _send, receive = _queue(_part(b'{"a": 1}', False))
+    with trio.CancelScope() as scope:
+        scope.cancel()  # any checkpoint in read_body would raise Cancelled here
+        assert await read_body(receive, 100, 60) == ("complete", b'{"a": 1}')
+
+
+async def test_read_body_joins_queued_parts_without_a_checkpoint_and_leaves_the_rest() -> None:
+    # hypercorn queues a body as its data, then an empty end message.
+    _send, receive = _queue(
+        _part(b"ab", True), _part(b"cd", True), _part(b"", False), {"type": "http.disconnect"}
+    )
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        assert await read_body(receive, 100, 60) == ("complete", b"abcd")
+    assert (await receive())["type"] == "http.disconnect"
+
+
+async def test_read_body_waits_for_a_body_still_on_its_way(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    send, receive = _queue(_part(b"ab", True))
+
+    async def rest() -> None:
+        await trio.sleep(5)
+        send.send_nowait(_part(b"cd", False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rest)
+        assert await read_body(receive, 100, 60) == ("complete", b"abcd")
+    assert trio.current_time() == pytest.approx(5)
+
+
+@pytest.mark.parametrize(
+    ("messages", "outcome"),
+    [
+        ([_part(b"x" * 11, False)], "too_large"),
+        ([_part(b"x" * 6, True), _part(b"x" * 6, False)], "too_large"),
+        ([_part(b"x" * 10, False)], "complete"),
+        ([_part(b"abc", True), {"type": "http.disconnect"}], "disconnected"),
+        ([{"type": "http.disconnect"}], "disconnected"),
+    ],
+)
+async def test_read_body_outcomes(messages: list[Message], outcome: str) -> None:
+    _send, receive = _queue(*messages)
+    assert (await read_body(receive, 10, 60))[0] == outcome
+
+
+async def test_a_stalled_body_times_out_after_the_body_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    _send, receive = _queue(_part(b'{"a":', True))
+    start = trio.current_time()
+    assert await read_body(receive, 100, 60) == ("timeout", b"")
+    assert trio.current_time() - start == pytest.approx(60)
+
+
+async def test_a_stalled_body_gets_408_through_the_app(autojump_clock: trio.abc.Clock) -> None:
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        async with lifespan(app):
+            start = trio.current_time()
+            async with connect(app, http_scope("POST", "/v1/completions", RID)) as conn:
+                conn.send(b'{"model":', more=True)  # the rest never comes
+                body = await conn.read_all()
+        assert trio.current_time() - start == pytest.approx(BODY_TIMEOUT_S)
+        assert conn.status == 408
+        assert json.loads(body)["error"]["code"] is None
+        assert dict(conn.headers)["x-request-id"] == "rid-1"
+
+
+async def test_the_body_limit_applies_to_every_route_after_routing() -> None:
+    async with open_gateway(server=ServerConfig(max_body_bytes=100)) as gateway:
+        app = create_app(gateway, environ={})
+        async with lifespan(app):
+            big = b"x" * 101
+            health = await request(app, "GET", "/health", big, RID)
+            unknown = await request(app, "GET", "/nope", big, RID)
+            at_limit = await request(app, "GET", "/health", big[:100], RID)
+    assert health.status == 413
+    assert json.loads(health.body)["error"]["message"] == (
+        "the request body is larger than 100 bytes"
+    )
+    assert unknown.status == 404  # an unknown path says so, whatever its body
+    assert at_limit.status == 200
+
+
+async def test_a_client_gone_before_its_body_ends_gets_no_answer_and_no_handler() -> None:
+    calls: list[str] = []
+
+    async def handler(call: Any) -> Reply:
+        calls.append(call.request_id)
+        return json_reply({})
+
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        app.routes = {"/x": Route("POST", handler)}
+        async with lifespan(app):
+            async with connect(app, http_scope("POST", "/x", RID)) as conn:
+                conn.send(b"he", more=True)
+                conn.disconnect()
+                assert await conn.read_all() == b""
+            assert conn.status is None
+            assert (await request(app, "POST", "/x", b"{}", RID)).status == 200
+    assert calls == ["rid-1"]  # the second request only
+
+
+async def test_the_lifespan_runs_the_background_tasks_and_the_app_nursery() -> None:
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        pacer = app.ctx.pacer
+        assert pacer is not None
+        assert app.nursery is None
+        async with lifespan(app):
+            await trio.testing.wait_all_tasks_blocked()
+            assert pacer.ticking  # the pacer task runs
+            assert app.nursery is not None
+        assert not pacer.ticking  # and stops with the app
+        assert app.nursery is None
+
+
+async def test_a_handler_error_that_is_not_smgds_is_a_500_and_the_app_keeps_serving() -> None:
+    async def broken(call: Any) -> Reply:
+        raise KeyError("x")
+
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        app.routes = {**app.routes, "/broken": Route("GET", broken)}
+        async with lifespan(app):
+            answer = await request(app, "GET", "/broken", b"", RID)
+            assert (await request(app, "GET", "/health")).status == 200
+    assert answer.status == 500
+    assert json.loads(answer.body)["error"] == {
+        "message": "internal error: KeyError",
+        "type": "internal_error",
+        "param": None,
+        "code": None,
+    }
+
+
+async def test_a_websocket_is_refused() -> None:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "websocket.connect"}
+
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        scope = {"type": "websocket", "path": "/v1/completions"}
+        await app(scope, receive, send)  # type: ignore[arg-type]
+    assert [m["type"] for m in sent] == ["websocket.close"]
+
+
+# --------------------------------------------------------------------------- worker loop
+
+
+async def test_a_client_gone_before_its_first_token_aborts_the_engine_at_once() -> None:
+    """On smgd's worker loop no task watches the request's messages: the connection's read
+    loop cancels the request when the client hangs up (a 30 s prefill is not waited out)."""
+    fake = FakeEngine(behaviour=Behaviour(first_step_s=30))
+    async with serving(fake) as port:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        await stream.send_all(_post_bytes("/v1/completions", STREAM))
+        with trio.fail_after(5):
+            head = await stream.receive_some(65536)
+        assert head.startswith(b"HTTP/1.1 200")  # the head goes out before the first token
+        await trio.testing.wait_all_tasks_blocked()  # the engine sender has sent the request
+        [req] = fake.requests
+        await stream.aclose()
+        hung_up = trio.current_time()
+        with trio.fail_after(5):
+            await fake.wait_abort(req.rid)
+        assert fake.abort_times[req.rid] - hung_up < 1.0
+        assert fake.in_flight == 0
+
+
+async def test_a_connection_serves_requests_one_after_another() -> None:
+    """The disconnect callback belongs to one request at a time: after a finished request a
+    second one on the same connection is served, then a hang-up aborts only that one."""
+    fake = FakeEngine(behaviour=Behaviour(step_s=0.001))
+    async with serving(fake) as port:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", port))
+        stream = trio.SocketStream(sock)
+        with trio.fail_after(5):
+            await stream.send_all(_post_bytes("/v1/completions", STREAM))
+            data = b""
+            while not data.endswith(b"\r\n0\r\n\r\n"):
+                data += await stream.receive_some(65536)
+            fake.behaviour = Behaviour(first_step_s=30)
+            await stream.send_all(_post_bytes("/v1/completions", STREAM))
+            assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        await trio.testing.wait_all_tasks_blocked()
+        await stream.aclose()
+        first, second = fake.requests
+        with trio.fail_after(5):
+            await fake.wait_abort(second.rid)
+        assert first.rid not in fake.aborts

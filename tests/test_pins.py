@@ -1,0 +1,103 @@
+"""The private parts of hypercorn and h11 that smgd builds on, pinned to the versions checked.
+
+smgd's worker loop (smgd.api.http.worker_loop) and direct writes (smgd.api.http.direct) use a
+few attributes that are not hypercorn's documented API, and the dispatcher
+(smgd.api.http.dispatch) relies on how hypercorn hands a request its messages. Each is named
+below with what depends on it. On any other installed version these tests fail until someone
+has checked every item against it and updated :data:`TESTED`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from typing import Any
+
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import TrioSingleTask
+
+from smgd.api.http import worker_loop
+from smgd.api.http.worker_loop import DirectSendTCPServer, KeepAliveTimer
+
+# The versions every item below was checked against.
+TESTED = {"hypercorn": "0.18.0", "h11": "0.16.0"}
+
+# (owner, private attribute, its parameters as smgd calls or overrides it, what depends on it)
+PRIVATE: list[tuple[type, str, list[str], str]] = [
+    (H11Protocol, "_create_stream", ["self", "request"],
+     "worker_loop.H11Protocol: refuses a request with Content-Length and Transfer-Encoding"),
+    (H11Protocol, "_send_error_response", ["self", "status_code"],
+     "worker_loop.H11Protocol: h11's refusals (400, 431, 501) carry the error envelope"),
+    (H11Protocol, "_send_h11_event", ["self", "event"],
+     "worker_loop.H11Protocol sends its refusal through it"),
+    (TCPServer, "_read_data", ["self"],
+     "DirectSendTCPServer: its read loop calls on_disconnect and stops the keep-alive timer"),
+    (TCPServer, "_initiate_server_close", ["self"],
+     "KeepAliveTimer closes an idle connection with it"),
+    (TrioSingleTask, "restart", ["self", "task_group", "action"],
+     "KeepAliveTimer stands in for TCPServer.idle_task: TCPServer calls restart() and stop()"),
+    (TrioSingleTask, "stop", ["self"], "as above"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dist", "version"), TESTED.items())
+def test_the_installed_version_is_the_one_checked(dist: str, version: str) -> None:
+    installed = importlib.metadata.version(dist)
+    assert installed == version, (
+        f"{dist} {installed} is installed; smgd's use of its internals was checked against "
+        f"{version}: check every item of tests/test_pins.py against {installed}, then update TESTED"
+    )
+
+
+@pytest.mark.parametrize(("owner", "name", "params", "why"), PRIVATE)
+def test_every_private_attribute_used_exists_with_its_parameters(
+    owner: type, name: str, params: list[str], why: str
+) -> None:
+    attribute = getattr(owner, name, None)
+    assert callable(attribute), f"{owner.__qualname__}.{name} is gone: {why}"
+    assert list(inspect.signature(attribute).parameters) == params, why
+
+
+def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use() -> None:
+    # TCPServer's constructor sets them; DirectSendTCPServer replaces idle_task with its timer.
+    server = DirectSendTCPServer(None, Config(), None, {}, None)
+    assert isinstance(server.send_lock, trio.Lock)  # direct writes check it is free
+    assert isinstance(server.idle_task, KeepAliveTimer)
+    assert "self.protocol = ProtocolWrapper(" in inspect.getsource(TCPServer.run), (
+        "DirectSendTCPServer.protocol's setter swaps in smgd's H11Protocol when run() sets it"
+    )
+    assert "self.idle_task.restart(" in inspect.getsource(TCPServer.run)
+
+
+async def test_hypercorn_hands_a_request_the_receive_of_a_trio_memory_channel() -> None:
+    # The dispatcher's read_body takes queued body messages with the channel's receive_nowait,
+    # without a scheduler pass; on another kind of receive it would await every message.
+    seen: list[Any] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        seen.append(getattr(receive, "__self__", None))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(worker_loop.serve, app, config)
+        port = int(binds[0].rsplit(":", 1)[1])
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            with trio.fail_after(5):
+                assert (await stream.receive_some(1024)).startswith(b"HTTP/1.1 204")
+        nursery.cancel_scope.cancel()
+    [channel] = seen
+    assert isinstance(channel, trio.MemoryReceiveChannel)
