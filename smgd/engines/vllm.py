@@ -32,7 +32,7 @@ from smgd.wire.vllm.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+    from smgd.wire.common import EngineInfo, Finish, GenerateRequest, TokenDelta
 
 
 class _Meta(msgspec.Struct):
@@ -74,7 +74,7 @@ class VllmEngineClient(HandshakeEngineClient):
         if not sp.eos_token_ids and not sp.ignore_eos and self.eos_token_ids:
             sp = msgspec.structs.replace(sp, eos_token_ids=self.eos_token_ids)
             req = msgspec.structs.replace(req, sampling=sp)
-        frames = encode_add(req)
+        frames = encode_add(req, structured_backend=structured_backend(self.config))
         self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids), logprobs_k=sp.logprobs)
         if sp.logprobs is not None:
             self._logprobs_k[req.rid] = sp.logprobs
@@ -113,6 +113,13 @@ class VllmEngineClient(HandshakeEngineClient):
                 delta.finish = msgspec.structs.replace(finish, matched_token=delta.token_ids[-1])
         return Batch(out.deltas, out.engine_index, out.load)
 
+    def _grammar_refusal(self, finish: Finish) -> str | None:
+        # A grammar the engine core cannot compile (or a backend it cannot build) fails only
+        # that request, with finish reason ERROR and no message on the wire.
+        if finish.reason is FinishReason.ERROR:
+            return "its grammar backend failed to compile it (vLLM sends no reason; see its log)"
+        return None
+
     def deliver(self, delta: TokenDelta) -> None:
         super().deliver(delta)
         if delta.finish is not None:
@@ -122,6 +129,14 @@ class VllmEngineClient(HandshakeEngineClient):
         super().die(reason)
         self._meta.clear()
         self._logprobs_k.clear()
+
+
+def structured_backend(config: EngineConfig) -> str:
+    """The structured-output backend the engine core is told to build (``_backend``)."""
+    so = config.structured_output
+    if so.backend == "auto" and so.disable_any_whitespace:
+        return "xgrammar"  # launched with it named: vLLM's auto cannot disable whitespace
+    return so.backend
 
 
 def vllm_argv(*, python: str, launcher: str, model: str, args: list[str]) -> list[str]:
