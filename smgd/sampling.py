@@ -28,11 +28,12 @@ Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Poli
   in a regex, an empty choice list). Whether the engine can apply it is the engine client's
   business (``smgd.engines``).
 - Features that need a parser or a mode smgd does not have are rejected by name rather than
-  silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``, ``tool_choice``
-  "required" or a named function, a ``structural_tag``, ``prompt_logprobs``, non-text
-  modalities, and SGLang's structural_tag / stop_regex / custom_params.
-- ``tools`` are the chat template's business (``smgd.text.chat`` rejects them when the
-  template does not render them); tool calls come back as plain text, not parsed.
+  silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``, a ``structural_tag``,
+  ``prompt_logprobs``, non-text modalities, and SGLang's structural_tag / stop_regex /
+  custom_params.
+- ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are the chat endpoint's business
+  (``smgd.api.core.tools``: it validates them, and gives ``required`` / a named function
+  their constraint); the chat template renders the tools.
 - Keys nobody here knows are ignored, as vLLM does (OpenAI adds fields faster than servers
   follow), and listed in ``TextOptions.ignored`` so the API layer can log them.
 """
@@ -513,9 +514,6 @@ def _openai_features(r: _Reader, n: int) -> None:
         raise r.fail("best_of", "`best_of` is not supported (only 1 or equal to `n`)")
     if body.get("suffix"):
         raise r.fail("suffix", "`suffix` is not supported")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise r.fail("tool_choice", "only tool_choice 'auto' and 'none' are supported")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise r.fail("modalities", "only the text modality is supported")

@@ -196,8 +196,6 @@ def test_min_tokens_above_max_tokens() -> None:
             {"response_format": {"type": "json_schema", "json_schema": {}}},
             "response_format.json_schema.name",
         ),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),

@@ -41,6 +41,7 @@ from smgd.parse import (
     stream_parser,
 )
 from smgd.parse.scan import random_id
+from smgd.wire.common import Structured, StructuredKind
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -52,6 +53,7 @@ __all__ = [
     "ParseSpec",
     "ToolRequest",
     "delta_fields",
+    "forced_constraint",
     "named_schema",
     "read_tool_choice",
     "required_schema",
@@ -172,6 +174,17 @@ def required_schema(request: ToolRequest) -> dict[str, Any]:
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+def forced_constraint(request: ToolRequest) -> Structured | None:
+    """The engine's constraint for ``required`` / a named function (None for the others)."""
+    if request.choice == "required":
+        schema = required_schema(request)
+    elif request.choice == "function":
+        schema = named_schema(request)
+    else:
+        return None
+    return Structured(kind=StructuredKind.JSON, param="tool_choice", spec=schema)
 
 
 class ParseSpec(msgspec.Struct, frozen=True):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from smgd.api.core.errors import stream_error
 from smgd.api.core.execute import collect, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
@@ -31,7 +33,7 @@ from smgd.api.core.prepare import (
     resolve_model,
 )
 from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
-from smgd.api.core.tools import ParseSpec, delta_fields, read_tool_choice
+from smgd.api.core.tools import ParseSpec, delta_fields, forced_constraint, read_tool_choice
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.sampling import from_openai
 from smgd.text.chat import prepare_tools
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
-    from smgd.wire.common import SamplingParams, TokenLogprob
+    from smgd.wire.common import SamplingParams, Structured, TokenLogprob
 
 __all__ = [
     "OpenAIRenderer",
@@ -395,12 +397,15 @@ async def _respond(
     return Reply(encode_json(payload), JSON_HEADERS)
 
 
-def _sampler(body: dict[str, Any], text: ModelText, *, chat: bool) -> SamplingFor:
+def _sampler(
+    body: dict[str, Any], text: ModelText, *, chat: bool, forced: Structured | None = None
+) -> SamplingFor:
+    """``forced``: the constraint of a ``required`` / named ``tool_choice``."""
     eos = text.tokenizer.eos_token_ids
     vocab_size = text.vocab_size
 
     def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
-        return from_openai(
+        params, options = from_openai(
             body,
             chat=chat,
             prompt_len=prompt_len,
@@ -408,6 +413,15 @@ def _sampler(body: dict[str, Any], text: ModelText, *, chat: bool) -> SamplingFo
             vocab_size=vocab_size,
             eos_token_ids=eos,
         )
+        if forced is not None:
+            if params.structured is not None:
+                raise InvalidRequest(
+                    f"tool_choice {body['tool_choice']!r} constrains the output to the call; "
+                    f"it cannot go with `{params.structured.param}`",
+                    param="tool_choice",
+                )
+            params = msgspec.structs.replace(params, structured=forced)
+        return params, options
 
     return sampling_for
 
@@ -463,7 +477,8 @@ async def chat_reply(call: Call) -> Reply:
     )
     state = call.new_state("chat", model)
     jobs, options = plan_jobs(
-        call.ctx.gateway, model, text, [ids], _sampler(body, text, chat=True), state,
+        call.ctx.gateway, model, text, [ids],
+        _sampler(body, text, chat=True, forced=forced_constraint(tools)), state,
         top_logprobs_param="top_logprobs",
     )  # fmt: skip
     if options.echo:
