@@ -35,6 +35,14 @@ when = "answer"
 text = '''{THINK}It is 21 C.'''
 
 [[reply]]
+when = "pick one"
+text = '''{THINK}[{{"name": "get_time", "parameters": {{"zone": "CET"}}}}]'''
+
+[[reply]]
+when = "city args"
+text = '''{THINK}{{"city": "Paris"}}'''
+
+[[reply]]
 when = "weather and time"
 text = '''{THINK}{CALL}\n{CALL2}'''
 
@@ -54,11 +62,14 @@ TOOLS = [
 ]
 
 
-def config(tmp_path: Path) -> str:
+def config(tmp_path: Path, *, grammar: bool = False) -> str:
     (tmp_path / "replies.toml").write_text(SCRIPT)
     parsers = 'tool_parser = "hermes"\nreasoning_parser = "qwen3"\n'
     engine = mock_engine_toml("e0", "m", step_ms=2.0, extra=parsers)
-    return daemon_toml(engine + 'script = "replies.toml"\n')
+    engine += 'script = "replies.toml"\n'
+    if grammar:  # the mock then takes constraints (and ignores them: the script writes JSON)
+        engine += '[engines.structured_output]\nbackend = "xgrammar"\n'
+    return daemon_toml(engine)
 
 
 def body(prompt: str, **extra: Any) -> dict[str, Any]:
@@ -196,3 +207,44 @@ async def test_openai_sdk_reads_tool_calls(tmp_path: Path) -> None:
         assert [c.function.arguments for c in whole.choices[0].message.tool_calls] == [
             c.function.arguments for c in final.choices[0].message.tool_calls
         ]
+
+
+async def test_required_and_named_tool_choice_are_constrained(tmp_path: Path) -> None:
+    grammar = config(tmp_path, grammar=True)
+    async with serve(tmp_path, grammar) as daemon, daemon.client() as client:
+        required = body("pick one", tool_choice="required")
+        whole = (await client.post("/v1/chat/completions", json=required)).json()
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        assert json.loads(call["function"]["arguments"]) == {"zone": "CET"}
+        streamed = accumulate(await chunks(client, {**required, "stream": True}))
+        assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
+        assert [c["name"] for c in streamed["calls"].values()] == ["get_time"]
+
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        whole = (
+            await client.post("/v1/chat/completions", json=body("city args", tool_choice=named))
+        ).json()
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "stop"  # OpenAI's (and vLLM's) for a named call
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+        # With another constraint: a 400 naming tool_choice.
+        both = body("pick one", tool_choice="required", response_format={"type": "json_object"})
+        refused = await client.post("/v1/chat/completions", json=both)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "tool_choice"
+
+
+async def test_required_tool_choice_needs_a_grammar_backend(tmp_path: Path) -> None:
+    async with serve(tmp_path, config(tmp_path)) as daemon, daemon.client() as client:
+        refused = await client.post(
+            "/v1/chat/completions", json=body("pick one", tool_choice="required")
+        )
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "tool_choice"
+        assert (await client.post("/v1/chat/completions", json=body("answer"))).status_code == 200
