@@ -248,3 +248,35 @@ async def test_required_tool_choice_needs_a_grammar_backend(tmp_path: Path) -> N
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "tool_choice"
         assert (await client.post("/v1/chat/completions", json=body("answer"))).status_code == 200
+
+
+async def test_langchain_bind_tools(tmp_path: Path) -> None:
+    """LangChain's ChatOpenAI with bound tools gets the calls, whole and streamed."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    async with serve(tmp_path, config(tmp_path)) as daemon:
+        llm = ChatOpenAI(
+            model="m",
+            base_url=daemon.url + "/v1",
+            api_key=SecretStr("unused"),
+            max_retries=0,
+        ).bind_tools(TOOLS)
+
+        def invoke() -> Any:
+            return llm.invoke("weather and time?")
+
+        def streamed() -> Any:
+            gathered: Any = None
+            for chunk in llm.stream("weather and time?"):
+                gathered = chunk if gathered is None else gathered + chunk
+            return gathered
+
+        whole = await trio.to_thread.run_sync(invoke)
+        gathered = await trio.to_thread.run_sync(streamed)
+    for message in (whole, gathered):
+        assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+            ("get_weather", {"city": "Paris", "unit": "°C"}),
+            ("get_time", {"zone": "CET"}),
+        ]
+        assert all(c["id"].startswith("call_") for c in message.tool_calls)
