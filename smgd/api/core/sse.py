@@ -38,7 +38,16 @@ def event(obj: Any) -> bytes:
 class ChunkFormat:
     """Byte templates for one request's ``chat.completion.chunk`` / ``text_completion`` events."""
 
-    __slots__ = ("_delta_close", "_end", "_head", "_index", "_text_events", "_text_key", "chat")
+    __slots__ = (
+        "_delta_close",
+        "_end",
+        "_head",
+        "_index",
+        "_reasoning_events",
+        "_text_events",
+        "_text_key",
+        "chat",
+    )
 
     def __init__(
         self,
@@ -70,6 +79,7 @@ class ChunkFormat:
         self._index: list[bytes] = []
         # Per choice index: the bytes before and after the JSON text of a plain text event.
         self._text_events: list[tuple[bytes, bytes]] = []
+        self._reasoning_events: list[tuple[bytes, bytes]] = []  # the same for reasoning text
 
     def _index_bytes(self, index: int) -> bytes:
         while len(self._index) <= index:
@@ -86,6 +96,17 @@ class ChunkFormat:
             # chunk() itself, cut around its empty text: the layout has one source. Only
             # constant keys follow the text, so its '""' is the last one in the event.
             whole = self.chunk(len(events), "")
+            cut = whole.rindex(b'""')
+            events.append((whole[:cut], whole[cut + 2 :]))
+        before, after = events[index]
+        return before + _encoder.encode(text) + after
+
+    def reasoning_event(self, index: int, text: str) -> bytes:
+        """``delta_chunk(index, {"reasoning_content": text})``, built as :meth:`text_event` is:
+        the event of nearly every token of a thinking model's reasoning."""
+        events = self._reasoning_events
+        while len(events) <= index:
+            whole = self.delta_chunk(len(events), {"reasoning_content": ""})
             cut = whole.rindex(b'""')
             events.append((whole[:cut], whole[cut + 2 :]))
         before, after = events[index]

@@ -35,6 +35,7 @@ from smgd.api.core.prepare import (
 from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.api.core.tools import ParseSpec, delta_fields, forced_constraint, read_tool_choice
 from smgd.errors import InvalidRequest, SmgdError
+from smgd.parse import ContentDelta, ReasoningDelta
 from smgd.sampling import from_openai
 from smgd.text.chat import prepare_tools
 
@@ -270,6 +271,16 @@ class ParsedRenderer(OpenAIRenderer):
         if parser is None:
             return super().delta(choice, text)
         events = parser.feed(text)
+        if choice.sent_role and not choice.done and self.tokens is None and len(events) < 2:
+            # Mid-stream, one kind of text or nothing: the event of nearly every token, from
+            # byte templates (the same bytes as the general path below).
+            if not events:
+                return b""
+            event = events[0]
+            if isinstance(event, ContentDelta):
+                return self.fmt.text_event(choice.index, event.text)
+            if isinstance(event, ReasoningDelta):
+                return self.fmt.reasoning_event(choice.index, event.text)
         if choice.done:
             events += parser.finish()
             events += parser.forced_calls()
