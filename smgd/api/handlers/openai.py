@@ -5,6 +5,11 @@ Streams are SSE (:mod:`smgd.api.core.sse`): the first chat chunk of each choice 
 adds a ``choices: []`` usage chunk before ``[DONE]``. ``n > 1`` and batched completion
 prompts become one engine request per choice, with ``index = prompt_index * n + j``.
 
+Chat with tools or reasoning (:mod:`smgd.api.core.tools`): a choice whose engine has the
+parsers the request needs gets a :class:`~smgd.api.core.tools.ChoiceParser`, and the stream
+is rendered by :class:`ParsedRenderer` (``reasoning_content``, ``content``, ``tool_calls``
+deltas; ``finish_reason: "tool_calls"``); every other request keeps :class:`OpenAIRenderer`.
+
 Logprobs (chat ``logprobs`` + ``top_logprobs``, completions ``logprobs: k``) come in OpenAI's
 two shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``, completions
 ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, one entry per
