@@ -232,3 +232,24 @@ async def test_plain_request_builds_no_parser(
     texts = [c["choices"][0]["delta"].get("content", "") for c in streamed.chunks()]
     assert "".join(texts) == " plain text"
     assert streamed.chunks()[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_each_choice_of_n_has_its_own_parser(autojump_clock: trio.abc.Clock) -> None:
+    fake = parsing_engine()
+    async with open_app(fake) as (app, _):
+        whole = await post(app, "/v1/chat/completions", {**CHAT, "n": 2})
+        streamed = await post_stream(app, "/v1/chat/completions", {**CHAT, "n": 2, "stream": True})
+    for choice in whole.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        assert len(choice["message"]["tool_calls"]) == 2
+    names: dict[int, list[str]] = {0: [], 1: []}
+    finishes: dict[int, str] = {}
+    for chunk in streamed.chunks():
+        for choice in chunk["choices"]:
+            for call in choice["delta"].get("tool_calls", []):
+                if "id" in call:
+                    names[choice["index"]].append(call["function"]["name"])
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert names == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
