@@ -44,7 +44,7 @@ if [[ ! -f "$VENV/.smgd-complete" ]]; then
   # --no-deps: the requirements file is the complete, pinned set (see its header).
   # (grep drops the pip warnings about this machine's local index folders; not errors)
   "$VENV/bin/python" -m pip install --quiet --no-deps -r "$REQS" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-  "$VENV/bin/python" -c "import sglang, torch, transformers, zmq, msgspec" >&2  # the install really happened
+  "$VENV/bin/python" -c "import sglang, torch, transformers, zmq, msgspec, xgrammar" >&2  # the install really happened
   "$VENV/bin/python" - <<'PY' >&2
 import torch
 assert torch.version.cuda is None, f"a CUDA torch was installed ({torch.__version__}); want the CPU build"
@@ -53,7 +53,7 @@ PY
   # Import the scheduler once, the way the launcher will, so a missing import dep fails the build
   # here rather than inside a test.
   PYTHONPATH="$SHIMS" SGLANG_USE_PICKLE_IPC=0 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
-    "import sglang.srt.managers.scheduler, sglang.srt.entrypoints.engine; print('[sglang-env] sglang imports ok')" >&2
+    "import sglang.srt.managers.scheduler, sglang.srt.entrypoints.engine, sglang.srt.constrained.xgrammar_backend; print('[sglang-env] sglang imports ok')" >&2
   touch "$VENV/.smgd-complete"
   log "venv built in $((SECONDS - start)) s"
 else

@@ -174,6 +174,41 @@ class MockScript(_Section):
     reply: list[MockReply] = msgspec.field(default_factory=list)
 
 
+# Grammar backends by the names the engines use (--grammar-backend, vLLM's
+# --structured-outputs-config backend). "auto": the engine's own default; "none": no
+# structured output (smgd answers a constrained request with a 400 without sending it).
+GrammarBackend = Literal[
+    "auto", "xgrammar", "llguidance", "guidance", "outlines", "lm-format-enforcer", "none"
+]
+# Which backends each wire's engine has (the mock has none; any other name makes it accept
+# constraints and ignore them, for testing the HTTP side).
+GRAMMAR_BACKENDS: Mapping[str, frozenset[str]] = {
+    "sglang": frozenset({"auto", "xgrammar", "llguidance", "outlines", "none"}),
+    "vllm": frozenset({"auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer", "none"}),
+    "tokenspeed": frozenset({"auto", "xgrammar", "none"}),
+}
+# The backends that can forbid free whitespace in JSON output (SGLang: xgrammar, llguidance;
+# vLLM: xgrammar, guidance; TokenSpeed: xgrammar).
+COMPACT_JSON_BACKENDS = frozenset({"auto", "xgrammar", "llguidance", "guidance"})
+# The launch flags smgd sets from [engines.structured_output] (smgd.engines), per launch kind.
+GRAMMAR_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "sglang": ("--grammar-backend", "--constrained-json-disable-any-whitespace"),
+    "vllm": ("--structured-outputs-config",),
+    "tokenspeed": ("--grammar-backend", "--disable-any-whitespace"),
+}
+
+
+class StructuredOutputConfig(_Section):
+    """The engine's grammar backend (constrained decoding for response_format & co.)."""
+
+    backend: GrammarBackend = "auto"
+    # JSON output without free whitespace (vLLM's disable_any_whitespace, SGLang's
+    # --constrained-json-disable-any-whitespace). A grammar that allows any whitespace lets a
+    # model that has not learned JSON emit whitespace until max_tokens; off by default, as in
+    # the engines.
+    disable_any_whitespace: bool = False
+
+
 class TimeoutsConfig(_Section):
     # SGLang needs ~30-40 s to import and load even a tiny model on this CPU; real models more.
     ready_s: PositiveSeconds = 600.0
@@ -201,6 +236,9 @@ class EngineConfig(_Section):
     launch: LaunchConfig | None = None
     mock: MockConfig = msgspec.field(default_factory=MockConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    structured_output: StructuredOutputConfig = msgspec.field(
+        default_factory=StructuredOutputConfig
+    )
     max_model_len: ContextLen | None = None  # override what the engine / config.json says
     chat_template: str | None = None  # path to a template file, overrides the tokenizer's
     # How this model writes tool calls and reasoning in its output (vLLM's parser names,
@@ -518,6 +556,48 @@ def resolve_path(config: Config, value: str) -> Path:
     return path if path.is_absolute() else Path(config.base_dir) / path
 
 
+def is_mock(engine: EngineConfig) -> bool:
+    return engine.wire is WireFamily.MOCK or (
+        engine.launch is not None and engine.launch.kind == "mock"
+    )
+
+
+def has_grammar(engine: EngineConfig) -> bool:
+    """Whether smgd sends this engine constrained requests (else a 400 before sending): not
+    with backend "none", nor to the mock engine unless its config names a backend."""
+    backend = engine.structured_output.backend
+    return backend != "none" and not (backend == "auto" and is_mock(engine))
+
+
+def _check_structured_output(engine: EngineConfig, at: str) -> None:
+    so = engine.structured_output
+    at_so = f"{at}.structured_output"
+    wire = engine.wire.value
+    if not is_mock(engine) and so.backend not in GRAMMAR_BACKENDS[wire]:
+        raise ConfigError(
+            f"the {wire} engine has no grammar backend {so.backend!r}",
+            path=f"{at_so}.backend",
+            hint="one of " + ", ".join(sorted(GRAMMAR_BACKENDS[wire])),
+        )
+    if so.disable_any_whitespace and so.backend not in COMPACT_JSON_BACKENDS:
+        raise ConfigError(
+            f"grammar backend {so.backend!r} cannot disable free whitespace",
+            path=f"{at_so}.disable_any_whitespace",
+            hint="use backend xgrammar (or llguidance on SGLang, guidance on vLLM)",
+        )
+    launch = engine.launch
+    flags = GRAMMAR_FLAGS.get(launch.kind, ()) if launch is not None else ()
+    if launch is not None and so != StructuredOutputConfig():
+        for arg in launch.args:
+            if arg.startswith(flags):
+                raise ConfigError(
+                    f"launch.args sets {arg.split('=')[0]} and [engines.structured_output] is "
+                    "set too",
+                    path=f"{at}.launch.args",
+                    hint="set the grammar backend in one place",
+                )
+
+
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
 
 
@@ -577,6 +657,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             raise ConfigError(
                 'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
             )
+        _check_structured_output(engine, at)
     _check_workers(config, served)
     _check_socket_paths(config)
     _check_admin_exposure(config.admin)

@@ -16,11 +16,21 @@ Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Poli
 - ``max_tokens`` (chat: ``max_completion_tokens`` first) defaults to the room left in the
   context; asking for more than that is a 400 like OpenAI's (code
   ``context_length_exceeded``). Native ``max_new_tokens`` defaults to SGLang's 128.
-- Features that need constrained decoding or a parser smgd does not have are rejected by
-  name rather than silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``,
-  ``response_format`` json_object / json_schema, ``tool_choice`` "required" or a named
-  function, guided_* / structured outputs, ``prompt_logprobs``, non-text modalities, and
-  SGLang's regex / json_schema / ebnf / structural_tag / stop_regex / custom_params.
+- Structured output (constrained decoding by the engine's grammar backend) is accepted in every
+  spelling clients send and normalized into one :class:`smgd.wire.common.Structured`: OpenAI's
+  ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+  (``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` and its whitespace options) and
+  its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` /
+  ``guided_whitespace_pattern``, and SGLang-native ``json_schema`` / ``regex`` / ``ebnf``. At
+  most one constraint per request (a 400 naming both otherwise); a schema that is not JSON, not
+  an object, or nested deeper than :data:`MAX_SCHEMA_NESTING` is a 400 naming its param, as are
+  the inputs vLLM's front end refuses because they can crash an engine (an empty grammar, a NUL
+  in a regex, an empty choice list). Whether the engine can apply it is the engine client's
+  business (``smgd.engines``).
+- Features that need a parser or a mode smgd does not have are rejected by name rather than
+  silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``, ``tool_choice``
+  "required" or a named function, a ``structural_tag``, ``prompt_logprobs``, non-text
+  modalities, and SGLang's structural_tag / stop_regex / custom_params.
 - ``tools`` are the chat template's business (``smgd.text.chat`` rejects them when the
   template does not render them); tool calls come back as plain text, not parsed.
 - Keys nobody here knows are ignored, as vLLM does (OpenAI adds fields faster than servers
@@ -36,9 +46,17 @@ from typing import Any
 import msgspec
 
 from smgd.errors import InvalidRequest
-from smgd.wire.common import SamplingParams
+from smgd.wire.common import SamplingParams, Structured, StructuredKind
 
-__all__ = ["MAX_N", "MAX_STOPS", "TextOptions", "for_choice", "from_native", "from_openai"]
+__all__ = [
+    "MAX_N",
+    "MAX_SCHEMA_NESTING",
+    "MAX_STOPS",
+    "TextOptions",
+    "for_choice",
+    "from_native",
+    "from_openai",
+]
 
 # `n` fans one HTTP request out into n engine requests while admission counts one; 16 keeps a
 # single caller from filling a decode batch (OpenAI allows 128, but its fleet is larger).
@@ -55,7 +73,17 @@ NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
 GREEDY_TEMPERATURE = 1e-5
+# vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING: objects and arrays nested deeper than this can
+# exhaust a grammar backend's recursion while it walks the schema, on any engine.
+MAX_SCHEMA_NESTING = 64
 
+# vLLM's older names for a structured_outputs field (vLLM 0.32 dropped them; clients still send
+# them) -> that field. guided_decoding_backend is not here: the backend is the engine's (see
+# smgd.toml [engines.structured_output]), so it is reported as ignored.
+_GUIDED = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # fmt: skip
 # Keys the API layer consumes (or that are pure bookkeeping); neither sampling nor "ignored".
 _OPENAI_API_KEYS = frozenset(
     {
@@ -72,24 +100,21 @@ _OPENAI_SAMPLING_KEYS = frozenset(
         "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "n",
         "echo", "skip_special_tokens", "include_stop_str_in_output", "best_of", "suffix",
         "response_format", "tool_choice", "spaces_between_special_tokens",
+        "structured_outputs", *_GUIDED, "guided_whitespace_pattern",
     }
 )  # fmt: skip
 # Present and not null → 400, whatever the value.
-_OPENAI_UNSUPPORTED = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "structured_outputs", "prompt_logprobs", "prediction", "audio", "functions", "function_call",
-)  # fmt: skip
+_OPENAI_UNSUPPORTED = ("prompt_logprobs", "prediction", "audio", "functions", "function_call")
 _NATIVE_KEYS = frozenset(
     {
         "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
         "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-        "n", "sampling_seed", "seed", "logit_bias", "stream_interval",
+        "n", "sampling_seed", "seed", "logit_bias", "stream_interval", "json_schema", "regex",
+        "ebnf",
     }
 )  # fmt: skip
-_NATIVE_UNSUPPORTED = (
-    "regex", "json_schema", "ebnf", "structural_tag", "stop_regex", "custom_params",
-)  # fmt: skip
+_NATIVE_UNSUPPORTED = ("structural_tag", "stop_regex", "custom_params")
 
 
 class TextOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,6 +235,204 @@ class _Reader:
                 raise self.fail(key, f"`{key}` is not supported by smgd ({why})")
 
 
+# ------------------------------------------------------------------------- structured output
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether objects/arrays nest deeper than MAX_SCHEMA_NESTING (breadth-first, no recursion)."""
+    level = [value]
+    for _ in range(MAX_SCHEMA_NESTING):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return False
+    return True
+
+
+def _schema(value: Any, param: str, *, text_ok: bool = True) -> dict[str, Any] | str:
+    """A JSON schema given as an object (or, where ``text_ok``, as JSON text), checked."""
+    parsed = value
+    if isinstance(value, str) and text_ok:
+        if not value.strip():
+            raise InvalidRequest(
+                f"`{param}` must be a JSON schema, got an empty string", param=param
+            )
+        try:
+            parsed = msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"`{param}` is not valid JSON: {exc}", param=param) from None
+    if not isinstance(parsed, dict):
+        what = "a JSON schema object" if text_ok else "an object (the JSON schema)"
+        raise InvalidRequest(f"`{param}` must be {what}", param=param)
+    if _too_deep(parsed):
+        raise InvalidRequest(
+            f"`{param}` is nested too deeply: objects and arrays may nest at most "
+            f"{MAX_SCHEMA_NESTING} levels",
+            param=param,
+        )
+    return value if isinstance(value, str) else parsed
+
+
+def _text(value: Any, param: str, *, what: str, empty_ok: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"`{param}` must be a string ({what})", param=param)
+    if not empty_ok and not value.strip():
+        raise InvalidRequest(f"`{param}` must be a non-empty {what}", param=param)
+    if "\x00" in value:  # xgrammar's native converters do not handle NUL (vLLM refuses it too)
+        raise InvalidRequest(f"`{param}` must not contain a NUL character", param=param)
+    return value
+
+
+def _choices(value: Any, param: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise InvalidRequest(
+            f"`{param}` must be a non-empty array of non-empty strings", param=param
+        )
+    if any("\x00" in c for c in value):
+        raise InvalidRequest(f"`{param}` must not contain a NUL character", param=param)
+    return tuple(value)
+
+
+def _constraint(field: str, value: Any, param: str) -> Structured:
+    """One vLLM-style constraint field (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``) or SGLang's (``json_schema``, ``regex``, ``ebnf``) -> Structured."""
+    if field in ("json", "json_schema"):
+        return Structured(kind=StructuredKind.JSON, param=param, spec=_schema(value, param))
+    if field == "regex":
+        spec = _text(value, param, what="regular expression", empty_ok=True)
+        return Structured(kind=StructuredKind.REGEX, param=param, spec=spec)
+    if field in ("grammar", "ebnf"):
+        spec = _text(value, param, what="EBNF grammar", empty_ok=False)
+        return Structured(kind=StructuredKind.GRAMMAR, param=param, spec=spec)
+    if field == "choice":
+        return Structured(kind=StructuredKind.CHOICE, param=param, choices=_choices(value, param))
+    assert field == "json_object"
+    if value is not True:
+        raise InvalidRequest(
+            f"`{param}` must be true if set (omit it for unconstrained output)", param=param
+        )
+    return Structured(kind=StructuredKind.JSON_OBJECT, param=param)
+
+
+# structured_outputs fields: the constraints (at most one), then vLLM's options for them.
+_SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_SO_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def _response_format(value: Any) -> Structured | None:
+    if not isinstance(value, dict):
+        raise InvalidRequest("`response_format` must be an object", param="response_format")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structured(kind=StructuredKind.JSON_OBJECT, param="response_format")
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+            param="response_format.type",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest(
+            "response_format type 'json_schema' needs a `json_schema` object",
+            param="response_format.json_schema",
+        )
+    r = _Reader(spec, prefix="response_format.json_schema.")
+    if not isinstance(spec.get("name"), str):
+        raise r.fail("name", "`name` is required and must be a string")
+    r.flag("strict", False)  # constrained either way, as vLLM does; checked for its type only
+    if not isinstance(spec.get("description", ""), str | None):
+        raise r.fail("description", "`description` must be a string")
+    if spec.get("schema") is None:
+        raise r.fail("schema", "`schema` is required (the JSON schema of the response)")
+    schema = _schema(spec["schema"], "response_format.json_schema.schema", text_ok=False)
+    return Structured(kind=StructuredKind.JSON, param="response_format", spec=schema)
+
+
+def _structured_openai(body: Mapping[str, Any], ignored: list[str]) -> Structured | None:
+    """The request's one constraint from every OpenAI/vLLM spelling, or None.
+
+    ``structured_outputs`` fields nobody here knows are appended to ``ignored`` (vLLM ignores
+    them too).
+    """
+    found: list[Structured] = []
+    fmt = body.get("response_format")
+    if fmt is not None and (rf := _response_format(fmt)) is not None:
+        found.append(rf)
+    options: dict[str, Any] = {}
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidRequest(
+                "`structured_outputs` must be an object", param="structured_outputs"
+            )
+        for key, value in so.items():
+            param = f"structured_outputs.{key}"
+            if value is None:
+                continue
+            if key in _SO_CONSTRAINTS:
+                found.append(_constraint(key, value, param))
+            elif key in _SO_OPTIONS:
+                options[key] = value
+            elif key == "structural_tag":
+                raise InvalidRequest("`structural_tag` is not supported by smgd", param=param)
+            else:
+                ignored.append(param)
+    for key, field in _GUIDED.items():
+        if body.get(key) is not None:
+            found.append(_constraint(field, body[key], key))
+    if body.get("guided_whitespace_pattern") is not None:
+        options.setdefault("whitespace_pattern", body["guided_whitespace_pattern"])
+    if len(found) > 1:
+        first, second = found[0].param, found[1].param
+        raise InvalidRequest(
+            f"only one structured output constraint is allowed per request, got `{first}` and "
+            f"`{second}`",
+            param=second,
+        )
+    if not found:
+        if so is not None and options:  # vLLM answers the same: options without a constraint
+            raise InvalidRequest(
+                "`structured_outputs` has options but no constraint (json, regex, choice, "
+                "grammar or json_object)",
+                param="structured_outputs",
+            )
+        return None
+    opts = _Reader(options, prefix="structured_outputs.")
+    pattern = options.get("whitespace_pattern")
+    if pattern is not None:
+        where = "structured_outputs.whitespace_pattern"
+        if "whitespace_pattern" not in (so or {}):
+            where = "guided_whitespace_pattern"
+        pattern = _text(pattern, where, what="regular expression", empty_ok=True)
+    return msgspec.structs.replace(
+        found[0],
+        disable_any_whitespace=opts.flag("disable_any_whitespace", False),
+        disable_additional_properties=opts.flag("disable_additional_properties", False),
+        whitespace_pattern=pattern,
+    )
+
+
+def _structured_native(body: Mapping[str, Any]) -> Structured | None:
+    found = [
+        _constraint(key, body[key], f"sampling_params.{key}")
+        for key in ("json_schema", "regex", "ebnf")
+        if body.get(key) is not None
+    ]
+    if len(found) > 1:
+        raise InvalidRequest(
+            f"only one of json_schema, regex and ebnf is allowed, got `{found[0].param}` and "
+            f"`{found[1].param}`",
+            param=found[1].param,
+        )
+    return found[0] if found else None
+
+
 def _context_error(ctx: int, prompt_len: int, what: str, param: str) -> InvalidRequest:
     return InvalidRequest(
         f"This model's maximum context length is {ctx} tokens. However, your {what} resulted "
@@ -284,16 +507,12 @@ def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
 
 def _openai_features(r: _Reader, n: int) -> None:
     body = r.body
-    r.reject_present(_OPENAI_UNSUPPORTED, "no constrained decoding or function-call parsing")
+    r.reject_present(_OPENAI_UNSUPPORTED, "no prompt logprobs, audio or function-call parsing")
     best_of = r.integer("best_of", None, 1, None)
     if best_of is not None and best_of not in (1, n):
         raise r.fail("best_of", "`best_of` is not supported (only 1 or equal to `n`)")
     if body.get("suffix"):
         raise r.fail("suffix", "`suffix` is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise r.fail("response_format", f"response_format {kind!r} is not supported (text only)")
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise r.fail("tool_choice", "only tool_choice 'auto' and 'none' are supported")
@@ -335,6 +554,10 @@ def from_openai(
         eos_token_ids=eos_token_ids,
         logprobs=_openai_logprobs(r, chat),
     )
+    ignored = [k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS]
+    structured = _structured_openai(body, ignored)
+    if structured is not None:
+        params = msgspec.structs.replace(params, structured=structured)
     if n > 1 and params.temperature < GREEDY_TEMPERATURE:
         raise r.fail("n", f"n must be 1 when using greedy sampling, got {n}.")  # vLLM's words
     r.flag("spaces_between_special_tokens", True)  # type-checked only; see module docstring
@@ -344,9 +567,7 @@ def from_openai(
         skip_special_tokens=r.flag("skip_special_tokens", True),
         n=n,
         echo=r.flag("echo", False),
-        ignored=tuple(
-            k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS
-        ),
+        ignored=tuple(ignored),
     )
     return params, options
 
@@ -369,7 +590,7 @@ def from_native(
     if not isinstance(body, Mapping):
         raise InvalidRequest("`sampling_params` must be an object", param="sampling_params")
     r = _Reader(body, prefix="sampling_params.")
-    r.reject_present(_NATIVE_UNSUPPORTED, "no constrained decoding")
+    r.reject_present(_NATIVE_UNSUPPORTED, "no structural tags, stop regexes or custom params")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(
             f"`top_logprobs_num` must be in [0, {MAX_LOGPROBS}]", param="top_logprobs_num"
@@ -396,6 +617,9 @@ def from_native(
         eos_token_ids=eos_token_ids,
         logprobs=logprobs,
     )
+    structured = _structured_native(body)
+    if structured is not None:
+        params = msgspec.structs.replace(params, structured=structured)
     r.flag("spaces_between_special_tokens", True)
     options = TextOptions(
         stop=r.stops("stop"),

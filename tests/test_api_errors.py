@@ -34,7 +34,7 @@ def assert_envelope(body: dict[str, Any], *, param: str | None, kind: str) -> No
         ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 400, "stream"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400,
-         "response_format"),
+         "response_format.json_schema"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400,
          "stream_options"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),

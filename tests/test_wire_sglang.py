@@ -18,6 +18,7 @@ from smgd.wire.common import (
     FinishReason,
     GenerateRequest,
     SamplingParams,
+    Structured,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
@@ -103,6 +104,8 @@ def _common(spec: dict[str, Any]) -> GenerateRequest:
         sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
     if "stop_token_ids" in sampling:
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+    if "structured" in sampling:
+        sampling["structured"] = msgspec.convert(sampling["structured"], Structured)
     return GenerateRequest(
         rid=spec["rid"],
         prompt_ids=spec["prompt_ids"],

@@ -18,7 +18,13 @@ import msgspec
 import pytest
 
 from smgd.errors import InvalidRequest, WireError
-from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+from smgd.wire.common import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    Structured,
+    TokenLogprob,
+)
 from smgd.wire.tokenspeed.decode import (
     decode_handshake,
     decode_hello,
@@ -95,6 +101,8 @@ def common_request(spec: dict[str, Any]) -> GenerateRequest:
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
     if "logit_bias" in sampling:
         sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+    if "structured" in sampling:
+        sampling["structured"] = msgspec.convert(sampling["structured"], Structured)
     return GenerateRequest(
         rid=spec["rid"],
         prompt_ids=spec["prompt_ids"],
@@ -187,6 +195,12 @@ def test_engine_view_of_unseeded_request_derives_seed_from_rid() -> None:
     assert view["sampling_params"]["seed"] == zlib.crc32(b"s-1")
     assert view["sampling_params"]["top_k"] == TOP_K_DISABLED
     assert view["validation_error"] is None
+
+
+def test_engine_view_of_a_json_object_request() -> None:
+    """response_format json_object lands in TokenSpeed's json_schema field as SGLang spells it."""
+    view = BY_NAME["live_add_json_object"]["engine_view"]["sampling_params"]
+    assert (view["json_schema"], view["regex"], view["ebnf"]) == ('{"type": "object"}', None, None)
 
 
 def test_engine_rejects_logprobs_on_a_server_without_them() -> None:

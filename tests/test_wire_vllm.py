@@ -16,7 +16,13 @@ import msgspec
 import pytest
 
 from smgd.errors import WireError
-from smgd.wire.common import FinishReason, GenerateRequest, SamplingParams
+from smgd.wire.common import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    Structured,
+    StructuredKind,
+)
 from smgd.wire.vllm.decode import (
     decode_engine_outputs,
     decode_handshake,
@@ -33,6 +39,7 @@ from smgd.wire.vllm.encode import (
     encode_request_message,
     encode_start_dp_wave,
     encode_utility,
+    structured_outputs,
     to_vllm_sampling,
 )
 from smgd.wire.vllm.engine_side import (
@@ -316,6 +323,56 @@ def test_logprobs_request_translation() -> None:
     theirs = _sampling_of("in_add_logprobs")
     assert ours.logprobs == theirs.logprobs == 5
     assert theirs.prompt_logprobs == 3  # smgd does not ask for prompt logprobs (yet)
+
+
+SO_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"enum": [0, 1]}},
+    "required": ["city", "n"],
+}
+TRICKY_CHOICES = ("yes", "no way", 'say "hi"\n', "tab\tback\\slash\x01")
+
+
+@pytest.mark.parametrize(
+    ("name", "rid", "structured", "backend", "extra"),
+    [
+        ("in_add_so_json_schema", "req-so-json",
+         Structured(kind=StructuredKind.JSON, param="response_format", spec=SO_SCHEMA), "auto",
+         {"temperature": 0.0}),
+        ("in_add_so_json_object", "req-so-obj",
+         Structured(kind=StructuredKind.JSON_OBJECT, param="response_format"), "auto", {}),
+        ("in_add_so_regex", "req-so-re",
+         Structured(kind=StructuredKind.REGEX, param="guided_regex", spec="[a-z]{1,5}"), "auto",
+         {}),
+        ("in_add_so_choice", "req-so-choice",
+         Structured(kind=StructuredKind.CHOICE, param="guided_choice", choices=TRICKY_CHOICES),
+         "auto", {}),
+        ("in_add_so_grammar", "req-so-gram",
+         Structured(kind=StructuredKind.GRAMMAR, param="structured_outputs.grammar",
+                    spec='root ::= "a" | "b"'), "auto", {}),
+        ("in_add_so_json_text_xgrammar", "req-so-text",
+         Structured(kind=StructuredKind.JSON, param="structured_outputs.json",
+                    spec='{"type": "string", "maxLength": 4}', disable_any_whitespace=True,
+                    whitespace_pattern="[ ]?"), "xgrammar", {"seed": 7}),
+    ],
+)  # fmt: skip
+def test_structured_outputs_are_what_vllms_front_end_sends(
+    name: str, rid: str, structured: Structured, backend: str, extra: dict[str, Any]
+) -> None:
+    """Byte for byte what vLLM's front end sends after validating the constraint against the
+    engine's backend: ``_backend`` set (the engine core builds that backend), ``auto`` marked
+    as chosen automatically, a choice turned into its EBNF grammar for xgrammar."""
+    sampling = SamplingParams(max_tokens=24, eos_token_ids=(2,), structured=structured, **extra)
+    req = GenerateRequest(rid=rid, prompt_ids=[323, 607, 83, 338, 15, 743, 1373, 310],
+                          sampling=sampling)  # fmt: skip
+    assert encode_add(req, arrival_time=ARRIVAL, structured_backend=backend) == named(name)
+
+
+def test_a_choice_stays_a_list_for_backends_that_take_one() -> None:
+    choice = Structured(kind=StructuredKind.CHOICE, param="guided_choice", choices=("a", "b"))
+    fields = structured_outputs(choice, "guidance")
+    assert (fields["choice"], fields["grammar"]) == (["a", "b"], None)
+    assert (fields["_backend"], fields["_backend_was_auto"]) == ("guidance", False)
 
 
 def test_abort_utility_and_wave_frames_match_vllm() -> None:

@@ -1,5 +1,39 @@
 """Engine clients, one per wire family (:mod:`~smgd.engines.sglang`,
 :mod:`~smgd.engines.vllm`, :mod:`~smgd.engines.tokenspeed`) over :mod:`~smgd.engines.base`.
 
-:func:`smgd.supervise.build_engine_client` builds them from ``[[engines]]`` entries.
+:func:`smgd.supervise.build_engine_client` builds them from ``[[engines]]`` entries, with the
+launch flags :func:`grammar_args` derives from ``[engines.structured_output]``.
 """
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smgd.config import EngineConfig
+
+
+def grammar_args(engine: EngineConfig) -> list[str]:
+    """The engine flags for ``[engines.structured_output]`` of a launched engine ([] = the
+    engine's defaults). config.validate refuses the same flags in ``launch.args`` as well."""
+    so = engine.structured_output
+    kind = engine.launch.kind if engine.launch is not None else None
+    args = [] if so.backend == "auto" else ["--grammar-backend", so.backend]
+    if kind == "sglang":
+        if so.disable_any_whitespace:
+            args.append("--constrained-json-disable-any-whitespace")
+        return args
+    if kind == "tokenspeed":
+        if so.disable_any_whitespace:
+            args.append("--disable-any-whitespace")
+        return args
+    if kind == "vllm" and so.backend != "none":
+        settings: dict[str, object] = {}
+        if so.backend != "auto" or so.disable_any_whitespace:
+            # vLLM's "auto" refuses disable_any_whitespace: name xgrammar, which auto picks
+            settings["backend"] = "xgrammar" if so.backend == "auto" else so.backend
+        if so.disable_any_whitespace:
+            settings["disable_any_whitespace"] = True
+        return ["--structured-outputs-config", json.dumps(settings)] if settings else []
+    return []  # vLLM has no "none" (smgd refuses constraints itself); the mock, a command

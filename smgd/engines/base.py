@@ -35,9 +35,17 @@ import msgspec
 import trio
 
 from smgd.admission import Admission
+from smgd.config import has_grammar
 from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
-from smgd.wire.common import EngineInfo, EngineLoad, GenerateRequest, TokenDelta
+from smgd.wire.common import (
+    EngineInfo,
+    EngineLoad,
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -97,6 +105,9 @@ class EngineClient:
         self.draining = False
         self._fallback_info = fallback_info
         self._streams: dict[str, RequestStream] = {}
+        # rid -> the request parameter of its structured-output constraint, for the requests
+        # that have one: an engine's refusal of the grammar becomes a 400 naming it.
+        self._constrained: dict[str, str] = {}
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[list[bytes]](math.inf)
         self._ready = trio.Event()
         self._dead = trio.Event()
@@ -199,6 +210,13 @@ class EngineClient:
             )
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
+        structured = req.sampling.structured
+        if structured is not None and not has_grammar(self.config):
+            raise InvalidRequest(
+                f"engine {self.name} has no grammar backend: structured output "
+                f"(`{structured.param}`) is not available",
+                param=structured.param,
+            )
 
     @asynccontextmanager
     async def open_stream(self, req: GenerateRequest) -> AsyncIterator[RequestStream]:
@@ -219,6 +237,8 @@ class EngineClient:
             stream = RequestStream(req.rid, self.name)
             frames = self._encode_request(req)
             self._streams[req.rid] = stream
+            if req.sampling.structured is not None:
+                self._constrained[req.rid] = req.sampling.structured.param
             self._requests_total += 1
             self._outbox_send.send_nowait(frames)
             try:
@@ -226,6 +246,7 @@ class EngineClient:
             finally:
                 still_running = stream.state is StreamState.OPEN
                 self._streams.pop(req.rid, None)
+                self._constrained.pop(req.rid, None)
                 if still_running:
                     stream.state = StreamState.CLOSED
                     if self.state is EngineState.READY:  # draining included: it is alive
@@ -378,9 +399,40 @@ class EngineClient:
         if stream is None:
             return  # finished or aborted locally already; late frames are expected
         self._tokens_total += len(delta.token_ids)
+        if delta.finish is not None and self._constrained:
+            self._name_refused_constraint(delta)
         stream.push(delta)
         if delta.finish is not None:
             del self._streams[delta.rid]
+
+    def _name_refused_constraint(self, delta: TokenDelta) -> None:
+        """A constrained request the engine ended because of its grammar (no backend, a schema
+        or grammar the backend cannot compile) finishes as a 400 naming the parameter."""
+        param = self._constrained.get(delta.rid)
+        reason = None if param is None else self._grammar_refusal(delta)
+        if reason is None:
+            return
+        delta.finish = Finish(
+            reason=FinishReason.ABORT,
+            message=f"engine {self.name} could not apply the structured output constraint in "
+            f"`{param}`: {reason}",
+            status_code=400,
+            param=param,
+        )
+
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
+        """Why the engine refused a constrained request's grammar, if this final delta says so.
+
+        Default (SGLang): an abort whose message is about the grammar ("Failed to compile json
+        grammar: ...", "Grammar-based generation ... --grammar-backend none", "Grammar
+        preprocessing timed out").
+        """
+        finish = delta.finish
+        assert finish is not None
+        message = finish.message or ""
+        if finish.reason is FinishReason.ABORT and "grammar" in message.lower():
+            return message
+        return None
 
     # ------------------------------------------------------------------ hooks
 

@@ -1,4 +1,4 @@
-"""SGLang scheduler client (msgpack mode, ``--skip-tokenizer-init``): smgd plays TokenizerManager.
+"""SGLang scheduler client (msgpack mode): smgd plays TokenizerManager and the detokenizer.
 
 Topology: smgd **binds** PUSH (requests, the scheduler's input) and PULL (outputs; the
 scheduler connects two PUSH sockets to it). Readiness barrier: the scheduler has attached to our

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import ConfigError
+from smgd.wire.common import FinishReason
 from smgd.wire.tokenspeed.decode import decode_handshake, decode_output, decode_registration
 from smgd.wire.tokenspeed.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, GenerateRequest
+    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
 
 # TokenSpeed's own default dial target (--data-parallel-address / --data-parallel-rpc-port).
 DEFAULT_HANDSHAKE = "tcp://127.0.0.1:30500"
@@ -60,6 +61,16 @@ class TokenspeedEngineClient(HandshakeEngineClient):
     def _ranks_hint(self, dp_size: int) -> int:
         # Attention-DP: each DP rank owns request I/O and dials in with its own identity.
         return max(self.expected_ranks, dp_size)
+
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
+        # Its grammar manager aborts the request with a reason the slim wire drops.
+        assert delta.finish is not None
+        if delta.finish.reason is FinishReason.ABORT:
+            return (
+                "the engine refused it (TokenSpeed sends no reason: no grammar backend, or a "
+                "grammar it cannot compile)"
+            )
+        return None
 
     def _wire_add(self, req: GenerateRequest) -> list[bytes]:
         return encode_add(req, max_model_len=self.info.max_model_len if self.info else None)

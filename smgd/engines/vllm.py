@@ -74,7 +74,7 @@ class VllmEngineClient(HandshakeEngineClient):
         if not sp.eos_token_ids and not sp.ignore_eos and self.eos_token_ids:
             sp = msgspec.structs.replace(sp, eos_token_ids=self.eos_token_ids)
             req = msgspec.structs.replace(req, sampling=sp)
-        frames = encode_add(req)
+        frames = encode_add(req, structured_backend=structured_backend(self.config))
         self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids), logprobs_k=sp.logprobs)
         if sp.logprobs is not None:
             self._logprobs_k[req.rid] = sp.logprobs
@@ -113,6 +113,15 @@ class VllmEngineClient(HandshakeEngineClient):
                 delta.finish = msgspec.structs.replace(finish, matched_token=delta.token_ids[-1])
         return Batch(out.deltas, out.engine_index, out.load)
 
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
+        # A grammar the engine core cannot compile (or a backend it cannot build) fails only
+        # that request, before its first token, with finish reason ERROR and no message.
+        meta = self._meta.get(delta.rid)
+        assert delta.finish is not None
+        if delta.finish.reason is FinishReason.ERROR and meta is not None and not meta.generated:
+            return "its grammar backend failed to compile it (vLLM sends no reason; see its log)"
+        return None
+
     def deliver(self, delta: TokenDelta) -> None:
         super().deliver(delta)
         if delta.finish is not None:
@@ -122,6 +131,14 @@ class VllmEngineClient(HandshakeEngineClient):
         super().die(reason)
         self._meta.clear()
         self._logprobs_k.clear()
+
+
+def structured_backend(config: EngineConfig) -> str:
+    """The structured-output backend the engine core is told to build (``_backend``)."""
+    so = config.structured_output
+    if so.backend == "auto" and so.disable_any_whitespace:
+        return "xgrammar"  # launched with it named: vLLM's auto cannot disable whitespace
+    return so.backend
 
 
 def vllm_argv(*, python: str, launcher: str, model: str, args: list[str]) -> list[str]:

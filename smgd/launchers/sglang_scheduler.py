@@ -7,10 +7,14 @@ Run with the SGLang venv's python (this file must not import smgd)::
 
 smgd binds PUSH at ``--smgd-input`` (the scheduler's request socket) and PULL at
 ``--smgd-output`` (where the scheduler sends outputs and control replies). The launcher forces
-the msgpack wire (``SGLANG_USE_PICKLE_IPC=0``, set before sglang is imported) and
-``--skip-tokenizer-init``, follows the same start-up steps as SGLang's ``Engine`` (resolve args,
-``_set_envs_and_config``, plugins, ``check_server_args``, ``publish``, ``PortArgs``) minus the
-tokenizer and detokenizer, and spawns ``run_scheduler_process``. When the scheduler reports
+the msgpack wire (``SGLANG_USE_PICKLE_IPC=0``, set before sglang is imported), follows the same
+start-up steps as SGLang's ``Engine`` (resolve args, ``_set_envs_and_config``, plugins,
+``check_server_args``, ``publish``, ``PortArgs``) minus the tokenizer and detokenizer
+processes, and spawns ``run_scheduler_process``. smgd is the tokenizer and the detokenizer: both
+of the scheduler's output sockets point at ``--smgd-output``. The scheduler still loads the
+model's tokenizer for its grammar backend (structured output compiles against the vocabulary),
+unless ``--grammar-backend none`` (or ``--skip-tokenizer-init``) is given: then it runs with
+``--skip-tokenizer-init`` and has no grammar backend. When the scheduler reports
 ready it prints one line ``SMGD_READY {json}`` (max_total_num_tokens, max_req_input_len,
 context_length, scheduler_pid) on stdout and waits. When the scheduler exits, for any reason,
 the launcher exits too, with the scheduler's exit code (a signal N becomes 128+N); a clean exit
@@ -54,9 +58,21 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--smgd-output", required=True, help="ipc endpoint smgd PULLs outputs from")
     parser.add_argument("--cpu-shims", action="store_true", help="use the CPU import shims")
     args, rest = parser.parse_known_args(argv)
-    if "--skip-tokenizer-init" not in rest:
-        rest.append("--skip-tokenizer-init")  # smgd is the tokenizer; outputs come to it
+    if "--skip-tokenizer-init" not in rest and _grammar_backend(rest) == "none":
+        # No grammar backend: nothing in the scheduler needs the tokenizer (smgd is it).
+        rest.append("--skip-tokenizer-init")
     return args, rest
+
+
+def _grammar_backend(argv: list[str]) -> str | None:
+    """The value of ``--grammar-backend`` in SGLang's args (None: SGLang's default, xgrammar)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--grammar-backend" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--grammar-backend="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _use_shims() -> None:
@@ -113,6 +129,9 @@ def main(argv: list[str]) -> int:
         sargs.PortArgs.init_new(server_args),
         scheduler_input_ipc_name=args.smgd_input,
         tokenizer_ipc_name=args.smgd_output,
+        # Without --skip-tokenizer-init the scheduler sends its outputs to the detokenizer,
+        # in the same BatchTokenIDOutput frames: smgd is the detokenizer too.
+        detokenizer_ipc_name=args.smgd_output,
     )
     reader, writer = mp.Pipe(duplex=False)
     proc = mp.Process(

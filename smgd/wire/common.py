@@ -1,4 +1,5 @@
-"""Engine-neutral request and output types.
+"""Engine-neutral request and output types (and the grammar-field spelling SGLang and TokenSpeed
+share).
 
 Each engine's wire package translates its engine's structs to and from them: its ``encode``
 module builds engine requests from a :class:`GenerateRequest`, its ``decode`` module turns engine
@@ -8,8 +9,101 @@ outputs into :class:`TokenDelta` values. Sans-IO: no sockets, no trio.
 from __future__ import annotations
 
 import enum
+import json
+from typing import Any
 
 import msgspec
+
+
+class StructuredKind(enum.Enum):
+    """What a structured-output constraint asks the engine's grammar backend for."""
+
+    JSON = "json"  # text matching a JSON schema
+    JSON_OBJECT = "json_object"  # any JSON object
+    REGEX = "regex"
+    CHOICE = "choice"  # exactly one of a list of strings
+    GRAMMAR = "grammar"  # an EBNF grammar (xgrammar's / GBNF syntax; vLLM also takes Lark)
+
+
+class Structured(msgspec.Struct, frozen=True, kw_only=True):
+    """One structured-output constraint, normalized from whichever spelling the client used.
+
+    Each engine's ``encode`` module writes it in that engine's own wire form. ``param`` names
+    the request parameter it came from, so an engine's refusal of it becomes a 400 naming it.
+    """
+
+    kind: StructuredKind
+    param: str
+    # JSON: the schema as the client sent it (an object, or JSON text: each engine's front end
+    # passes that form on); REGEX / GRAMMAR: the pattern or grammar text; otherwise None.
+    spec: dict[str, Any] | str | None = None
+    choices: tuple[str, ...] = ()  # CHOICE only
+    # vLLM's per-request options, carried as vLLM's front end carries them.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+# SGLang's (and TokenSpeed's) front end sends response_format json_object as this schema.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Regex metacharacters outside a character class; escaping others (`&`, `~`, `#`) makes xgrammar
+# warn about an unknown escape.
+_REGEX_META = frozenset("\\.^$|?*+()[]{}")
+_REGEX_CONTROL = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def schema_text(s: Structured) -> str:
+    """A JSON / JSON_OBJECT constraint's schema as JSON text, the way SGLang's front end writes
+    it (``json.dumps`` of an object schema, text passed on as given)."""
+    if s.kind is StructuredKind.JSON_OBJECT:
+        return JSON_OBJECT_SCHEMA
+    if isinstance(s.spec, str):
+        return s.spec
+    return json.dumps(s.spec)
+
+
+def choice_regex(choices: tuple[str, ...]) -> str:
+    """A regex matching exactly one of ``choices``, for engines without a choice constraint.
+
+    Metacharacters are escaped with a backslash; control characters are spelled ``\\n``,
+    ``\\r``, ``\\t`` or ``\\uXXXX`` (xgrammar's regex reader does not match a ``\\xNN``).
+    """
+
+    def escape(text: str) -> str:
+        out = []
+        for ch in text:
+            if ch in _REGEX_META:
+                out.append("\\" + ch)
+            elif ch in _REGEX_CONTROL:
+                out.append(_REGEX_CONTROL[ch])
+            elif ch < " " or ch == "\x7f":
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return "".join(out)
+
+    return "(" + "|".join(escape(c) for c in choices) + ")"
+
+
+def grammar_fields(s: Structured | None) -> tuple[str | None, str | None, str | None]:
+    """A constraint as SGLang's ``json_schema`` / ``regex`` / ``ebnf`` field (TokenSpeed, an
+    SGLang fork, has the same three), written the way SGLang's OpenAI front end writes it:
+    ``json_object`` is the schema ``{"type": "object"}``, an object schema is ``json.dumps``-ed.
+    SGLang has no choice constraint: a choice is a regex of the escaped alternatives. vLLM's
+    per-request whitespace options have no field here (the engine-wide switch is a launch flag).
+
+    Returns ``(json_schema, regex, ebnf)``, at most one of them set.
+    """
+    if s is None:
+        return None, None, None
+    if s.kind is StructuredKind.JSON or s.kind is StructuredKind.JSON_OBJECT:
+        return schema_text(s), None, None
+    if s.kind is StructuredKind.CHOICE:
+        return None, choice_regex(s.choices), None
+    assert isinstance(s.spec, str)
+    if s.kind is StructuredKind.REGEX:
+        return None, s.spec, None
+    return None, None, s.spec
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +131,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; k: plus top-k
     logit_bias: dict[int, float] | None = None
+    structured: Structured | None = None  # a structured-output constraint, if any
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +160,7 @@ class Finish(msgspec.Struct, frozen=True, kw_only=True):
     matched_text: str | None = None
     message: str | None = None
     status_code: int | None = None
+    param: str | None = None  # the request parameter an engine's refusal is about
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -24,7 +24,14 @@ from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
 from smgd.errors import EngineDead
 from smgd.launchers import sglang_scheduler_script
-from smgd.wire.common import EngineInfo, FinishReason, GenerateRequest, SamplingParams
+from smgd.wire.common import (
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    Structured,
+    StructuredKind,
+)
 from smgd.wire.sglang.encode import encode_shutdown
 
 from ..engine_harness import short_ipc_dir
@@ -112,6 +119,17 @@ async def test_real_scheduler_through_the_engine_client() -> None:
             with trio.fail_after(60):
                 await client.health_check(30.0)
             assert client.state is EngineState.READY
+
+            # This scheduler has no grammar backend (--grammar-backend none, so it runs without
+            # a tokenizer): a constrained request is refused for that request alone, as a 400
+            # naming its parameter; the scheduler serves on.
+            schema = Structured(kind=StructuredKind.JSON, param="response_format", spec={})
+            with trio.fail_after(60):
+                async with client.open_stream(greedy(8, structured=schema)) as stream:
+                    finish = (await stream.receive()).finish
+            assert finish is not None
+            assert (finish.status_code, finish.param) == (400, "response_format")
+            assert "--grammar-backend none" in (finish.message or "")
 
             stop_id = first[3]
             with trio.fail_after(60):

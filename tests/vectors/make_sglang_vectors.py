@@ -121,6 +121,42 @@ def smgd_request(rid: str, ids: list[int], stream: bool, **sampling: object) -> 
     return {"rid": rid, "prompt_ids": ids, "stream": stream, "sampling": sampling}
 
 
+def structured() -> None:
+    """Constrained requests with the grammar field SGLang's OpenAI front end writes: the
+    response_format json_schema goes through ``convert_json_schema_to_str`` (json.dumps),
+    json_object is the literal schema its serving code writes, regex / ebnf pass as given."""
+    from sglang.utils import convert_json_schema_to_str
+
+    prompt = [1, 385, 600, 436, 943, 14, 10, 385]
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"enum": [0, 1]}},
+        "required": ["city", "n"],
+        "title": "Ünïcode",
+    }
+    cases = [
+        ("json_schema", {"json_schema": convert_json_schema_to_str(schema)},
+         {"kind": "json", "param": "response_format", "spec": schema}),
+        ("json_object", {"json_schema": '{"type": "object"}'},
+         {"kind": "json_object", "param": "response_format"}),
+        ("json_text", {"json_schema": '{"type":"string"}'},
+         {"kind": "json", "param": "sampling_params.json_schema", "spec": '{"type":"string"}'}),
+        ("regex", {"regex": "[a-z]{1,5}"},
+         {"kind": "regex", "param": "guided_regex", "spec": "[a-z]{1,5}"}),
+        ("ebnf", {"ebnf": 'root ::= "a" | "b"'},
+         {"kind": "grammar", "param": "sampling_params.ebnf", "spec": 'root ::= "a" | "b"'}),
+    ]  # fmt: skip
+    for name, field, spec in cases:
+        add(
+            f"tgri_structured_{name}",
+            tokenized(RID, prompt, {"max_new_tokens": 16, "temperature": 0.0, **field}),
+            "router_to_scheduler",
+            smgd_request=smgd_request(
+                RID, prompt, False, max_tokens=16, temperature=0.0, structured=spec
+            ),
+        )
+
+
 def requests() -> None:
     prompt = [1, 385, 600, 436, 943, 14, 10, 385]
     add(
@@ -209,6 +245,7 @@ def requests() -> None:
         tokenized(RID, prompt, {"max_new_tokens": None, "top_k": -1, "temperature": 0.5}),
         "router_to_scheduler",
     )
+    structured()
     hc_rid = "HEALTH_CHECK_" + RID
     add(
         "tgri_health_check",

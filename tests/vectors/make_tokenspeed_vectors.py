@@ -239,6 +239,62 @@ def build(ts: dict[str, Any]) -> list[dict[str, Any]]:
             },
         ),
         (
+            "req_smgd_json_schema",
+            Req(
+                rid="js-1",
+                input_ids=[5, 6, 7],
+                sampling_params=SP(
+                    max_new_tokens=16, temperature=0.0, json_schema='{"type":"object"}'
+                ),
+            ),
+            {
+                "rid": "js-1",
+                "prompt_ids": [5, 6, 7],
+                "stream": False,
+                "sampling": {
+                    "max_tokens": 16,
+                    "temperature": 0.0,
+                    "structured": {
+                        "kind": "json",
+                        "param": "sampling_params.json_schema",
+                        "spec": '{"type":"object"}',
+                    },
+                },
+            },
+        ),
+        (
+            "req_smgd_regex",
+            Req(rid="re-1", input_ids=[5], sampling_params=SP(max_new_tokens=8, regex="[a-z]+")),
+            {
+                "rid": "re-1",
+                "prompt_ids": [5],
+                "stream": False,
+                "sampling": {
+                    "max_tokens": 8,
+                    "structured": {"kind": "regex", "param": "guided_regex", "spec": "[a-z]+"},
+                },
+            },
+        ),
+        (
+            "req_smgd_ebnf",
+            Req(
+                rid="eb-1", input_ids=[5], sampling_params=SP(max_new_tokens=8, ebnf='root ::= "a"')
+            ),
+            {
+                "rid": "eb-1",
+                "prompt_ids": [5],
+                "stream": False,
+                "sampling": {
+                    "max_tokens": 8,
+                    "structured": {
+                        "kind": "grammar",
+                        "param": "sampling_params.ebnf",
+                        "spec": 'root ::= "a"',
+                    },
+                },
+            },
+        ),
+        (
             "req_stop_strings_structured",
             Req(
                 rid="st-1",
@@ -481,7 +537,7 @@ def live(ts: dict[str, Any], repo: Path) -> list[dict[str, Any]]:
 
     zm, zw, io, rt = ts["zm"], ts["zw"], ts["io"], ts["rt"]
     sys.path.insert(0, str(repo))
-    from smgd.wire.common import GenerateRequest, SamplingParams
+    from smgd.wire.common import GenerateRequest, SamplingParams, Structured, StructuredKind
     from smgd.wire.tokenspeed import encode as smgd_ts  # pure msgspec; no trio/zmq import
 
     ctx = zmq.Context()
@@ -528,6 +584,10 @@ def live(ts: dict[str, Any], repo: Path) -> list[dict[str, Any]]:
         ("live_add_greedy", req("g-1", temperature=0.0)),
         ("live_add_sampled_unseeded", req("s-1", temperature=0.8, top_p=0.95)),
         ("live_add_logprobs_disabled_server", req("lp-1", logprobs=0)),
+        (
+            "live_add_json_object",
+            req("jo-1", structured=Structured(kind=StructuredKind.JSON_OBJECT, param="p")),
+        ),
     ]
     for name, r in sent:
         frames = smgd_ts.encode_add(r)

@@ -237,6 +237,49 @@ def main(argv: list[str]) -> None:
     )
     add_req("in_add_structured", request("req-json", sp))
 
+    # Structured outputs as the front end sends them: _validate_structured_outputs picks the
+    # backend (_backend, _backend_was_auto) and, for xgrammar, turns a choice into a grammar.
+    from vllm.config import StructuredOutputsConfig  # type: ignore[import-not-found,unused-ignore]
+
+    class _ModelConfig:  # what _validate_structured_outputs reads of a ModelConfig
+        is_diffusion = False
+
+    def so_req(name: str, rid: str, so: Any, backend: str = "auto", **kw: Any) -> None:
+        sp = SamplingParams(max_tokens=24, structured_outputs=so, **kw)
+        sp.update_from_generation_config({}, eos_token_id=2)
+        config = StructuredOutputsConfig(backend=backend)
+        sp._validate_structured_outputs(_ModelConfig(), config, tokenizer=object())
+        add_req(name, request(rid, sp))
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"enum": [0, 1]}},
+        "required": ["city", "n"],
+    }
+    so_req("in_add_so_json_schema", "req-so-json", StructuredOutputsParams(json=schema),
+           temperature=0.0)  # fmt: skip
+    so_req("in_add_so_json_object", "req-so-obj", StructuredOutputsParams(json_object=True))
+    so_req("in_add_so_regex", "req-so-re", StructuredOutputsParams(regex="[a-z]{1,5}"))
+    so_req(
+        "in_add_so_choice",
+        "req-so-choice",
+        StructuredOutputsParams(choice=["yes", "no way", 'say "hi"\n', "tab\tback\\slash\x01"]),
+    )
+    so_req(
+        "in_add_so_grammar", "req-so-gram", StructuredOutputsParams(grammar='root ::= "a" | "b"')
+    )
+    so_req(
+        "in_add_so_json_text_xgrammar",
+        "req-so-text",
+        StructuredOutputsParams(
+            json='{"type": "string", "maxLength": 4}',
+            disable_any_whitespace=True,
+            whitespace_pattern="[ ]?",
+        ),
+        backend="xgrammar",
+        seed=7,
+    )
+
     sp = SamplingParams(
         max_tokens=2,
         prompt_logprobs=1,

@@ -74,5 +74,5 @@ def engine_finish_error(finish: Finish) -> SmgdError:
     message = finish.message or f"the engine ended the request ({finish.reason.value})"
     status = finish.status_code
     if finish.reason is FinishReason.ABORT and (status is None or 400 <= status < 500):
-        return EngineRejected(message)
+        return EngineRejected(message, param=finish.param)
     return EngineDead(message)

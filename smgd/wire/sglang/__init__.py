@@ -1,8 +1,9 @@
 """SGLang 0.5.23 TokenizerManager <-> Scheduler wire (msgpack mode), sans-IO.
 
 smgd plays SGLang's TokenizerManager: it PUSHes ``TokenizedGenerateReqInput`` / ``AbortReq`` /
-control requests to a headless scheduler (``--skip-tokenizer-init``, ``SGLANG_USE_PICKLE_IPC=0``)
-and PULLs ``BatchTokenIDOutput`` / ``AbortReq`` echoes / ``HealthCheckOutput`` back.
+control requests to a headless scheduler (``SGLANG_USE_PICKLE_IPC=0``; the same frames with or
+without ``--skip-tokenizer-init``) and PULLs ``BatchTokenIDOutput`` / ``AbortReq`` echoes /
+``HealthCheckOutput`` back.
 
 One module per role; import each name from the module that defines it:
 

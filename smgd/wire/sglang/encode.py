@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from smgd.errors import InvalidRequest
+from smgd.wire.common import grammar_fields
 from smgd.wire.sglang.arrays import ids_to_ext
 from smgd.wire.sglang.structs import (
     TOP_K_ALL,
@@ -70,7 +71,8 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
     Greedy becomes temperature 1 + top_k 1, top_k -1 becomes 1<<30, stop strings/regexes are
     empty lists (smgd matches stop strings itself), ``is_normalized`` is True. EOS ids are not
     sent: SGLang reads them from the model config. ``min_tokens`` and ``ignore_eos`` together
-    with stop token ids cannot be expressed on this wire and are refused.
+    with stop token ids cannot be expressed on this wire and are refused. A structured-output
+    constraint goes in its grammar field (:func:`grammar_fields`).
     """
     if s.min_tokens > 0:
         # SGLang's min-new-tokens penalizer reads the tokenizer's EOS, which a
@@ -92,6 +94,7 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
     # A set built in the same order as SGLang's __post_init__ ({int(t) for t in ids}) iterates
     # in the same order, so the bytes match what TokenizerManager would send.
     stop_ids = list({int(t) for t in s.stop_token_ids}) or None
+    json_schema, regex, ebnf = grammar_fields(s.structured)
     sp = SamplingParams(
         max_new_tokens=s.max_tokens,
         stop_token_ids=stop_ids,
@@ -108,6 +111,9 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
         stop_strs=[],
         stop_regex_strs=[],
         is_normalized=True,
+        json_schema=json_schema,
+        regex=regex,
+        ebnf=ebnf,
     )
     _verify(sp)
     return sp

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from smgd.errors import InvalidRequest
+from smgd.wire.common import grammar_fields
 from smgd.wire.tokenspeed.structs import (
     REQ_ABORT,
     REQ_ADD,
@@ -97,6 +98,7 @@ def to_wire_sampling(req: GenerateRequest) -> SamplingParams:
         top_k = TOP_K_DISABLED
     stop_ids = list(set(s.stop_token_ids)) if s.stop_token_ids else None  # set order, as Python
     bias = {str(k): float(v) for k, v in s.logit_bias.items()} if s.logit_bias else None
+    json_schema, regex, ebnf = grammar_fields(s.structured)  # SGLang's three fields, same form
     return SamplingParams(
         max_new_tokens=s.max_tokens,
         stop_token_ids=stop_ids,
@@ -108,6 +110,9 @@ def to_wire_sampling(req: GenerateRequest) -> SamplingParams:
         presence_penalty=float(s.presence_penalty),
         repetition_penalty=float(s.repetition_penalty),
         min_new_tokens=s.min_tokens,
+        json_schema=json_schema,
+        regex=regex,
+        ebnf=ebnf,
         ignore_eos=s.ignore_eos,
         logit_bias=bias,
         seed=seed,

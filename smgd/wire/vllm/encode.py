@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from smgd.wire.common import StructuredKind
 from smgd.wire.vllm.structs import (
     AbortRequest,
     AddRequest,
@@ -23,7 +24,7 @@ from smgd.wire.vllm.structs import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smgd.wire.common import GenerateRequest
+    from smgd.wire.common import GenerateRequest, Structured
     from smgd.wire.common import SamplingParams as CommonSampling
     from smgd.wire.vllm.structs import InputMessage
 
@@ -52,6 +53,62 @@ def encode_init(
     return [_ENCODER.encode(HandshakeMetadata(addresses, parallel_config or {}))]
 
 
+# What vLLM's front end writes for a character in an EBNF string literal (choice_as_grammar);
+# other C0 controls and DEL become \uXXXX.
+_EBNF_ESCAPES: Final = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """``root ::= "a" | "b"``: the EBNF vLLM's front end turns a choice into for xgrammar."""
+
+    def literal(text: str) -> str:
+        out = []
+        for ch in text:
+            if ch in _EBNF_ESCAPES:
+                out.append(_EBNF_ESCAPES[ch])
+            elif ch < " " or ch == "\x7f":
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def structured_outputs(s: Structured, backend: str = "auto") -> dict[str, Any]:
+    """``StructuredOutputsParams`` (a dataclass: a map with every field, in field order) as vLLM's
+    front end sends it after ``_validate_structured_outputs``.
+
+    ``backend`` is the engine's structured-output backend: the engine core builds the backend
+    the first constrained request names in ``_backend``, so it is always set. ``"auto"`` (vLLM's
+    default) names xgrammar and marks it chosen automatically, as vLLM does when xgrammar takes
+    the request. For xgrammar a choice goes as its EBNF grammar (:func:`choice_grammar`), as
+    vLLM converts it; the other backends take the list.
+    """
+    name = "xgrammar" if backend == "auto" else backend
+    fields: dict[str, Any] = dict.fromkeys(("json", "regex", "choice", "grammar", "json_object"))
+    if s.kind is StructuredKind.JSON:
+        fields["json"] = s.spec
+    elif s.kind is StructuredKind.JSON_OBJECT:
+        fields["json_object"] = True
+    elif s.kind is StructuredKind.CHOICE:
+        if name == "xgrammar":
+            fields["grammar"] = choice_grammar(s.choices)
+        else:
+            fields["choice"] = list(s.choices)
+    else:
+        fields["regex" if s.kind is StructuredKind.REGEX else "grammar"] = s.spec
+    return {
+        **fields,
+        "disable_any_whitespace": s.disable_any_whitespace,
+        "disable_additional_properties": s.disable_additional_properties,
+        "whitespace_pattern": s.whitespace_pattern,
+        "structural_tag": None,
+        "_backend": name,
+        "_backend_was_auto": backend == "auto",
+    }
+
+
 _SAMPLING_DEFAULTS: Final = {
     f.name: f.default
     for f in msgspec.structs.fields(SamplingParams)
@@ -59,9 +116,10 @@ _SAMPLING_DEFAULTS: Final = {
 }
 
 
-def to_vllm_sampling(sp: CommonSampling) -> SamplingParams:
+def to_vllm_sampling(sp: CommonSampling, *, structured_backend: str = "auto") -> SamplingParams:
     """smgd's normalized sampling -> what vLLM's front end would send after its own
-    ``__post_init__`` and ``update_from_generation_config``.
+    ``__post_init__`` and ``update_from_generation_config`` (and, for a structured-output
+    constraint, its validation against ``structured_backend``: :func:`structured_outputs`).
 
     EOS: the engine stops on EOS only when ``_eos_token_id`` is set, so it is set unless
     ignore_eos. ``eos_token_ids[0]`` is the primary EOS, others are extra EOS ids that vLLM
@@ -101,6 +159,9 @@ def to_vllm_sampling(sp: CommonSampling) -> SamplingParams:
         "min_tokens": sp.min_tokens,
         "logprobs": sp.logprobs,
         "logit_bias": dict(sp.logit_bias) if sp.logit_bias else None,
+        "structured_outputs": (
+            None if sp.structured is None else structured_outputs(sp.structured, structured_backend)
+        ),
     }
     # msgspec's omit_defaults compares by identity, so equal-but-distinct floats would be
     # sent; pass only values that differ from vLLM's defaults to keep the map minimal.
@@ -127,18 +188,21 @@ def encode_add(
     arrival_time: float | None = None,
     cache_salt: str | None = None,
     priority: int = 0,
+    structured_backend: str = "auto",
 ) -> list[bytes]:
     """ADD frames (type byte + EngineCoreRequest) for one engine request.
 
     The caller validates first (vLLM's front end does, the engine does not): prompt ids below
     the vocab size and ``len(prompt) + max_tokens <= max_model_len``; either mistake kills the
     engine. ``client_index`` picks the output socket (``outputs[client_index]`` of INIT).
+    ``structured_backend`` is the engine's structured-output backend (see
+    :func:`structured_outputs`).
     """
     core = EngineCoreRequest(
         request_id=req.rid,
         prompt_token_ids=req.prompt_ids,
         mm_features=None,
-        sampling_params=to_vllm_sampling(req.sampling),
+        sampling_params=to_vllm_sampling(req.sampling, structured_backend=structured_backend),
         pooling_params=None,
         arrival_time=time.time() if arrival_time is None else arrival_time,
         lora_request=None,
