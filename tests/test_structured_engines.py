@@ -207,6 +207,20 @@ def test_the_same_finish_of_an_unconstrained_request_is_left_alone(
     assert finish_of(stream).param is None
 
 
+def test_a_vllm_error_after_tokens_is_not_about_the_grammar() -> None:
+    """vLLM fails a grammar before the first token: a later ERROR is the engine's failure."""
+    engine = client(WireFamily.VLLM)
+    assert isinstance(engine, VllmEngineClient)
+    engine._wire_add(request("r1"))
+    stream = open_request(engine, request("r1"))
+    engine._handle_frames(encode_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r1", [5])])))
+    engine._handle_frames(vllm_error("r1"))
+    delta = stream.receive_nowait()
+    assert delta is not None and delta.token_ids == [5]
+    assert delta.finish is not None
+    assert (delta.finish.reason, delta.finish.param) == (FinishReason.ERROR, None)
+
+
 def test_other_sglang_aborts_of_a_constrained_request_are_left_alone() -> None:
     engine = client(WireFamily.SGLANG)
     stream = open_request(engine, request("r1"))

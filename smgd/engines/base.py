@@ -409,8 +409,7 @@ class EngineClient:
         """A constrained request the engine ended because of its grammar (no backend, a schema
         or grammar the backend cannot compile) finishes as a 400 naming the parameter."""
         param = self._constrained.get(delta.rid)
-        assert delta.finish is not None
-        reason = None if param is None else self._grammar_refusal(delta.finish)
+        reason = None if param is None else self._grammar_refusal(delta)
         if reason is None:
             return
         delta.finish = Finish(
@@ -421,13 +420,15 @@ class EngineClient:
             param=param,
         )
 
-    def _grammar_refusal(self, finish: Finish) -> str | None:
-        """Why the engine refused a constrained request's grammar, if this finish says so.
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
+        """Why the engine refused a constrained request's grammar, if this final delta says so.
 
         Default (SGLang): an abort whose message is about the grammar ("Failed to compile json
         grammar: ...", "Grammar-based generation ... --grammar-backend none", "Grammar
         preprocessing timed out").
         """
+        finish = delta.finish
+        assert finish is not None
         message = finish.message or ""
         if finish.reason is FinishReason.ABORT and "grammar" in message.lower():
             return message

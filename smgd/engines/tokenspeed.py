@@ -27,7 +27,7 @@ from smgd.wire.tokenspeed.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, Finish, GenerateRequest
+    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
 
 # TokenSpeed's own default dial target (--data-parallel-address / --data-parallel-rpc-port).
 DEFAULT_HANDSHAKE = "tcp://127.0.0.1:30500"
@@ -62,9 +62,10 @@ class TokenspeedEngineClient(HandshakeEngineClient):
         # Attention-DP: each DP rank owns request I/O and dials in with its own identity.
         return max(self.expected_ranks, dp_size)
 
-    def _grammar_refusal(self, finish: Finish) -> str | None:
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
         # Its grammar manager aborts the request with a reason the slim wire drops.
-        if finish.reason is FinishReason.ABORT:
+        assert delta.finish is not None
+        if delta.finish.reason is FinishReason.ABORT:
             return (
                 "the engine refused it (TokenSpeed sends no reason: no grammar backend, or a "
                 "grammar it cannot compile)"

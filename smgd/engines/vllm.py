@@ -32,7 +32,7 @@ from smgd.wire.vllm.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, Finish, GenerateRequest, TokenDelta
+    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
 
 
 class _Meta(msgspec.Struct):
@@ -113,10 +113,12 @@ class VllmEngineClient(HandshakeEngineClient):
                 delta.finish = msgspec.structs.replace(finish, matched_token=delta.token_ids[-1])
         return Batch(out.deltas, out.engine_index, out.load)
 
-    def _grammar_refusal(self, finish: Finish) -> str | None:
+    def _grammar_refusal(self, delta: TokenDelta) -> str | None:
         # A grammar the engine core cannot compile (or a backend it cannot build) fails only
-        # that request, with finish reason ERROR and no message on the wire.
-        if finish.reason is FinishReason.ERROR:
+        # that request, before its first token, with finish reason ERROR and no message.
+        meta = self._meta.get(delta.rid)
+        assert delta.finish is not None
+        if delta.finish.reason is FinishReason.ERROR and meta is not None and not meta.generated:
             return "its grammar backend failed to compile it (vLLM sends no reason; see its log)"
         return None
 
