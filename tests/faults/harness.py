@@ -172,6 +172,7 @@ class StreamOutcome:
     finish_reason: str | None = None
     body: bytes = b""  # a non-200 answer's body
     ended_at: float | None = None  # trio.current_time() when the body ended (or was cut)
+    last_chunk_at: float | None = None  # trio.current_time() when the last text chunk came
 
     @property
     def text(self) -> str:
@@ -231,6 +232,7 @@ def _take_line(outcome: StreamOutcome, line: str) -> None:
     for choice in chunk.get("choices", []):
         if choice.get("text"):
             outcome.chunks.append(choice["text"])
+            outcome.last_chunk_at = trio.current_time()
         outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
 
 
