@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 import trio
 
+from smgd.api.core.prepare import MAX_JSON_DEPTH, decode_body, nested_deeper
 from smgd.config import ServerConfig
+from smgd.errors import InvalidRequest
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, post
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -110,6 +112,36 @@ async def test_deeply_nested_json_is_400_on_every_json_route(
     assert reply.status == 400, reply.body
     assert_envelope(reply.json(), param=None, kind="invalid_request_error")
     assert "nested too deeply" in reply.json()["error"]["message"]
+
+
+def _nested(levels: int, open_: str = "[", close: str = "]") -> bytes:
+    """A body whose ``x`` holds ``levels`` nested arrays (the body itself is one more level)."""
+    return ('{"x":' + open_ * levels + close * levels + "}").encode()
+
+
+@pytest.mark.parametrize(("open_", "close"), [("[", "]"), ('{"a":', "}")])
+def test_json_nested_past_the_limit_is_refused_on_every_python(open_: str, close: str) -> None:
+    # At the limit: decoded. One level more: refused, whatever the interpreter's recursion
+    # guard would allow (3.12 decodes a 1,000-deep body; 3.11 raises RecursionError).
+    inner = MAX_JSON_DEPTH - 1  # the body's own object is the first level
+    if open_ == "[":
+        assert decode_body(_nested(inner))["x"] is not None
+        too_deep = _nested(inner + 1)
+    else:
+        text = '{"x":' + open_ * inner + "1" + close * inner + "}"
+        assert decode_body(text.encode())["x"] is not None
+        too_deep = ('{"x":' + open_ * (inner + 1) + "1" + close * (inner + 1) + "}").encode()
+    with pytest.raises(InvalidRequest, match="nested too deeply") as info:
+        decode_body(too_deep)
+    assert info.value.param is None
+
+
+def test_nested_deeper_counts_levels_of_arrays_and_objects() -> None:
+    # object > array > object > array: four levels
+    assert not nested_deeper({"a": [1, {"b": []}]}, 4)
+    assert nested_deeper({"a": [1, {"b": []}]}, 3)
+    assert not nested_deeper({"a": "[[[[", "b": 1}, 1)  # brackets inside strings are text
+    assert nested_deeper([[[]]], 2) and not nested_deeper([[[]]], 3)
 
 
 async def test_body_too_large_is_413(autojump_clock: trio.abc.Clock) -> None:

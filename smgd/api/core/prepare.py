@@ -151,6 +151,14 @@ def json_reply(payload: Any, status: int = 200, headers: Mapping[str, str] = JSO
 Handler = Callable[[Call], Awaitable[Reply]]
 
 
+# The deepest JSON a request body may nest. A structured-output schema may nest 64 levels
+# (smgd.sampling) inside a few levels of request; nothing a client sends legitimately comes near
+# 128. Deeper bodies are refused on every Python alike: msgspec's own limit is the interpreter's
+# recursion guard, which a 1,000-deep body trips on 3.11 but not on 3.12 (C recursion limit).
+MAX_JSON_DEPTH = 128
+_TOO_DEEP = f"the request body's JSON is nested too deeply (over {MAX_JSON_DEPTH} levels)"
+
+
 def decode_body(data: bytes) -> dict[str, Any]:
     """A request body as a JSON object (400 on anything else)."""
     try:
@@ -158,12 +166,28 @@ def decode_body(data: bytes) -> dict[str, Any]:
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
-        # msgspec decodes nested arrays and objects recursively, within Python's recursion
-        # limit (1000 frames by default, less what the server's own stack already uses).
-        raise InvalidRequest("the request body's JSON is nested too deeply") from None
+        # msgspec decodes nested arrays and objects recursively, within the interpreter's
+        # recursion guard: far deeper bodies trip it before MAX_JSON_DEPTH is checked.
+        raise InvalidRequest(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    # Fewer brackets than the limit cannot nest past it: two C-level counts spare the walk
+    # for every ordinary body.
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nested_deeper(body, MAX_JSON_DEPTH):
+        raise InvalidRequest(_TOO_DEEP)
     return body
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests arrays/objects more than ``limit`` levels."""
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def resolve_model(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelText]:
