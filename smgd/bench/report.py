@@ -70,7 +70,7 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
 
 
 def _is_smgd(name: str) -> bool:
-    return name == "smgd" or name.startswith("smgd-w")
+    return name in ("smgd", "smgd-tools") or name.startswith("smgd-w")
 
 
 def _baselines(name: str) -> list[str]:
@@ -82,9 +82,9 @@ def _baselines(name: str) -> list[str]:
 def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Each smgd target vs each baseline at equal concurrency: CPU per token, tok/s, TTFT p50.
 
-    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) also the
-    one-process ``smgd`` of the same run, and for ``smgd`` the same with coalescing off
-    (``smgd-flat``).
+    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) and the tools
+    workload (``smgd-tools``) also the plain one-process ``smgd`` of the same run, and for
+    ``smgd`` the same with coalescing off (``smgd-flat``).
     """
     out: list[dict[str, Any]] = []
     for name, points in targets.items():
