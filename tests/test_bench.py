@@ -633,6 +633,22 @@ def test_tool_prompt_is_about_m_tokens_and_parses_to_its_reasoning_and_call() ->
     assert p.prefix_lens[0] == 0  # `<think>` itself is markup: no text
     # The markup alone is over 100 tokens of this tokenizer: a small M gets the smallest reply.
     assert build_tool_prompt(TINY_MODEL_DIR, 1).reply_tokens < p.reply_tokens
+    assert p.finish_reason == "tool_calls"
+
+
+def test_the_no_parser_control_expects_the_whole_reply_as_content() -> None:
+    from smgd.bench.workload import build_tool_prompt
+
+    parsed = build_tool_prompt(TINY_MODEL_DIR, 128)
+    raw = build_tool_prompt(TINY_MODEL_DIR, 128, parsers=False)
+    assert (raw.reply, raw.reply_tokens) == (parsed.reply, parsed.reply_tokens)
+    assert raw.expected_text == raw.reply  # markup and all
+    assert raw.finish_reason == "stop"
+    # Every reply token is text here; only the EOS adds nothing.
+    text_lens = raw.prefix_lens[:-1]
+    assert text_lens == sorted(set(text_lens))
+    assert text_lens[0] > 0
+    assert raw.prefix_lens[-1] == raw.prefix_lens[-2] == len(raw.reply)
 
 
 TOOL_PIECES = ["\nhi", " there", "\n", "", "f", '{"a":', " 1}", ""]  # "" = markup, EOS
@@ -738,6 +754,31 @@ def test_plain_loadgen_spec_is_unchanged_by_the_tools_workload() -> None:
     assert b'"ignore_eos":true' in loadgen.build_request(decoded)
 
 
+def test_tool_stream_of_the_control_expects_content_and_stop() -> None:
+    pieces = ["<think>", "hi", "</think>", ""]
+    spec = _tool_spec(expected_finish="stop")
+    spec.expected_text, spec.prefix_lens = "".join(pieces), prefix_lengths(pieces)
+    spec.expected_tokens = len(pieces)
+
+    def run(finish: str) -> loadgen.Results:
+        res = loadgen.Results()
+        stream = loadgen._ToolStream(spec, res, 0.0, 10.0)
+        events = [
+            b'data: {"choices":[{"index":0,"delta":{"content":%s}}]}\n\n' % json.dumps(p).encode()
+            for p in pieces[:3]
+        ]
+        events.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"%s"}]}\n\n'
+                      % finish.encode())  # fmt: skip
+        events.append(b'data: {"choices":[],"usage":{"completion_tokens":4}}\n\n')
+        events.append(b"data: [DONE]\n\n")
+        assert stream.feed(_chunked_response(events), 0.1)
+        stream.finish()
+        return res
+
+    assert (run("stop").bad_streams, run("stop").text_tokens) == (0, 4)
+    assert run("tool_calls").bad_streams == 1
+
+
 def test_tools_target_config_sets_the_parsers_and_the_script(tmp_path: Path) -> None:
     from smgd.bench.targets import smgd_config
     from smgd.bench.workload import build_tool_prompt
@@ -749,6 +790,12 @@ def test_tools_target_config_sets_the_parsers_and_the_script(tmp_path: Path) -> 
     path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), script="replies.toml"))
     (engine,) = load_config(path, environ={}).engines
     assert (engine.tool_parser, engine.reasoning_parser) == ("hermes", "qwen3")
+    assert engine.mock.script is not None
+    path.write_text(
+        smgd_config(w, port=0, run_dir=str(tmp_path), script="replies.toml", parsers=False)
+    )
+    (engine,) = load_config(path, environ={}).engines
+    assert (engine.tool_parser, engine.reasoning_parser) == (None, None)
     assert engine.mock.script is not None
     plain = smgd_config(w, port=0, run_dir=str(tmp_path))
     assert "parser" not in plain
@@ -768,6 +815,16 @@ def test_the_tools_target_is_compared_with_plain_smgd() -> None:
     assert [(r.get("target", "smgd"), r["vs"], r["cpu_per_token"]) for r in rows] == [
         ("smgd-tools", "smgd", 1.5)
     ]
+    # With the control in the run, the tools target is compared with it too, and the control
+    # with plain smgd.
+    targets["smgd-tools-noparse"] = [report.derive(_point(server_cpu_s=2.5), w)]
+    rows = report.ratios(targets)
+    assert {(r.get("target", "smgd"), r["vs"], r["cpu_per_token"]) for r in rows} == {
+        ("smgd-tools", "smgd", 1.5),
+        ("smgd-tools", "smgd-tools-noparse", 1.2),
+        ("smgd-tools-noparse", "smgd", 1.25),
+    }
+    assert _targets("smgd-tools-noparse") == ["smgd-tools-noparse"]
 
 
 @pytest.mark.slow

@@ -178,6 +178,7 @@ def loadgen_spec(
             "messages": MESSAGES,
             "tools": TOOLS,
             "expected_tokens": prompt.reply_tokens,
+            "expected_finish": prompt.finish_reason,
         }
     return {
         "port": port,

@@ -5,6 +5,8 @@
 - ``smgd-tools``: the same with the tools workload: the mock scripted to reply with a reasoning
   block and a hermes tool call, the engine with ``reasoning_parser = "qwen3"`` and
   ``tool_parser = "hermes"``, and streaming chat requests with ``tools``.
+- ``smgd-tools-noparse``: the control: the same requests and reply on an engine without
+  parsers, so the reply comes back as ``content`` (the chat path without the parsing).
 - ``floor``: the bare pyzmq decode loop of :mod:`smgd.bench.floor` on the same mock.
 - ``vllm``: vLLM's own OpenAI server with a headless mock engine (:mod:`smgd.bench.vllm_frontend`).
 
@@ -112,12 +114,13 @@ def smgd_config(
     workers: int = 1,
     coalesce: bool = True,
     script: str | None = None,
+    parsers: bool = True,
 ) -> str:
     """smgd.toml for a bench run: ``workers`` worker processes, one mock engine each.
 
     ``coalesce=False`` turns adaptive coalescing off (``server.coalesce_max_ms = 0``).
-    ``script`` (the tools workload): the mock's reply script, and the engine parses its
-    reasoning and tool calls.
+    ``script`` (the tools workload): the mock's reply script, and (with ``parsers``) the
+    engine parses its reasoning and tool calls.
 
     Each engine has the full ``max_batch``: the kernel spreads connections over the workers by
     hash, not evenly, so engines sized to an exact share would queue the surplus of the busier
@@ -144,7 +147,7 @@ def smgd_config(
             f'model_dir = "{TINY_MODEL_DIR}"',
             *(
                 []
-                if script is None
+                if script is None or not parsers
                 else [f'tool_parser = "{TOOL_PARSER}"', f'reasoning_parser = "{REASONING_PARSER}"']
             ),
             "[engines.mock]",
@@ -163,12 +166,13 @@ async def run_smgd(
     workers: int = 1,
     coalesce: bool = True,
     tools: bool = False,
+    parsers: bool = True,
 ) -> list[dict[str, Any]]:
     port = free_port()
     prompt: Prompt | ToolPrompt
     script = None
     if tools:
-        prompt = build_tool_prompt(TINY_MODEL_DIR, workload.max_tokens)
+        prompt = build_tool_prompt(TINY_MODEL_DIR, workload.max_tokens, parsers=parsers)
         # The loadgen's request bounds follow the reply's length, not M.
         workload = dataclasses.replace(workload, max_tokens=prompt.reply_tokens)
         script = "replies.toml"
@@ -187,12 +191,14 @@ async def run_smgd(
                 workers=workers,
                 coalesce=coalesce,
                 script=script,
+                parsers=parsers,
             )
         )
         argv = [sys.executable, "-m", "smgd", "serve", "--config", str(config)]
         name = "smgd" if workers == 1 else f"smgd-w{workers}"
         name += "" if coalesce else "-flat"
         name += "-tools" if tools else ""
+        name += "" if parsers else "-noparse"
         proc = await start(name, argv, log_dir)
         try:
             await wait_ready(proc, port, "/readiness", SMGD_READY_TIMEOUT_S)

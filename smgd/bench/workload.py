@@ -139,6 +139,7 @@ class ToolPrompt:
     ``expected_text`` is the stream flattened: ``reasoning_content``, then ``content``, then
     each call's name and arguments in index order; ``prefix_lens`` the flattened length after
     each reply token and the EOS (markup tokens add nothing), for the lost/duplicated count.
+    Without ``parsers`` (the engine has none: the control) the whole reply is ``content``.
     """
 
     reply: str
@@ -147,6 +148,11 @@ class ToolPrompt:
     calls: list[tuple[str, str]]  # (name, arguments JSON)
     expected_text: str
     prefix_lens: list[int]
+    parsers: bool = True
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.parsers else "stop"
 
     def script(self) -> str:
         """The mock's ``[engines.mock] script``: this reply to every prompt."""
@@ -168,9 +174,10 @@ def _tool_reply(think_words: int, query_words: int) -> tuple[str, str, str]:
     return reply, f"\n{body}\n", args
 
 
-def build_tool_prompt(model_dir: str | Path, max_tokens: int) -> ToolPrompt:
+def build_tool_prompt(model_dir: str | Path, max_tokens: int, parsers: bool = True) -> ToolPrompt:
     """A reply of about ``max_tokens`` tokens (at least the markup's), half reasoning, half
-    arguments, and its expected stream, checked against smgd's own parsers token by token."""
+    arguments, and its expected stream, checked against smgd's own parsers token by token
+    (without ``parsers``: the reply as plain content, each token its decoded piece)."""
     from smgd.parse import ContentDelta, ReasoningDelta, stream_parser
     from smgd.text.tokenizer import load_tokenizer
 
@@ -182,8 +189,9 @@ def build_tool_prompt(model_dir: str | Path, max_tokens: int) -> ToolPrompt:
         words += 1
         reply, reasoning, args = _tool_reply(words, words)
         ids = tok.encode(reply, add_special_tokens=False)
-    expected = reasoning + _TOOL_NAME + args
-    parser = stream_parser(tool=TOOL_PARSER, reasoning=REASONING_PARSER, tools=TOOLS)
+    expected = reasoning + _TOOL_NAME + args if parsers else reply
+    tool, reasoning_parser = (TOOL_PARSER, REASONING_PARSER) if parsers else (None, None)
+    parser = stream_parser(tool=tool, reasoning=reasoning_parser, tools=TOOLS)
     lens: list[int] = []
     total = 0
     prev = ""
@@ -208,4 +216,5 @@ def build_tool_prompt(model_dir: str | Path, max_tokens: int) -> ToolPrompt:
         calls=[(_TOOL_NAME, args)],
         expected_text=expected,
         prefix_lens=lens,
+        parsers=parsers,
     )
