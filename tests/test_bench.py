@@ -610,3 +610,250 @@ def test_rounds_must_be_a_positive_integer() -> None:
     for bad in ("0", "-2", "two", "1.5"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--rounds", bad])
+
+
+# --- the tools workload (smgd-tools) -----------------------------------------------------
+
+
+def test_tool_prompt_is_about_m_tokens_and_parses_to_its_reasoning_and_call() -> None:
+    from smgd.bench.workload import build_tool_prompt
+
+    p = build_tool_prompt(TINY_MODEL_DIR, 200)
+    assert 200 <= p.reply_tokens <= 215  # grown a word at a time until M is reached
+    assert p.reply.startswith("<think>\n") and "</think>\n\n<tool_call>\n" in p.reply
+    ((name, args),) = p.calls
+    assert name == "search_flights"
+    assert json.loads(args)["destination"] == "Tokyo"
+    assert p.reasoning.startswith("\nThe user wants") and p.reasoning.endswith("\n")
+    # The flattened stream a client must see; one prefix length per reply token and the EOS.
+    assert p.expected_text == p.reasoning + name + args
+    assert len(p.prefix_lens) == p.reply_tokens
+    assert p.prefix_lens[-1] == len(p.expected_text)
+    assert p.prefix_lens == sorted(p.prefix_lens)
+    assert p.prefix_lens[0] == 0  # `<think>` itself is markup: no text
+    # The markup alone is over 100 tokens of this tokenizer: a small M gets the smallest reply.
+    assert build_tool_prompt(TINY_MODEL_DIR, 1).reply_tokens < p.reply_tokens
+    assert p.finish_reason == "tool_calls"
+
+
+def test_the_no_parser_control_expects_the_whole_reply_as_content() -> None:
+    from smgd.bench.workload import build_tool_prompt
+
+    parsed = build_tool_prompt(TINY_MODEL_DIR, 128)
+    raw = build_tool_prompt(TINY_MODEL_DIR, 128, parsers=False)
+    assert (raw.reply, raw.reply_tokens) == (parsed.reply, parsed.reply_tokens)
+    assert raw.expected_text == raw.reply  # markup and all
+    assert raw.finish_reason == "stop"
+    # Every reply token is text here; only the EOS adds nothing.
+    text_lens = raw.prefix_lens[:-1]
+    assert text_lens == sorted(set(text_lens))
+    assert text_lens[0] > 0
+    assert raw.prefix_lens[-1] == raw.prefix_lens[-2] == len(raw.reply)
+
+
+TOOL_PIECES = ["\nhi", " there", "\n", "", "f", '{"a":', " 1}", ""]  # "" = markup, EOS
+
+
+def _tool_spec(**kw: Any) -> Spec:
+    return Spec(
+        port=1,
+        model="x",
+        prompt_ids=[],
+        max_tokens=len(TOOL_PIECES),
+        concurrency=1,
+        duration_s=1.0,
+        max_requests=1,
+        time_limit_s=5.0,
+        expected_text="".join(TOOL_PIECES),
+        prefix_lens=prefix_lengths(TOOL_PIECES),
+        mode="tools",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        expected_tokens=len(TOOL_PIECES),
+        **kw,
+    )
+
+
+def _chat_events(
+    reasoning: list[str], *, finish: str = "tool_calls", call_id: str | None = "call_1"
+) -> list[bytes]:
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return b"data: %s\n\n" % json.dumps({"choices": [choice]}).encode()
+
+    first = {"index": 0, "id": call_id, "type": "function", "function": {"name": "f"}}
+    if call_id is None:
+        del first["id"]
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"reasoning_content": r}) for r in reasoning]
+    events.append(chunk({"tool_calls": [{**first, "function": {"name": "f", "arguments": ""}}]}))
+    for piece in ('{"a":', " 1}"):
+        events.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
+    events.append(chunk({}, finish))
+    usage = {"choices": [], "usage": {"completion_tokens": len(TOOL_PIECES)}}
+    events += [b"data: %s\n\n" % json.dumps(usage).encode(), b"data: [DONE]\n\n"]
+    return events
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "extra", "lost", "bad"),
+    [
+        (["\nhi", " there", "\n"], {}, 0, 0),
+        (["\nhi", "\n"], {}, 1, 1),  # a reasoning piece lost on the way
+        (["\nhi", " there", " there", "\n"], {}, 0, 1),  # one sent twice
+        (["\nhi", " there", "\n"], {"finish": "stop"}, 0, 1),  # not finish_reason tool_calls
+        (["\nhi", " there", "\n"], {"call_id": None}, 0, 1),  # a call without its id
+    ],
+)
+def test_tool_stream_checks_reasoning_calls_and_finish(
+    reasoning: list[str], extra: dict[str, Any], lost: int, bad: int
+) -> None:
+    spec = _tool_spec()
+    res = loadgen.Results()
+    stream = loadgen._ToolStream(spec, res, 0.0, 10.0)
+    raw = _chunked_response(_chat_events(reasoning, **extra))
+    assert stream.feed(raw, 0.5)
+    stream.finish()
+    assert (res.completed, res.lost, res.bad_streams) == (1, lost, bad)
+    if len(reasoning) == 4:
+        assert res.duplicated >= 1
+    assert res.usage_tokens == len(TOOL_PIECES)
+    if not bad:  # every token in the window, the markup and EOS ones (no text) included
+        assert res.window_tokens == res.text_tokens == len(TOOL_PIECES)
+    # The chunks that carried text: reasoning pieces, the call's name, its two argument pieces.
+    assert res.chunks == len(reasoning) + 3
+
+
+def test_tools_request_is_a_streaming_chat_with_tools() -> None:
+    spec = _tool_spec()
+    spec.path = "/v1/chat/completions"
+    head, _, payload = loadgen.build_request(spec).partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/chat/completions ")
+    body = json.loads(payload)
+    assert body["tools"] == spec.tools
+    assert body["messages"] == spec.messages
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "ignore_eos" not in body  # the reply ends with the model's EOS: finish tool_calls
+    assert "prompt" not in body
+
+
+def test_plain_loadgen_spec_is_unchanged_by_the_tools_workload() -> None:
+    from smgd.bench.runner import loadgen_spec
+
+    w = Workload(max_tokens=16)
+    spec = loadgen_spec(
+        port=1, model="m", prompt=build_prompt(TINY_MODEL_DIR, 8, 16), workload=w, concurrency=2
+    )
+    assert set(spec) == {
+        "port", "model", "prompt_ids", "max_tokens", "concurrency", "duration_s",
+        "max_requests", "time_limit_s", "expected_text", "prefix_lens", "extra",
+    }  # fmt: skip
+    decoded = loadgen.Spec(**spec)
+    assert (decoded.mode, decoded.path) == ("plain", "/v1/completions")
+    assert b'"ignore_eos":true' in loadgen.build_request(decoded)
+
+
+def test_tool_stream_of_the_control_expects_content_and_stop() -> None:
+    pieces = ["<think>", "hi", "</think>", ""]
+    spec = _tool_spec(expected_finish="stop")
+    spec.expected_text, spec.prefix_lens = "".join(pieces), prefix_lengths(pieces)
+    spec.expected_tokens = len(pieces)
+
+    def run(finish: str) -> loadgen.Results:
+        res = loadgen.Results()
+        stream = loadgen._ToolStream(spec, res, 0.0, 10.0)
+        events = [
+            b'data: {"choices":[{"index":0,"delta":{"content":%s}}]}\n\n' % json.dumps(p).encode()
+            for p in pieces[:3]
+        ]
+        events.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"%s"}]}\n\n'
+                      % finish.encode())  # fmt: skip
+        events.append(b'data: {"choices":[],"usage":{"completion_tokens":4}}\n\n')
+        events.append(b"data: [DONE]\n\n")
+        assert stream.feed(_chunked_response(events), 0.1)
+        stream.finish()
+        return res
+
+    assert (run("stop").bad_streams, run("stop").text_tokens) == (0, 4)
+    assert run("tool_calls").bad_streams == 1
+
+
+def test_tools_target_config_sets_the_parsers_and_the_script(tmp_path: Path) -> None:
+    from smgd.bench.targets import smgd_config
+    from smgd.bench.workload import build_tool_prompt
+    from smgd.config import load_config
+
+    w = Workload()
+    (tmp_path / "replies.toml").write_text(build_tool_prompt(TINY_MODEL_DIR, 64).script())
+    path = tmp_path / "smgd.toml"
+    path.write_text(smgd_config(w, port=0, run_dir=str(tmp_path), script="replies.toml"))
+    (engine,) = load_config(path, environ={}).engines
+    assert (engine.tool_parser, engine.reasoning_parser) == ("hermes", "qwen3")
+    assert engine.mock.script is not None
+    path.write_text(
+        smgd_config(w, port=0, run_dir=str(tmp_path), script="replies.toml", parsers=False)
+    )
+    (engine,) = load_config(path, environ={}).engines
+    assert (engine.tool_parser, engine.reasoning_parser) == (None, None)
+    assert engine.mock.script is not None
+    plain = smgd_config(w, port=0, run_dir=str(tmp_path))
+    assert "parser" not in plain
+    assert "script" not in plain
+
+
+def test_the_tools_target_is_compared_with_plain_smgd() -> None:
+    from smgd.bench.main import _targets
+
+    assert _targets("smgd,smgd-tools") == ["smgd", "smgd-tools"]
+    w = Workload()
+    targets = {
+        "smgd": [report.derive(_point(server_cpu_s=2.0), w)],
+        "smgd-tools": [report.derive(_point(server_cpu_s=3.0), w)],
+    }
+    rows = report.ratios(targets)
+    assert [(r.get("target", "smgd"), r["vs"], r["cpu_per_token"]) for r in rows] == [
+        ("smgd-tools", "smgd", 1.5)
+    ]
+    # With the control in the run, the tools target is compared with it too, and the control
+    # with plain smgd.
+    targets["smgd-tools-noparse"] = [report.derive(_point(server_cpu_s=2.5), w)]
+    rows = report.ratios(targets)
+    assert {(r.get("target", "smgd"), r["vs"], r["cpu_per_token"]) for r in rows} == {
+        ("smgd-tools", "smgd", 1.5),
+        ("smgd-tools", "smgd-tools-noparse", 1.2),
+        ("smgd-tools-noparse", "smgd", 1.25),
+    }
+    assert _targets("smgd-tools-noparse") == ["smgd-tools-noparse"]
+
+
+@pytest.mark.slow
+def test_quick_tools_bench_run_reports_its_figures_and_no_lost_tokens(tmp_path: Path) -> None:
+    argv = ["--targets", "smgd-tools", "--concurrency", "4", "--duration", "1.5",
+            "--max-tokens", "32", "--no-plot", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "smgd", "bench", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    ((point,),) = doc["targets"].values()
+    assert set(doc["targets"]) == {"smgd-tools"}
+    for key in ("lost_tokens", "duplicated_tokens", "bad_streams", "requests_failed"):
+        assert point[key] == 0, (key, point["errors"])
+    assert point["requests_completed"] > 0
+    # Every stream reported the whole reply (with its EOS) as its completion tokens.
+    assert point["output_tokens"] == point["reply_tokens"] * point["requests_completed"]
+    assert point["cpu_us_per_token"] > 0
+    assert report.table(doc["targets"]) in done.stdout
+    (points,) = _markdown_tables(done.stdout)[:1]
+    col = {name: i for i, name in enumerate(points[0])}
+    (row,) = points[1:]
+    assert row[0] == "smgd-tools"
+    assert row[col["CPU µs/tok"]] == f"{point['cpu_us_per_token']:.1f}"
+    assert row[col["tok/s"]] == f"{point['tokens_per_s']:.0f}"
+    assert [row[col[k]] for k in ("lost", "dup", "failed")] == ["0", "0", "0"]

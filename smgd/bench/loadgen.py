@@ -60,6 +60,13 @@ class Spec(msgspec.Struct, kw_only=True):
     expected_text: str
     prefix_lens: list[int]
     extra: dict[str, Any] = {}
+    # "tools": streaming /v1/chat/completions with ``tools`` (:class:`_ToolStream`); each
+    # stream's reasoning_content, content and tool calls, flattened, must equal expected_text.
+    mode: str = "plain"
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
+    expected_tokens: int = 0  # tools: completion tokens each stream reports (reply + EOS)
+    expected_finish: str = "tool_calls"  # tools: "stop" when the engine parses nothing
 
 
 class _Usage(msgspec.Struct):
@@ -83,6 +90,38 @@ class _Event(msgspec.Struct):
 
 
 _decode_event = msgspec.json.Decoder(_Event).decode
+
+
+class _Function(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _CallPiece(msgspec.Struct):
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: _Function | None = None
+
+
+class _ChatDelta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[_CallPiece] | None = None
+
+
+class _ChatChoice(msgspec.Struct):
+    delta: _ChatDelta | None = None
+    finish_reason: str | None = None
+
+
+class _ChatEvent(msgspec.Struct):
+    choices: list[_ChatChoice] = []
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_chat_event = msgspec.json.Decoder(_ChatEvent).decode
 
 
 class ProtocolError(Exception):
@@ -215,7 +254,7 @@ class Results:
 
 
 def build_request(spec: Spec) -> bytes:
-    body = {
+    body: dict[str, Any] = {
         "model": spec.model,
         "prompt": spec.prompt_ids,
         "max_tokens": spec.max_tokens,
@@ -225,6 +264,17 @@ def build_request(spec: Spec) -> bytes:
         "temperature": 0.0,
         **spec.extra,
     }
+    if spec.mode == "tools":
+        body = {
+            "model": spec.model,
+            "messages": spec.messages,
+            "tools": spec.tools,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+            **spec.extra,
+        }
     payload = msgspec.json.encode(body)
     head = (
         f"POST {spec.path} HTTP/1.1\r\nHost: {spec.host}:{spec.port}\r\n"
@@ -295,6 +345,101 @@ class _Stream:
             lost = max(lost, spec.max_tokens - self._usage)
         else:
             corrupt = True  # include_usage was asked for: a missing usage chunk is a bug
+        if not corrupt:
+            res.text_tokens += len(spec.prefix_lens)
+        res.lost += lost
+        res.duplicated += dup
+        res.bad_streams += int(corrupt)
+        res.completed += 1
+
+
+class _ToolStream(_Stream):
+    """A streamed chat request with tools: reasoning, content and call pieces are accumulated
+    apart and checked at the end (``finish_reason`` as expected, each call with an id)."""
+
+    __slots__ = ("_calls", "_content", "_finish", "_reasoning")
+
+    def __init__(self, spec: Spec, res: Results, t0: float, t_end: float) -> None:
+        super().__init__(spec, res, t0, t_end)
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._calls: dict[int, list[Any]] = {}  # index -> [id, type, name, argument pieces]
+        self._finish: str | None = None
+
+    def feed(self, data: bytes, now: float) -> bool:
+        res, spec = self._res, self._spec
+        for payload in self.parser.feed(data):
+            if payload == b"[DONE]":
+                self._done_marker = True
+                continue
+            event = _decode_chat_event(payload)
+            if event.error is not None:
+                raise ProtocolError(f"error event: {event.error}")
+            if event.usage is not None:
+                self._usage = event.usage.completion_tokens
+            for choice in event.choices:
+                if choice.finish_reason is not None:
+                    self._finish = choice.finish_reason
+                delta = choice.delta
+                if delta is None:
+                    continue
+                chars = self._take(delta)
+                if not chars:
+                    continue
+                if self._last < 0:
+                    res.ttft.append(now - self._t0)
+                else:
+                    res.gaps.append(now - self._last)
+                self._last = now
+                res.chunks += 1
+                before = tokens_in(spec.prefix_lens, self._chars)
+                self._chars += chars
+                if now <= self._t_end:
+                    res.window_tokens += tokens_in(spec.prefix_lens, self._chars) - before
+        return self.parser.done
+
+    def _take(self, delta: _ChatDelta) -> int:
+        """Accumulate one delta; the characters it adds to the flattened stream."""
+        chars = 0
+        if delta.reasoning_content:
+            self._reasoning.append(delta.reasoning_content)
+            chars += len(delta.reasoning_content)
+        if delta.content:
+            self._content.append(delta.content)
+            chars += len(delta.content)
+        for piece in delta.tool_calls or ():
+            call = self._calls.setdefault(piece.index, [None, None, "", []])
+            if piece.id is not None:
+                call[0] = piece.id
+            if piece.type is not None:
+                call[1] = piece.type
+            if piece.function is not None:
+                if piece.function.name:
+                    call[2] += piece.function.name
+                    chars += len(piece.function.name)
+                if piece.function.arguments:
+                    call[3].append(piece.function.arguments)
+                    chars += len(piece.function.arguments)
+        return chars
+
+    def finish(self) -> None:
+        res, spec, parser = self._res, self._spec, self.parser
+        if parser.status != 200:
+            raise ProtocolError(f"HTTP {parser.status}: {bytes(parser.body[:200])!r}")
+        if not self._done_marker:
+            raise ProtocolError("stream ended without [DONE]")
+        calls = [self._calls[i] for i in sorted(self._calls)]
+        received = "".join(self._reasoning) + "".join(self._content)
+        received += "".join(call[2] + "".join(call[3]) for call in calls)
+        lost, dup, corrupt = token_errors(received, spec.expected_text, spec.prefix_lens)
+        unnamed = any(not c[0] or c[1] != "function" for c in calls)
+        if self._finish != spec.expected_finish or unnamed:
+            corrupt = True
+        if self._usage >= 0:
+            res.usage_tokens += self._usage
+            lost = max(lost, spec.expected_tokens - self._usage)
+        else:
+            corrupt = True
         if not corrupt:
             res.text_tokens += len(spec.prefix_lens)
         res.lost += lost
@@ -377,6 +522,7 @@ class _Driver:
         self.res = res
         self.clock = clock
         self.request = build_request(spec)
+        self.stream_type: type[_Stream] = _ToolStream if spec.mode == "tools" else _Stream
         self.family, self.addr = _address(spec)
         self.poller = select.epoll()
         self.live: dict[int, _Slot] = {}
@@ -404,7 +550,7 @@ class _Driver:
                 self._failed(slot, exc)
                 now = self.clock()
                 continue
-            slot.stream = _Stream(self.spec, self.res, now, self.t_stop)
+            slot.stream = self.stream_type(self.spec, self.res, now, self.t_stop)
             fd = sock.fileno()
             if fd not in self.live:
                 self.live[fd] = slot

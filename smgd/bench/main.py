@@ -35,7 +35,10 @@ DEFAULT_TARGETS = ("smgd", "floor", "vllm")
 # smgd-flat: smgd with adaptive coalescing off (server.coalesce_max_ms = 0), every token its
 # own event: the baseline that shows, in one run, what coalescing buys under load. On request
 # only: at the default points the loop is rarely saturated, and it would add a minute.
-TARGETS = (*DEFAULT_TARGETS, "smgd-flat")
+# smgd-tools: the tools workload (a reasoning block and a hermes call parsed into
+# reasoning_content and tool_calls): what parsing costs per token beside plain `smgd`;
+# smgd-tools-noparse: the same requests and reply on an engine without parsers (the control).
+TARGETS = (*DEFAULT_TARGETS, "smgd-flat", "smgd-tools", "smgd-tools-noparse")
 DEFAULT_CONCURRENCY = "1,16,64,256,1024"
 # --quick: three small points of 3 s with short outputs, about 30 s with both start-ups.
 QUICK_CONCURRENCY = "1,16,64"
@@ -88,7 +91,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--targets",
         type=_targets,
         default=list(DEFAULT_TARGETS),
-        help="comma-separated subset of smgd,smgd-flat,floor,vllm, plus smgd-wN (N = 2..8 workers)",
+        help="comma-separated subset of smgd,smgd-flat,smgd-tools,smgd-tools-noparse,floor,vllm, "
+        "plus smgd-wN (N = 2..8 workers)",
     )
     parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
     parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
@@ -167,6 +171,10 @@ async def run_all(
             work = t.run_smgd(workload, conc, log_dir, workers=int(match.group(1)))
         elif name == "smgd-flat":
             work = t.run_smgd(workload, conc, log_dir, coalesce=False)
+        elif name == "smgd-tools":
+            work = t.run_smgd(workload, conc, log_dir, tools=True)
+        elif name == "smgd-tools-noparse":
+            work = t.run_smgd(workload, conc, log_dir, tools=True, parsers=False)
         else:
             runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}
             work = runner[name](workload, conc, log_dir)

@@ -70,21 +70,24 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
 
 
 def _is_smgd(name: str) -> bool:
-    return name == "smgd" or name.startswith("smgd-w")
+    return name in ("smgd", "smgd-tools", "smgd-tools-noparse") or name.startswith("smgd-w")
 
 
 def _baselines(name: str) -> list[str]:
     if name == "smgd":
         return ["floor", "vllm", "smgd-flat"]
+    if name == "smgd-tools":
+        return ["floor", "vllm", "smgd", "smgd-tools-noparse"]
     return ["floor", "vllm", "smgd"]
 
 
 def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Each smgd target vs each baseline at equal concurrency: CPU per token, tok/s, TTFT p50.
 
-    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) also the
-    one-process ``smgd`` of the same run, and for ``smgd`` the same with coalescing off
-    (``smgd-flat``).
+    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) and the tools
+    workload (``smgd-tools``, ``smgd-tools-noparse``) also the plain one-process ``smgd`` of
+    the same run, for ``smgd-tools`` also its control without parsers (``smgd-tools-noparse``),
+    and for ``smgd`` the same with coalescing off (``smgd-flat``).
     """
     out: list[dict[str, Any]] = []
     for name, points in targets.items():

@@ -21,12 +21,13 @@ import msgspec
 import trio
 
 from smgd.bench import procstat
+from smgd.bench.workload import MESSAGES, TOOLS, Prompt
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
 
-    from smgd.bench.workload import Prompt, Workload
+    from smgd.bench.workload import ToolPrompt, Workload
 
 log = logging.getLogger("smgd.bench")
 
@@ -151,13 +152,34 @@ def loadgen_spec(
     *,
     port: int,
     model: str,
-    prompt: Prompt,
+    prompt: Prompt | ToolPrompt,
     workload: Workload,
     concurrency: int,
     duration_s: float | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The loadgen's spec for one point (``prompt``: the plain echo or the tools workload)."""
     duration = workload.duration_s if duration_s is None else duration_s
+    if not isinstance(prompt, Prompt):
+        return {
+            "port": port,
+            "model": model,
+            "prompt_ids": [],
+            "max_tokens": prompt.reply_tokens,  # the whole reply, ended by its EOS
+            "concurrency": concurrency,
+            "duration_s": duration,
+            "max_requests": workload.max_requests(concurrency),
+            "time_limit_s": workload.time_limit_s(concurrency),
+            "expected_text": prompt.expected_text,
+            "prefix_lens": prompt.prefix_lens,
+            "extra": extra or {},
+            "path": "/v1/chat/completions",
+            "mode": "tools",
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "expected_tokens": prompt.reply_tokens,
+            "expected_finish": prompt.finish_reason,
+        }
     return {
         "port": port,
         "model": model,

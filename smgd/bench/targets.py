@@ -2,6 +2,11 @@
 
 - ``smgd``: ``smgd serve`` with its built-in mock (SGLang wire), driven over HTTP by the loadgen.
 - ``smgd-wN``: the same with ``server.workers = N``, one full-batch mock engine per worker.
+- ``smgd-tools``: the same with the tools workload: the mock scripted to reply with a reasoning
+  block and a hermes tool call, the engine with ``reasoning_parser = "qwen3"`` and
+  ``tool_parser = "hermes"``, and streaming chat requests with ``tools``.
+- ``smgd-tools-noparse``: the control: the same requests and reply on an engine without
+  parsers, so the reply comes back as ``content`` (the chat path without the parsing).
 - ``floor``: the bare pyzmq decode loop of :mod:`smgd.bench.floor` on the same mock.
 - ``vllm``: vLLM's own OpenAI server with a headless mock engine (:mod:`smgd.bench.vllm_frontend`).
 
@@ -10,6 +15,7 @@ Each target function yields one result dict per concurrency (see :mod:`smgd.benc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -35,7 +41,15 @@ from smgd.bench.runner import (
     start,
     wait_ready,
 )
-from smgd.bench.workload import Prompt, Workload, build_prompt
+from smgd.bench.workload import (
+    REASONING_PARSER,
+    TOOL_PARSER,
+    Prompt,
+    ToolPrompt,
+    Workload,
+    build_prompt,
+    build_tool_prompt,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -63,7 +77,7 @@ def _split(pids: list[int]) -> tuple[list[int], list[int]]:
 async def _points(
     port: int,
     model: str,
-    prompt: Prompt,
+    prompt: Prompt | ToolPrompt,
     workload: Workload,
     concurrencies: Sequence[int],
     measured: Measured,
@@ -93,11 +107,20 @@ async def _points(
 
 
 def smgd_config(
-    workload: Workload, *, port: int, run_dir: str, workers: int = 1, coalesce: bool = True
+    workload: Workload,
+    *,
+    port: int,
+    run_dir: str,
+    workers: int = 1,
+    coalesce: bool = True,
+    script: str | None = None,
+    parsers: bool = True,
 ) -> str:
     """smgd.toml for a bench run: ``workers`` worker processes, one mock engine each.
 
     ``coalesce=False`` turns adaptive coalescing off (``server.coalesce_max_ms = 0``).
+    ``script`` (the tools workload): the mock's reply script, and (with ``parsers``) the
+    engine parses its reasoning and tool calls.
 
     Each engine has the full ``max_batch``: the kernel spreads connections over the workers by
     hash, not evenly, so engines sized to an exact share would queue the surplus of the busier
@@ -122,9 +145,15 @@ def smgd_config(
             'wire = "mock"',
             f'models = ["{SMGD_MODEL}"]',
             f'model_dir = "{TINY_MODEL_DIR}"',
+            *(
+                []
+                if script is None or not parsers
+                else [f'tool_parser = "{TOOL_PARSER}"', f'reasoning_parser = "{REASONING_PARSER}"']
+            ),
             "[engines.mock]",
             f"step_ms = {workload.step_ms}",
             f"max_batch = {batch}",
+            *([] if script is None else [f'script = "{script}"']),
         ]
     return "\n".join(lines) + "\n"
 
@@ -136,18 +165,40 @@ async def run_smgd(
     *,
     workers: int = 1,
     coalesce: bool = True,
+    tools: bool = False,
+    parsers: bool = True,
 ) -> list[dict[str, Any]]:
     port = free_port()
-    prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
+    prompt: Prompt | ToolPrompt
+    script = None
+    if tools:
+        prompt = build_tool_prompt(TINY_MODEL_DIR, workload.max_tokens, parsers=parsers)
+        # The loadgen's request bounds follow the reply's length, not M.
+        workload = dataclasses.replace(workload, max_tokens=prompt.reply_tokens)
+        script = "replies.toml"
+    else:
+        prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
     # A private run dir: other smgd instances on this machine use the default one.
     with tempfile.TemporaryDirectory(prefix="smgdb-", dir="/tmp") as run_dir:
         config = Path(run_dir) / "smgd.toml"
+        if isinstance(prompt, ToolPrompt):
+            (Path(run_dir) / "replies.toml").write_text(prompt.script())
         config.write_text(
-            smgd_config(workload, port=port, run_dir=run_dir, workers=workers, coalesce=coalesce)
+            smgd_config(
+                workload,
+                port=port,
+                run_dir=run_dir,
+                workers=workers,
+                coalesce=coalesce,
+                script=script,
+                parsers=parsers,
+            )
         )
         argv = [sys.executable, "-m", "smgd", "serve", "--config", str(config)]
         name = "smgd" if workers == 1 else f"smgd-w{workers}"
         name += "" if coalesce else "-flat"
+        name += "-tools" if tools else ""
+        name += "" if parsers else "-noparse"
         proc = await start(name, argv, log_dir)
         try:
             await wait_ready(proc, port, "/readiness", SMGD_READY_TIMEOUT_S)
@@ -165,6 +216,8 @@ async def run_smgd(
             )
             for point in points:
                 point["engines"] = workers
+                if isinstance(prompt, ToolPrompt):
+                    point["reply_tokens"] = prompt.reply_tokens
             return points
         finally:
             await proc.stop()

@@ -95,3 +95,126 @@ def build_prompt(model_dir: str | Path, prompt_tokens: int, max_tokens: int) -> 
     return Prompt(
         ids=ids, expected_ids=expected, expected_text=full, prefix_lens=prefix_lengths(pieces)
     )
+
+
+# The tools workload's model output: a reasoning block, then one hermes call with string
+# arguments, as Qwen3 writes them. ASCII only, so every token decodes to a clean text piece.
+_TOOL_NAME = "search_flights"
+_THINK = (
+    "The user wants a flight from Paris to Tokyo next week, so I should search for one "
+    "with the dates and the preferences they gave, then compare the fares."
+)
+_QUERY = (
+    "window seat vegetarian meal one checked bag morning departure no overnight layover "
+    "refundable fare lounge access"
+)
+TOOL_PARSER = "hermes"
+REASONING_PARSER = "qwen3"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": _TOOL_NAME,
+            "description": "Search flights between two cities.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                    "query": {"type": "string"},
+                },
+                "required": ["origin", "destination"],
+            },
+        },
+    }
+]
+MESSAGES = [{"role": "user", "content": "Find me a flight from Paris to Tokyo next week."}]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPrompt:
+    """The tools workload: the scripted reply and what each stream must accumulate to.
+
+    ``expected_text`` is the stream flattened: ``reasoning_content``, then ``content``, then
+    each call's name and arguments in index order; ``prefix_lens`` the flattened length after
+    each reply token and the EOS (markup tokens add nothing), for the lost/duplicated count.
+    Without ``parsers`` (the engine has none: the control) the whole reply is ``content``.
+    """
+
+    reply: str
+    reply_tokens: int  # the reply's tokens plus the EOS the mock ends it with
+    reasoning: str
+    calls: list[tuple[str, str]]  # (name, arguments JSON)
+    expected_text: str
+    prefix_lens: list[int]
+    parsers: bool = True
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.parsers else "stop"
+
+    def script(self) -> str:
+        """The mock's ``[engines.mock] script``: this reply to every prompt."""
+        return f"[[reply]]\ntext = '''{self.reply}'''\n"
+
+
+def _tool_reply(think_words: int, query_words: int) -> tuple[str, str, str]:
+    """(reply, expected reasoning, expected arguments) with that many filler words."""
+    import json
+
+    think, more = _THINK.split(), _QUERY.split()
+    body = " ".join(think[i % len(think)] for i in range(think_words))
+    query = " ".join(more[i % len(more)] for i in range(query_words))
+    args = json.dumps({"origin": "Paris", "destination": "Tokyo", "date": "2026-12-24",
+                       "query": query})  # fmt: skip
+    call = json.dumps({"name": _TOOL_NAME, "arguments": json.loads(args)})
+    reply = f"<think>\n{body}\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    # Qwen3's reasoning parser keeps the newlines inside the block, as vLLM's does.
+    return reply, f"\n{body}\n", args
+
+
+def build_tool_prompt(model_dir: str | Path, max_tokens: int, parsers: bool = True) -> ToolPrompt:
+    """A reply of about ``max_tokens`` tokens (at least the markup's), half reasoning, half
+    arguments, and its expected stream, checked against smgd's own parsers token by token
+    (without ``parsers``: the reply as plain content, each token its decoded piece)."""
+    from smgd.parse import ContentDelta, ReasoningDelta, stream_parser
+    from smgd.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    words = 1
+    reply, reasoning, args = _tool_reply(words, words)
+    ids = tok.encode(reply, add_special_tokens=False)
+    while len(ids) + 1 < max_tokens:
+        words += 1
+        reply, reasoning, args = _tool_reply(words, words)
+        ids = tok.encode(reply, add_special_tokens=False)
+    expected = reasoning + _TOOL_NAME + args if parsers else reply
+    tool, reasoning_parser = (TOOL_PARSER, REASONING_PARSER) if parsers else (None, None)
+    parser = stream_parser(tool=tool, reasoning=reasoning_parser, tools=TOOLS)
+    lens: list[int] = []
+    total = 0
+    prev = ""
+    for k in range(1, len(ids) + 2):
+        piece = ""
+        if k <= len(ids):
+            cur = tok.decode(ids[:k])
+            piece, prev = cur[len(prev) :], cur
+        events = parser.feed(piece) if piece else parser.finish()
+        for event in events:
+            if isinstance(event, (ContentDelta, ReasoningDelta)):
+                total += len(event.text)
+            else:
+                total += len(event.name or "") + len(event.arguments)
+        lens.append(total)
+    if prev != reply or total != len(expected):
+        raise ValueError("the tool reply does not parse to its expected reasoning and call")
+    return ToolPrompt(
+        reply=reply,
+        reply_tokens=len(ids) + 1,
+        reasoning=reasoning,
+        calls=[(_TOOL_NAME, args)],
+        expected_text=expected,
+        prefix_lens=lens,
+        parsers=parsers,
+    )
