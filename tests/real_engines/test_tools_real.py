@@ -1,0 +1,228 @@
+r"""Tool calling on the REAL engines, through the whole daemon (``smgd serve``, HTTP).
+
+Needs both engine venvs and tiny models (``.ci/sglang-env.sh``, ``.ci/vllm-env.sh``)::
+
+    set -a; eval "$(bash .ci/vllm-env.sh)"; eval "$(bash .ci/sglang-env.sh)"; set +a
+    .venv/bin/python -m pytest -q -m real_engine tests/real_engines/test_tools_real.py
+
+One daemon per engine (module-scoped; launched like test_structured_real.py's, by
+:mod:`.daemon_real`), with ``tool_parser = "hermes"`` and ``hermes_tools.jinja`` as the chat
+template (the tiny models' own templates render no tools, and smgd refuses ``tools`` for such a
+template). The model is random: only the engine's grammar, built by smgd from ``tool_choice``
+(vLLM's schemas), makes it write a call, so every valid call below proves the constraint went
+through. Parameters are bounded (strings by ``pattern``: xgrammar's ``maxLength`` lets control
+characters through, see test_structured_real.py; integers by bounds) so a random model finishes.
+
+Per engine: a named ``tool_choice`` gives exactly one call of that function whose arguments
+validate, ``finish_reason: "stop"``; streamed and whole agree (greedy); ``required`` gives valid
+calls of declared tools with ``finish_reason: "tool_calls"``; the OpenAI SDK's streaming
+accumulation of the tool-call deltas gives the same call; LangChain's
+``with_structured_output`` gets a valid pydantic object with both its methods (its default,
+``function_calling``, a named ``tool_choice``; and ``json_schema``, a ``response_format``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pydantic
+import pytest
+from langchain_openai import ChatOpenAI
+
+from .daemon_real import MODEL, post, serve
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
+
+TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+MAX_TOKENS = 64  # the longest bounded call (a required array of one) is ~30 tokens
+
+
+class Weather(pydantic.BaseModel):
+    """get_weather's arguments: bounded so a random model's call ends."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(pattern="^[A-Za-z ]{1,8}$")
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+class Clock(pydantic.BaseModel):
+    """get_time's arguments."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    zone: str = pydantic.Field(pattern="^[A-Z]{3}$")
+
+
+ARGUMENTS: dict[str, type[pydantic.BaseModel]] = {"get_weather": Weather, "get_time": Clock}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": model.__doc__,
+            "parameters": model.model_json_schema(),
+        },
+    }
+    for name, model in ARGUMENTS.items()
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    with serve(request.param, template=TEMPLATE, extra='tool_parser = "hermes"\n') as base:
+        yield base
+
+
+def chat(url: str, **body: Any) -> dict[str, Any]:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": MAX_TOKENS, **body}
+    reply = post(url, "/v1/chat/completions", body)
+    assert reply.status_code == 200, reply.text
+    choice: dict[str, Any] = reply.json()["choices"][0]
+    return choice
+
+
+def streamed(url: str, **body: Any) -> tuple[dict[str, Any], str | None]:
+    """The streamed message put together from its deltas by OpenAI's rules, checking each
+    call's first delta carries its id, type and name; and the finish reason."""
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": MAX_TOKENS, **body}
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, **body, "stream": True},
+        timeout=120,
+    ) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            delta = choice["delta"]
+            content.append(delta.get("content") or "")
+            for piece in delta.get("tool_calls") or []:
+                if piece["index"] not in calls:
+                    assert piece["id"] and piece["type"] == "function", piece
+                    assert piece["function"]["name"], piece
+                    calls[piece["index"]] = {
+                        "id": piece["id"],
+                        "type": "function",
+                        "function": {"name": piece["function"]["name"], "arguments": ""},
+                    }
+                else:
+                    assert "id" not in piece and "name" not in piece["function"], piece
+                call = calls[piece["index"]]
+                call["function"]["arguments"] += piece["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    assert sorted(calls) == list(range(len(calls)))  # indexes 0, 1, ... in order
+    message = {"content": "".join(content), "tool_calls": [calls[i] for i in sorted(calls)]}
+    return message, finish
+
+
+def valid(call: dict[str, Any]) -> pydantic.BaseModel:
+    """The call's arguments, validated against its tool's parameters."""
+    assert call["type"] == "function" and call["id"], call
+    function = call["function"]
+    assert function["name"] in ARGUMENTS, call
+    return ARGUMENTS[function["name"]].model_validate_json(function["arguments"])
+
+
+def test_named_tool_choice_yields_one_valid_call(url: str) -> None:
+    for temperature, seed in [(0.0, 0), (1.0, 0), (1.0, 1), (1.0, 2)]:
+        choice = chat(url, tool_choice=NAMED, temperature=temperature, seed=seed)
+        message = choice["message"]
+        assert choice["finish_reason"] == "stop", choice  # vLLM's (and OpenAI's) for a named call
+        assert len(message["tool_calls"]) == 1, message
+        assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert isinstance(valid(message["tool_calls"][0]), Weather)
+        assert not message.get("content"), message  # the call is not echoed as text
+
+
+def test_named_call_streamed_is_the_whole_call(url: str) -> None:
+    whole = chat(url, tool_choice=NAMED, temperature=0, seed=7)
+    message, finish = streamed(url, tool_choice=NAMED, temperature=0, seed=7)
+    assert finish == whole["finish_reason"] == "stop"
+    assert message["content"] == (whole["message"].get("content") or "")
+    [call] = message["tool_calls"]
+    [expected] = whole["message"]["tool_calls"]
+    assert call["function"] == expected["function"]  # name and the very argument bytes
+    valid(call)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_yields_valid_calls_of_declared_tools(url: str, parallel: bool) -> None:
+    for seed in range(3):
+        choice = chat(
+            url, tool_choice="required", parallel_tool_calls=parallel, temperature=1.0, seed=seed
+        )
+        calls = choice["message"]["tool_calls"]
+        assert calls and (parallel or len(calls) == 1), choice
+        for call in calls:
+            valid(call)
+        assert choice["finish_reason"] == "tool_calls", choice
+
+
+def test_required_streamed_is_the_whole_answer(url: str) -> None:
+    body: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False}
+    whole = chat(url, **body, temperature=0, seed=3)
+    message, finish = streamed(url, **body, temperature=0, seed=3)
+    assert finish == whole["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in message["tool_calls"]] == [
+        c["function"] for c in whole["message"]["tool_calls"]
+    ]
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
+def test_openai_sdk_stream_accumulates_the_same_call(url: str, tool_choice: Any) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "seed": 5,
+    }
+    whole = client.chat.completions.create(**common)
+    with client.chat.completions.stream(**common) as stream:
+        final = stream.get_final_completion()
+    [expected] = whole.choices[0].message.tool_calls or []
+    [call] = final.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == (
+        expected.function.name,
+        expected.function.arguments,
+    )
+    assert call.id  # the SDK kept the first delta's id
+    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
+    valid(call.model_dump())
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_langchain_with_structured_output(url: str, method: str) -> None:
+    """``function_calling`` is langchain-openai 1.x's default: a tool of the schema and a named
+    ``tool_choice``; ``json_schema`` sends it as ``response_format``. Both need the engine's
+    grammar here, and both come back as a validated ``Weather``."""
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=f"{url}/v1",
+        api_key=pydantic.SecretStr("unused"),
+        max_retries=0,
+        temperature=0,
+        max_completion_tokens=MAX_TOKENS,
+    )
+    structured = llm.with_structured_output(Weather, method=method, include_raw=True)
+    out = structured.invoke("What is the weather in Paris?")
+    assert isinstance(out, dict)
+    assert out["parsing_error"] is None, out
+    assert isinstance(out["parsed"], Weather), out
+    if method == "function_calling":
+        assert out["raw"].tool_calls[0]["name"] == "Weather", out
