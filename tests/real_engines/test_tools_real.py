@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -209,10 +209,11 @@ def test_required_with_parallel_calls(url: str) -> None:
 
 
 def test_several_calls_stream_as_the_whole_answer(url: str, request: pytest.FixtureRequest) -> None:
-    """A streamed sample that wrote more than one call: each call under its own index and id, each valid; on vLLM, where a seed
-    reproduces the sample, the same calls as the whole answer. SGLang 0.5.23 honours
-    ``sampling_seed`` only when launched with ``--enable-deterministic-inference``, so there
-    a seeded sample is not reproducible and only the streamed calls are checked."""
+    """A streamed sample that wrote more than one call: each call under its own index and id,
+    each valid; on vLLM, where a seed reproduces the sample, the same calls as the whole
+    answer. SGLang 0.5.23 honours ``sampling_seed`` only when launched with
+    ``--enable-deterministic-inference``, so there a seeded sample is not reproducible and only
+    the streamed calls are checked."""
     # About one sample in six writes two calls or more (measured on both engines, first six
     # seeds): 30 samples miss on SGLang (not reproducible) with a chance of (5/6)^30 < 0.5 %.
     for seed in range(30):
@@ -271,7 +272,9 @@ def test_openai_sdk_stream_accumulates_the_same_call(url: str, tool_choice: Any)
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
-def test_langchain_with_structured_output(url: str, method: str) -> None:
+def test_langchain_with_structured_output(
+    url: str, method: Literal["function_calling", "json_schema"]
+) -> None:
     """``json_schema`` (``ChatOpenAI``'s default in langchain-openai 1.x) sends the schema as
     ``response_format``; ``function_calling`` as a tool and a named ``tool_choice``. Both need
     the engine's grammar here, and both come back as a validated ``Weather``."""
