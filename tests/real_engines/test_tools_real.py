@@ -15,10 +15,13 @@ characters through, see test_structured_real.py; integers by bounds) so a random
 
 Per engine: a named ``tool_choice`` gives exactly one call of that function whose arguments
 validate, ``finish_reason: "stop"``; streamed and whole agree (greedy); ``required`` gives valid
-calls of declared tools with ``finish_reason: "tool_calls"``; the OpenAI SDK's streaming
-accumulation of the tool-call deltas gives the same call; LangChain's
-``with_structured_output`` gets a valid pydantic object with both its methods (its default,
-``json_schema``: a ``response_format``; and ``function_calling``: a named ``tool_choice``).
+calls of declared tools with ``finish_reason: "tool_calls"`` (one without parallel calls; with
+them, several streamed under their own index and id); the OpenAI SDK's streaming accumulation of
+the tool-call deltas gives the same call; a call and its tool result go back through the
+template and the next forced call comes; LangChain's ``with_structured_output`` gets a valid
+pydantic object with both its methods (its default, ``json_schema``: a ``response_format``; and
+``function_calling``: a named ``tool_choice``), and its ``bind_tools`` with a forced choice gets
+parsed ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+from langchain_core.messages import AIMessage
 from langchain_openai import ChatOpenAI
 
 from .daemon_real import MODEL, post, serve
@@ -293,3 +297,51 @@ def test_langchain_with_structured_output(
     assert isinstance(out["parsed"], Weather), out
     if method == "function_calling":
         assert out["raw"].tool_calls[0]["name"] == "Weather", out
+
+
+@pytest.mark.parametrize("tool_choice", ["get_weather", "any"])
+def test_langchain_bind_tools_forced(url: str, tool_choice: str) -> None:
+    """``bind_tools`` with a forced choice (a name: a named ``tool_choice``; ``"any"``:
+    ``required``): LangChain reads the calls into ``tool_calls`` with parsed ``args``."""
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=f"{url}/v1",
+        api_key=pydantic.SecretStr("unused"),
+        max_retries=0,
+        temperature=0,
+        max_completion_tokens=MAX_TOKENS,
+    )
+    reply = llm.bind_tools(TOOLS, tool_choice=tool_choice, parallel_tool_calls=False).invoke(
+        "What is the weather in Paris?"
+    )
+    assert isinstance(reply, AIMessage)
+    [call] = reply.tool_calls
+    assert tool_choice == "any" or call["name"] == tool_choice, call
+    ARGUMENTS[call["name"]].model_validate(call["args"])
+    assert not reply.invalid_tool_calls
+
+
+def test_a_tool_result_goes_back_and_the_next_call_comes(url: str) -> None:
+    """The whole loop: the first call and its result go back in the history (rendered by the
+    template: the prompt grows by them), and the model is made to call the other tool."""
+    first = chat(url, tool_choice=NAMED, temperature=0)["message"]
+    [call] = first["tool_calls"]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    # Only get_time this time, and 48 tokens (a get_time call is ~30): the history costs ~150
+    # tokens of SGLang's tiny model's 512.
+    body = {"tools": TOOLS[1:], "tool_choice": named, "max_tokens": 48, "temperature": 0}
+    before = post(url, "/v1/chat/completions", {"messages": MESSAGES, **body})
+    after = post(url, "/v1/chat/completions", {"messages": history, **body})
+    assert before.status_code == after.status_code == 200, after.text
+    grown = after.json()["usage"]["prompt_tokens"] - before.json()["usage"]["prompt_tokens"]
+    assert grown > len(call["function"]["arguments"]), grown  # the call and result rendered
+    choice = after.json()["choices"][0]
+    [second] = choice["message"]["tool_calls"]
+    assert second["function"]["name"] == "get_time"
+    assert isinstance(valid(second), Clock)
+    assert choice["finish_reason"] == "stop"
