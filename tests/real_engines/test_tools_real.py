@@ -250,29 +250,43 @@ def test_required_streamed_is_the_whole_answer(url: str) -> None:
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 def test_openai_sdk_stream_accumulates_the_same_call(url: str, tool_choice: Any) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    common: dict[str, Any] = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": tool_choice,
-        "parallel_tool_calls": False,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "seed": 5,
-    }
-    whole = client.chat.completions.create(**common)
-    with client.chat.completions.stream(**common) as stream:
-        final = stream.get_final_completion()
-    [expected] = whole.choices[0].message.tool_calls or []
-    [call] = final.choices[0].message.tool_calls or []
-    assert (call.function.name, call.function.arguments) == (
-        expected.function.name,
-        expected.function.arguments,
-    )
-    assert call.id  # the SDK kept the first delta's id
-    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        common: dict[str, Any] = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": False,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "seed": 5,
+        }
+        whole = client.chat.completions.create(**common)
+        with client.chat.completions.stream(**common) as stream:
+            final = stream.get_final_completion()
+        [expected] = whole.choices[0].message.tool_calls or []
+        [call] = final.choices[0].message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == (
+            expected.function.name,
+            expected.function.arguments,
+        )
+        assert call.id  # the SDK kept the first delta's id
+        assert final.choices[0].finish_reason == whole.choices[0].finish_reason
     valid(call.model_dump())
+
+
+def llm(url: str, http: httpx.Client) -> ChatOpenAI:
+    """LangChain's OpenAI chat model on the daemon, greedy, over ``http`` (closed by the
+    caller: LangChain keeps its own clients open otherwise)."""
+    return ChatOpenAI(
+        model=MODEL,
+        base_url=f"{url}/v1",
+        api_key=pydantic.SecretStr("unused"),
+        max_retries=0,
+        temperature=0,
+        max_completion_tokens=MAX_TOKENS,
+        http_client=http,
+    )
 
 
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
@@ -282,16 +296,9 @@ def test_langchain_with_structured_output(
     """``json_schema`` (``ChatOpenAI``'s default in langchain-openai 1.x) sends the schema as
     ``response_format``; ``function_calling`` as a tool and a named ``tool_choice``. Both need
     the engine's grammar here, and both come back as a validated ``Weather``."""
-    llm = ChatOpenAI(
-        model=MODEL,
-        base_url=f"{url}/v1",
-        api_key=pydantic.SecretStr("unused"),
-        max_retries=0,
-        temperature=0,
-        max_completion_tokens=MAX_TOKENS,
-    )
-    structured = llm.with_structured_output(Weather, method=method, include_raw=True)
-    out = structured.invoke("What is the weather in Paris?")
+    with httpx.Client(timeout=120) as http:
+        structured = llm(url, http).with_structured_output(Weather, method=method, include_raw=True)
+        out = structured.invoke("What is the weather in Paris?")
     assert isinstance(out, dict)
     assert out["parsing_error"] is None, out
     assert isinstance(out["parsed"], Weather), out
@@ -303,17 +310,11 @@ def test_langchain_with_structured_output(
 def test_langchain_bind_tools_forced(url: str, tool_choice: str) -> None:
     """``bind_tools`` with a forced choice (a name: a named ``tool_choice``; ``"any"``:
     ``required``): LangChain reads the calls into ``tool_calls`` with parsed ``args``."""
-    llm = ChatOpenAI(
-        model=MODEL,
-        base_url=f"{url}/v1",
-        api_key=pydantic.SecretStr("unused"),
-        max_retries=0,
-        temperature=0,
-        max_completion_tokens=MAX_TOKENS,
-    )
-    reply = llm.bind_tools(TOOLS, tool_choice=tool_choice, parallel_tool_calls=False).invoke(
-        "What is the weather in Paris?"
-    )
+    with httpx.Client(timeout=120) as http:
+        forced = llm(url, http).bind_tools(
+            TOOLS, tool_choice=tool_choice, parallel_tool_calls=False
+        )
+        reply = forced.invoke("What is the weather in Paris?")
     assert isinstance(reply, AIMessage)
     [call] = reply.tool_calls
     assert tool_choice == "any" or call["name"] == tool_choice, call
