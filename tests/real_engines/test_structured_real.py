@@ -31,14 +31,8 @@ non-ASCII: SGLang gets a regex smgd escapes, vLLM an EBNF grammar), SGLang-nativ
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,30 +40,10 @@ import openai
 import pydantic
 import pytest
 
-from ..engine_harness import short_ipc_dir
-from .test_sglang_raw import SCHEDULER_ARGS as SGLANG_RAW_ARGS
-from .test_vllm_daemon import ENGINE_ARGS as VLLM_ARGS
+from .daemon_real import MODEL, post, serve
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
-READY_S = 300.0  # an engine start is 40-60 s here; a loaded CI box takes several times that
-MODEL = "tiny"
-# The SGLang tiny model has no chat template; this one renders a chat the way the vLLM tiny
-# model's does.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }}\n{{ m['content'] }}"
-    "{{ '<|end|>' }}\n{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
-)
-# Runs with a grammar backend and the tokenizer it compiles against (not --grammar-backend none,
-# not --skip-tokenizer-init): what the launcher does by default.
-SGLANG_ARGS = [
-    "--cpu-shims",
-    *(
-        a
-        for a in SGLANG_RAW_ARGS
-        if a not in ("--skip-tokenizer-init", "--grammar-backend", "none")
-    ),
-]
 MESSAGES = [{"role": "user", "content": "Where is it?"}]
 
 
@@ -99,82 +73,11 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schem
 CHOICES = ["yes", "no way", "a.b(c)*", 'say "hi"', "ünï|[x]"]
 
 
-def _env(*names: str) -> list[str]:
-    values = [os.environ.get(n, "") for n in names]
-    if not all(values):
-        pytest.fail(f"{' / '.join(names)} unset: source .ci/sglang-env.sh and .ci/vllm-env.sh")
-    return values
-
-
-def _config(engine: str, run_dir: Path) -> str:
-    if engine == "sglang":
-        python, model = _env("SGLANG_PYTHON", "SGLANG_MODEL")
-        template = run_dir / "chat.jinja"
-        template.write_text(CHAT_TEMPLATE)
-        extra, args = f'chat_template = "{template}"\n', SGLANG_ARGS
-    else:
-        python, model = _env("VLLM_PYTHON", "VLLM_MODEL")
-        extra, args = "", VLLM_ARGS
-    return (
-        f'run_dir = "{run_dir}"\n[server]\nport = 0\ndrain_timeout_s = 5\n'
-        '[logging]\nlevel = "info"\n'
-        f'[[engines]]\nname = "{engine}"\nwire = "{engine}"\nmodels = ["{MODEL}"]\n'
-        f'model_dir = "{model}"\n{extra}'
-        f'[engines.launch]\nkind = "{engine}"\npython = "{python}"\nargs = {json.dumps(args)}\n'
-        "[engines.structured_output]\ndisable_any_whitespace = true\n"
-        f"[engines.timeouts]\nready_s = {READY_S}\n"
-    )
-
-
 @pytest.fixture(scope="module", params=["sglang", "vllm"])
 def url(request: pytest.FixtureRequest) -> Iterator[str]:
     """``smgd serve`` with one launched real engine; its base URL once ready."""
-    run_dir = short_ipc_dir()
-    path = run_dir / "smgd.toml"
-    path.write_text(_config(request.param, run_dir))
-    log = (run_dir / "smgd.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        base = _wait_ready(proc, log)
+    with serve(request.param) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _wait_ready(proc: subprocess.Popen[str], log: Any) -> str:
-    deadline = time.monotonic() + READY_S
-    base = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"smgd exited with {proc.returncode}:\n{log.read()[-4000:]}")
-        log.seek(0)
-        if base is None and (m := re.search(r"listening on (http://\S+)", log.read())):
-            base = m.group(1).rstrip(",")
-        if base is not None:
-            try:
-                if httpx.get(f"{base}/readiness", timeout=5).status_code == 200:
-                    return base
-            except httpx.TransportError:
-                pass
-        time.sleep(0.5)
-    log.seek(0)
-    pytest.fail(f"not ready within {READY_S:g} s:\n{log.read()[-4000:]}")
-
-
-def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=120)
 
 
 def chat(url: str, **body: Any) -> dict[str, Any]:
