@@ -185,14 +185,14 @@ def test_what_the_backend_cannot_compile_is_a_400_and_the_engine_serves_on(
 
 
 def test_openai_sdk_parse_with_a_pydantic_model(url: str) -> None:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    reply = client.chat.completions.parse(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Where is it?"}],
-        response_format=City,
-        max_tokens=48,
-        temperature=0,
-    )
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        reply = client.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Where is it?"}],
+            response_format=City,
+            max_tokens=48,
+            temperature=0,
+        )
     message = reply.choices[0].message
     assert isinstance(message.parsed, City), message
     assert reply.choices[0].finish_reason == "stop"
