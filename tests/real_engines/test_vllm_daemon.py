@@ -104,7 +104,11 @@ def vllm_env() -> tuple[str, str]:
 def write_config(run_dir: Path, model: str, engine: str) -> Path:
     path = run_dir / "smgd.toml"
     path.write_text(
-        f'run_dir = "{run_dir}"\n[server]\nport = 0\ndrain_timeout_s = 5\n'
+        # coalesce_max_ms = 0: the daemon shares its loop with the test's client here, and a
+        # lagging loop would let the pacer merge a 480-token stream (0.1 s on the tiny model)
+        # into a few writes, first event and finish together, which defeats the kill test's
+        # "every stream started, none ended" moment.
+        f'run_dir = "{run_dir}"\n[server]\nport = 0\ndrain_timeout_s = 5\ncoalesce_max_ms = 0\n'
         '[logging]\nlevel = "warning"\n'
         f'[[engines]]\nname = "v0"\nwire = "vllm"\nmodels = ["{MODEL}"]\nmodel_dir = "{model}"\n'
         f"[engines.timeouts]\nready_s = {STARTUP_S}\n{engine}"
