@@ -42,7 +42,7 @@ from smgd.api.core.tools import ParseSpec, delta_fields, forced_constraint, read
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.parse import ContentDelta, ReasoningDelta
 from smgd.sampling import from_openai
-from smgd.text.chat import prepare_tools
+from smgd.text.chat import prepare_tools, refuse_media
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
@@ -532,6 +532,9 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
             return [prompt]
         if all(isinstance(p, list) and p and _all_ids(p) for p in prompt):
             return list(prompt)
+        for i, item in enumerate(prompt):  # a chat content part, by mistake or on purpose
+            if isinstance(item, dict):
+                refuse_media(item.get("type"), f"prompt[{i}]")
     raise InvalidRequest(
         "`prompt` must be a non-empty string, array of strings, array of token ids, "
         "or array of token-id arrays",
