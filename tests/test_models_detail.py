@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -144,3 +145,57 @@ async def test_the_openai_sdk_retrieves_models(base_url: str) -> None:
     assert slashed.model_dump() == listed[1].model_dump()
     assert plain.model_extra is not None and plain.model_extra["max_model_len"] > 0
     assert missing.status_code == 404 and missing.code == "model_not_found"
+
+
+# --------------------------------------------------------------------------- on the wire
+
+
+async def _exchange(port: int, data: bytes, *, bodiless: bool = False) -> bytes:
+    """Send ``data``; the answer, read to its Content-Length (to its head when ``bodiless``),
+    the connection's close, or 1 s of quiet."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(data)
+        got = bytearray()
+        with trio.move_on_after(1):
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+                head, sep, body = bytes(got).partition(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head)
+                if sep and (bodiless or (length and len(body) >= int(length.group(1)))):
+                    break
+    return bytes(got)
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status", "message"),
+    [
+        (b"GET * HTTP/1.1", 404, "Invalid URL (GET *)"),
+        (b"OPTIONS * HTTP/1.1", 404, "Invalid URL (OPTIONS *)"),
+        (b"GET /v1/models/org%2Fnope HTTP/1.1", 404, "The model `org/nope` does not exist."),
+        (
+            b"GET /health HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==",
+            404,
+            "Invalid URL (WebSocket /health): smgd serves no WebSocket endpoint",
+        ),
+        (b"GET /a b HTTP/1.1", 400, "malformed HTTP/1.1 request"),
+    ],
+)
+async def test_what_the_server_answers_on_the_wire_is_the_envelope(
+    base_url: str, request_head: bytes, status: int, message: str
+) -> None:
+    port = int(base_url.rsplit(":", 1)[1].split("/", 1)[0])
+    got = await _exchange(port, request_head + b"\r\nhost: x\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), got
+    assert b"content-type: application/json" in head
+    assert _error(body)["message"] == message
+
+
+async def test_a_head_to_an_unknown_path_is_a_404_without_a_body(base_url: str) -> None:
+    port = int(base_url.rsplit(":", 1)[1].split("/", 1)[0])
+    got = await _exchange(port, b"HEAD /nope HTTP/1.1\r\nhost: x\r\n\r\n", bodiless=True)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 ")
+    assert body == b""
