@@ -46,6 +46,20 @@ async def test_each_listed_card_is_retrieved_by_its_id() -> None:
     assert head.status == 200
 
 
+async def test_the_metrics_count_the_route_template_not_the_id() -> None:
+    async with open_gateway(FakeEngine(models=(MODEL, SLASHED))) as gateway:
+        app = create_app(gateway, environ={})
+        async with lifespan(app):
+            for model in (MODEL, SLASHED, "nope"):
+                await request(app, "GET", f"/v1/models/{model}", b"", RID)
+            text = (await request(app, "GET", "/metrics", b"", RID)).body.decode()
+    samples = [line for line in text.splitlines() if line.startswith("smgd_http_requests_total{")]
+    template = [line for line in samples if 'route="/v1/models/{model}"' in line]
+    assert any('status="200"' in line and line.endswith(" 2.0") for line in template), samples
+    assert any('status="404"' in line and line.endswith(" 1.0") for line in template), samples
+    assert not [line for line in samples if SLASHED in line or "nope" in line]
+
+
 @pytest.mark.parametrize("path", ["/v1/models/nope", "/v1/models/org/nope", "/v1/models/tiny/"])
 async def test_an_unknown_model_is_404_model_not_found(path: str) -> None:
     async with open_gateway() as gateway:
