@@ -161,6 +161,24 @@ async def test_a_preflight_is_answered_before_the_key_check() -> None:
     assert refused.header("access-control-allow-origin") is None
 
 
+async def test_a_preflight_to_a_path_template_is_answered() -> None:
+    async with open_gateway(server=_server(cors_allowed_origins=[UI])) as gateway:
+        app = create_app(gateway, environ={})
+        async with lifespan(app):
+            headers = {
+                **_preflight_headers(UI, "authorization"),
+                "Access-Control-Request-Method": "GET",
+            }
+            answer = await request(app, "OPTIONS", "/v1/models/org/tiny", b"", headers)
+            unknown = await request(app, "OPTIONS", "/v1/nope", b"", headers)
+    assert answer.status == 204
+    assert answer.header("access-control-allow-methods") == "GET, HEAD, OPTIONS"
+    # No route: no preflight answer (the browser fails the call), but the 404 is readable.
+    assert unknown.status == 404
+    assert unknown.header("access-control-allow-methods") is None
+    assert unknown.header("access-control-allow-origin") == UI
+
+
 async def test_every_answer_to_an_allowed_origin_carries_the_headers() -> None:
     server = _server(cors_allowed_origins=[UI], api_keys_env="KEYS")
     origin = {"Origin": UI, "X-Request-Id": "r1"}

@@ -32,8 +32,10 @@ PAGE = """<!doctype html>
 const base = "@BASE@";
 const headers = {"Authorization": "Bearer @KEY@", "Content-Type": "application/json"};
 async function call(path, body) {
+  const init = body === undefined
+    ? {headers} : {method: "POST", headers, body: JSON.stringify(body)};
   try {
-    const r = await fetch(base + path, {method: "POST", headers, body: JSON.stringify(body)});
+    const r = await fetch(base + path, init);
     const text = await r.text();
     return {status: r.status, rid: r.headers.get("X-Request-Id"), body: text};
   } catch (e) {
@@ -44,6 +46,9 @@ async function run() {
   const out = {};
   out.completion = await call("/v1/completions",
     {model: "@MODEL@", prompt: "Hello", max_tokens: 4});
+  out.completion_stream = await call("/v1/completions",
+    {model: "@MODEL@", prompt: "Hello", max_tokens: 4, stream: true});
+  out.model = await call("/v1/models/@MODEL@");
   out.chat = await call("/v1/chat/completions",
     {model: "@MODEL@", messages: [{role: "user", content: "hi"}], max_tokens: 4});
   out.chat_stream = await call("/v1/chat/completions",
@@ -147,16 +152,20 @@ async def test_a_page_on_an_allowed_origin_calls_smgd_and_another_is_blocked(
     assert json.loads(completion["body"])["object"] == "text_completion"
     assert seen["chat"].get("status") == 200, seen
     assert json.loads(seen["chat"]["body"])["choices"][0]["message"]["role"] == "assistant"
-    streamed = seen["chat_stream"]
-    assert streamed.get("status") == 200, seen
-    events = [e for e in streamed["body"].split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) >= 3, streamed["body"]
+    for name in ("chat_stream", "completion_stream"):
+        streamed = seen[name]
+        assert streamed.get("status") == 200, seen
+        events = [e for e in streamed["body"].split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3, streamed["body"]
+    assert seen["model"].get("status") == 200, seen
+    assert json.loads(seen["model"]["body"])["id"] == MODEL
     # An error is readable by the page too (the headers are on 4xx answers).
     assert seen["unknown_model"]["status"] == 404
     assert json.loads(seen["unknown_model"]["body"])["error"]["code"] == "model_not_found"
     # Every call was preflighted, without the key, and answered before the key check.
     assert _metric(metrics, "OPTIONS", "/v1/completions", 204) >= 1
     assert _metric(metrics, "OPTIONS", "/v1/chat/completions", 204) >= 1
+    assert _metric(metrics, "OPTIONS", "/v1/models/{model}", 204) >= 1
 
     # Another origin: the browser refuses every answer to the page.
     for name, outcome in blocked.items():
