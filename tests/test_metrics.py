@@ -109,17 +109,32 @@ async def test_counts_match_what_was_sent(autojump_clock: trio.abc.Clock) -> Non
     assert value(samples, "smgd_http_requests_total", **chat) == 1
     # One TTFT and one e2e per request; one inter-token gap per event after the first (the
     # fake engine emits one token per step, every step a separate event).
-    assert value(samples, "smgd_time_to_first_token_seconds_count", model=MODEL) == 3
-    assert value(samples, "smgd_request_duration_seconds_count", model=MODEL) == 3
+    hist = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_time_to_first_token_seconds_count", **hist) == 3
+    assert value(samples, "smgd_request_duration_seconds_count", **hist) == 3
     gaps = (3 - 1) + (5 - 1) + (7 - 1)
-    assert value(samples, "smgd_inter_token_latency_seconds_count", model=MODEL) == gaps
-    itl_sum = value(samples, "smgd_inter_token_latency_seconds_sum", model=MODEL)
+    assert value(samples, "smgd_inter_token_latency_seconds_count", **hist) == gaps
+    itl_sum = value(samples, "smgd_inter_token_latency_seconds_sum", **hist)
     assert itl_sum == pytest.approx(gaps * STEP_S)
     # Every gap is one 10 ms step (give or take float rounding of the clock): all of them at
     # or below le=0.015, none at or below le=0.0075.
     itl = "smgd_inter_token_latency_seconds_bucket"
-    assert value(samples, itl, model=MODEL, le="0.015") == gaps
-    assert value(samples, itl, model=MODEL, le="0.0075") == 0
+    assert value(samples, itl, le="0.015", **hist) == gaps
+    assert value(samples, itl, le="0.0075", **hist) == 0
+    # Time per output token: one per request, each the 10 ms step (one token per event).
+    assert value(samples, "smgd_time_per_output_token_seconds_count", **hist) == 3
+    tpot_sum = value(samples, "smgd_time_per_output_token_seconds_sum", **hist)
+    assert tpot_sum == pytest.approx(3 * STEP_S)
+    # Lengths: prompts as usage counted them, outputs 3, 5 and 7 (le=5 holds two of them).
+    assert value(samples, "smgd_request_prompt_tokens_count", **hist) == 3
+    assert value(samples, "smgd_request_prompt_tokens_sum", **hist) == prompt_tokens
+    assert value(samples, "smgd_request_generation_tokens_sum", **hist) == 3 + 5 + 7
+    assert value(samples, "smgd_request_generation_tokens_bucket", le="5.0", **hist) == 2
+    # No admission cap: every request was sent at once, no queue time.
+    assert value(samples, "smgd_request_queue_time_seconds_count", **hist) == 3
+    assert value(samples, "smgd_request_queue_time_seconds_sum", **hist) == 0
+    finished = "smgd_requests_finished_total"
+    assert value(samples, finished, finish_reason="length", **hist) == 3
     assert types["smgd_requests"] == "counter"
     assert types["smgd_time_to_first_token_seconds"] == "histogram"
     assert value(samples, "smgd_engine_generated_tokens_total", engine="fake", wire="fake") == 15
@@ -172,9 +187,10 @@ async def test_metric_names_follow_prometheus_conventions(autojump_clock: trio.a
             for sample in family.samples:
                 assert sample.name.endswith(("_total", "_created")), sample.name
         if family.type == "histogram" or any(
-            w in family.name for w in ("latency", "duration", "time_to")
+            w in family.name for w in ("latency", "duration", "time_")
         ):
-            assert family.name.endswith("_seconds"), family.name
+            # a duration in seconds, or a count of tokens
+            assert family.name.endswith(("_seconds", "_tokens")), family.name
         assert not family.name.endswith(("_ms", "_milliseconds", "_percent")), family.name
         for sample in family.samples:
             assert not {"request_id", "rid", "user"} & sample.labels.keys()
@@ -321,8 +337,9 @@ async def test_every_metric_is_documented_and_the_dashboard_uses_real_names(
     documented = set(re.findall(r"`(smgd_[a-z_]+)`", doc))
     assert exposed - documented == set()  # every exposed metric has a row
     # and no row describes a metric that does not exist (smgd_workers_scraped: only with
-    # server.workers > 1, checked in test_worker_peers and test_workers)
-    assert documented - exposed == {"smgd_workers_scraped"}
+    # server.workers > 1, checked in test_worker_peers and test_workers; LoRA info: only with
+    # LoRA adapters configured)
+    assert documented - exposed == {"smgd_workers_scraped", "smgd_lora_requests_info"}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     used = {

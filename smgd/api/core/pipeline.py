@@ -84,9 +84,12 @@ class Choice:
         "output_ids",
         "parts",
         "prompt_tokens",
+        "queued_s",
+        "reported_finish",
         "rid",
         "sent_role",
         "stopped_here",
+        "t_first",
         "t_last",
         "text",
         "tokens_seen",
@@ -119,7 +122,11 @@ class Choice:
         self.parts: list[str] = []  # text so far, kept for non-streamed and native responses
         self.output_ids: list[int] | None = [] if keep_ids else None
         self.logprobs = logprobs  # set when the request asked for logprobs
+        self.t_first: float | None = None  # time of this choice's first output event
         self.t_last: float | None = None  # time of this choice's last output event
+        self.queued_s = 0.0  # time its engine request waited for an admission slot
+        # The finish reason the client was sent when a renderer changed it (``tool_calls``).
+        self.reported_finish: str | None = None
         self.tokens_seen = 0  # completion_tokens at that event
 
     @property
@@ -236,6 +243,8 @@ class RequestState:
             self.t_first = now
         if choice.t_last is not None:
             self.gaps.append(now - choice.t_last)
+        else:
+            choice.t_first = now
         choice.t_last = now
 
     def fail(self, err: SmgdError) -> None:

@@ -299,6 +299,7 @@ class ParsedRenderer(OpenAIRenderer):
             out = self.fmt.delta_chunk(choice.index, fields, logprobs=logprobs)
         if choice.done:
             reason = parser.finish_reason(choice.finish_reason)
+            choice.reported_finish = reason
             out += self.fmt.delta_chunk(choice.index, {}, finish_reason=reason)
         return out
 
@@ -386,7 +387,7 @@ async def _respond(
             parser.finish()
             parser.forced_calls()
             entry["message"] = parser.message()
-            finish_reason = parser.finish_reason(finish_reason)
+            finish_reason = choice.reported_finish = parser.finish_reason(finish_reason)
         elif chat:
             entry["message"] = {"role": "assistant", "content": text}
         else:
