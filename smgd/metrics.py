@@ -371,9 +371,7 @@ def _counter(
     return family
 
 
-def _histogram(
-    name: str, doc: str, table: dict[tuple[str, str], Buckets]
-) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, table: dict[tuple[str, str], Buckets]) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc, labels=["model", "engine"])
     for labels, hist in table.items():
         family.add_metric(list(labels), hist.cumulative(), hist.total)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from smgd.admission import Admission
 from smgd.engines.base import EngineState
+from smgd.engines.stream import RequestStream
 from smgd.errors import (
     Draining,
     EngineDead,
@@ -33,7 +34,7 @@ from smgd.metrics import (
     build_registry,
 )
 from smgd.text.tokenizer import load_tokenizer
-from smgd.wire.common import EngineLoad
+from smgd.wire.common import EngineInfo, EngineLoad
 from tests.fake_engine import (
     MODEL,
     TINY_MODEL,
@@ -169,6 +170,10 @@ async def test_abort_causes(autojump_clock: trio.abc.Clock) -> None:
     assert value(samples, "smgd_requests_total", status="cancelled", **labels) == 1
     assert value(samples, "smgd_requests_total", status="ok", **labels) == 1
     assert value(samples, "smgd_requests_total", status="error", **labels) == 1
+    finished = "smgd_requests_finished_total"
+    assert value(samples, finished, finish_reason="abort", **labels) == 1
+    assert value(samples, finished, finish_reason="stop", **labels) == 1
+    assert value(samples, finished, finish_reason="error", **labels) == 1
     assert value(samples, "smgd_draining") == 1
 
 
@@ -346,3 +351,67 @@ async def test_every_metric_is_documented_and_the_dashboard_uses_real_names(
         re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"smgd_\w+", e)
     }
     assert used - exposed == set()
+
+
+def daemon_load(samples: Samples) -> tuple[float, float, float | None]:
+    """(queued, running, KV usage) as the model-server protocol's gauges show them."""
+    kv = samples.get(("smgd_kv_cache_usage_ratio", frozenset()))
+    return value(samples, "smgd_queued_requests"), value(samples, "smgd_running_requests"), kv
+
+
+async def test_daemon_load_is_estimated_where_the_engine_reports_none(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """No load reports (as SGLang): the oldest max_num_seqs requests run, the rest wait; the
+    KV share is the running requests' prompt and output tokens over the KV capacity."""
+    fake = FakeEngine(behaviour=Behaviour(step_s=0.1))
+    fake._info = EngineInfo(
+        max_model_len=4096, vocab_size=1024, max_num_seqs=2, kv_cache_tokens=1000
+    )
+    fake.admission = Admission(max_inflight=3, max_queue=8, queue_timeout_s=60)
+    async with open_app(fake) as (app, _):
+        idle, _ = await scrape(app)
+        async with trio.open_nursery() as nursery:
+            body = {"model": MODEL, "prompt": "hi there", "max_tokens": 10, "stream": True}
+            for _ in range(4):
+                nursery.start_soon(post_stream, app, "/v1/completions", body)
+            await trio.sleep(0.55)  # five steps: every running request has five tokens
+            busy, _ = await scrape(app)
+        after, _ = await scrape(app)
+    prompt = len(fake.requests[0].prompt_ids)
+    # 2 running, 1 waiting in the engine (3 sent: max_inflight), 1 in smgd's admission queue.
+    queued, running, kv = daemon_load(busy)
+    assert (queued, running) == (2, 2)
+    assert kv == pytest.approx((2 * prompt + 2 * 5) / 1000)
+    assert daemon_load(idle) == (0, 0, 0.0)
+    assert daemon_load(after) == (0, 0, 0.0)
+    # the per-engine gauges show only what an engine reported: nothing here
+    labels = frozenset({("engine", "fake"), ("wire", "fake")})
+    assert ("smgd_engine_running_requests", labels) not in busy
+
+
+async def test_daemon_load_sums_engines_and_clamps_reports() -> None:
+    a, b, dead = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
+    async with open_gateway(a, b, dead) as gateway:
+        registry = build_registry(gateway, RequestMetrics())
+
+        def v(name: str) -> float | None:
+            return registry.get_sample_value(name, {})
+
+        # A report from before the last finish: nothing in flight, nothing runs or waits.
+        a.load = EngineLoad(running=3, waiting=2, kv_usage=0.5)
+        b.load = EngineLoad(running=0, waiting=0, kv_usage=0.25)
+        dead.load = EngineLoad(running=0, waiting=0, kv_usage=1.0)
+        dead.state = EngineState.DEAD  # its last figure is not current: not in the mean
+        assert (v("smgd_queued_requests"), v("smgd_running_requests")) == (0, 0)
+        assert v("smgd_kv_cache_usage_ratio") == pytest.approx((0.5 + 0.25) / 2)
+        # 4 in flight on a, which reports 3 running and 2 waiting: one of those 2 is gone.
+        for i in range(4):
+            a._streams[str(i)] = RequestStream(str(i), "a")
+        b.load = EngineLoad(running=1, waiting=0, kv_usage=0.25)
+        b._streams["x"] = RequestStream("x", "b")
+        assert (v("smgd_queued_requests"), v("smgd_running_requests")) == (1, 3 + 1)
+        for engine in (a, b, dead):
+            engine.load = None
+        # No engine has a figure (no report, no KV capacity from the handshake): absent.
+        assert v("smgd_kv_cache_usage_ratio") is None
