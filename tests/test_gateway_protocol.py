@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 
 BATCH = 4
 STREAMS = 12
-STEP_MS = 50.0  # 40 tokens take 2 s: the 8 waiting requests stay queued while we look
-TOKENS = 40
+STEP_MS = 50.0  # 60 tokens take 3 s: the 8 waiting requests stay queued while we look
+TOKENS = 60
 # smgd's name -> its type (the protocol metric it stands for)
 REQUIRED = {
     "smgd_queued_requests": "gauge",  # TotalQueuedRequests
@@ -45,7 +45,7 @@ def engine(wire: str) -> str:
 
 
 async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, str], dict[str, list[float]]]:
-    """(type by family, the values of its samples) of the daemon's /metrics."""
+    """(type by family, the values of its samples; by sample name too) of /metrics."""
     reply = await client.get("/metrics")
     assert reply.status_code == 200
     types: dict[str, str] = {}
@@ -53,6 +53,9 @@ async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, str], dict[str, l
     for family in text_string_to_metric_families(reply.text):
         types[family.name] = family.type
         values[family.name] = [s.value for s in family.samples]
+        for sample in family.samples:
+            if sample.name != family.name:  # a histogram's _sum, _count, _bucket
+                values.setdefault(sample.name, []).append(sample.value)
     return types, values
 
 
@@ -90,14 +93,21 @@ async def test_protocol_metrics_under_load(tmp_path: Path, wire: str) -> None:
                 for outcome in outcomes:
                     nursery.start_soon(partial(stream, client, "m", "a b c", TOKENS, into=outcome))
 
-                async def four_running() -> bool:
-                    return sum(len(o.chunks) > 0 for o in outcomes) >= BATCH
+                async def all_sent() -> bool:
+                    # every stream reached the engine (the engine's report follows its next
+                    # step); the first 4 have tokens
+                    queued, running, _ = load((await scrape(client))[1])
+                    return (
+                        queued + running == STREAMS
+                        and sum(bool(o.chunks) for o in outcomes) >= BATCH
+                    )
 
-                await until(four_running, 20)
+                await until(all_sent, 20)
                 for _ in range(3):
                     busy.append(load((await scrape(client))[1]))
                     await trio.sleep(0.1)
-        after = load((await scrape(client))[1])
+        _, final = await scrape(client)
+        after = load(final)
 
     assert all(o.status == 200 for o in outcomes)
     # While the first 4 run (2 s), the other 8 wait in the engine's queue.
@@ -107,3 +117,13 @@ async def test_protocol_metrics_under_load(tmp_path: Path, wire: str) -> None:
     queued, running, kv = after
     assert (queued, running) == (0, 0)
     assert 0 <= kv <= 1
+    # Queue time: no admission cap, so only the engine's own queue, which vLLM reports per
+    # request (its QUEUED and SCHEDULED events) and SGLang does not. The 8 that waited
+    # queued for the first 4's 40 steps (2 s) at least.
+    (queue_s,) = final["smgd_request_queue_time_seconds_sum"]
+    (count,) = final["smgd_request_queue_time_seconds_count"]
+    assert count == STREAMS + 2
+    if wire == "vllm":
+        assert queue_s >= (STREAMS - BATCH) * TOKENS * STEP_MS / 1000 * 0.9
+    else:
+        assert queue_s == 0

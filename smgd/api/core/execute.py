@@ -302,7 +302,7 @@ async def _collect_one(job: Job, state: RequestState) -> None:
 async def _collect_attempt(job: Job, state: RequestState) -> None:
     choice = job.choice
     async with job.engine.open_stream(job.request) as rs:
-        choice.queued_s += rs.queued_s
+        choice.stream = rs
         async for delta in rs:
             text = choice.apply(delta)
             state.output_event(choice, trio.current_time())
@@ -497,7 +497,7 @@ async def _stream_one(
         while True:
             try:
                 async with watch.opening(job) as rs:
-                    choice.queued_s += rs.queued_s
+                    choice.stream = rs
                     if writer is not None:
                         # The dispatcher sent the response head before it asked for the body:
                         # every event can go straight to the socket, the first one included.
@@ -569,7 +569,7 @@ async def _pump(
                 produced = False  # a forwarded token: from then on, never retry elsewhere
                 try:
                     async with job.engine.open_stream(job.request) as rs:
-                        job.choice.queued_s += rs.queued_s
+                        job.choice.stream = rs
                         async for delta in rs:
                             produced = produced or bool(delta.token_ids)
                             send.send_nowait((index, delta))

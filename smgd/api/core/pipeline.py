@@ -25,6 +25,7 @@ from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from smgd.engines.stream import RequestStream
     from smgd.errors import SmgdError
     from smgd.text.stream import TextStream
 
@@ -84,11 +85,11 @@ class Choice:
         "output_ids",
         "parts",
         "prompt_tokens",
-        "queued_s",
         "reported_finish",
         "rid",
         "sent_role",
         "stopped_here",
+        "stream",
         "t_first",
         "t_last",
         "text",
@@ -124,7 +125,7 @@ class Choice:
         self.logprobs = logprobs  # set when the request asked for logprobs
         self.t_first: float | None = None  # time of this choice's first output event
         self.t_last: float | None = None  # time of this choice's last output event
-        self.queued_s = 0.0  # time its engine request waited for an admission slot
+        self.stream: RequestStream | None = None  # its engine request's, once sent
         # The finish reason the client was sent when a renderer changed it (``tool_calls``).
         self.reported_finish: str | None = None
         self.tokens_seen = 0  # completion_tokens at that event
@@ -132,6 +133,11 @@ class Choice:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def queued_s(self) -> float:
+        """How long its engine request queued: for a slot in smgd, then in the engine."""
+        return self.stream.queued_s if self.stream is not None else 0.0
 
     def apply(self, delta: TokenDelta) -> str:
         """Fold one (coalesced) engine delta in; return the new client text.
