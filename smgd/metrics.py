@@ -76,7 +76,8 @@ ITL_BUCKETS = (
 )  # fmt: skip
 # Time per output token is an average over a choice's decode: the same range as one event gap.
 TPOT_BUCKETS = ITL_BUCKETS
-# The admission wait is bounded by queue_timeout_s (up to an hour): the TTFT range serves.
+# A queue wait (admission, bounded by queue_timeout_s, plus the engine's) is part of TTFT:
+# the TTFT range serves.
 QUEUE_BUCKETS = TTFT_BUCKETS
 # Prompt and output lengths: 1-2-5 steps from 1 token to 1M (the longest contexts served), as
 # vLLM's request_prompt_tokens / request_generation_tokens buckets.
@@ -330,7 +331,8 @@ class RequestMetrics:
         )
         yield _histogram(
             "smgd_request_queue_time_seconds",
-            "Per choice: time its engine request waited in smgd's admission queue for a slot.",
+            "Per choice: time its engine request queued before it ran: smgd's admission queue, "
+            "plus the engine's own queue where the engine reports it (vLLM).",
             self.queue,
         )
         yield _histogram(

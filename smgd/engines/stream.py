@@ -38,7 +38,9 @@ class RequestStream:
     def __init__(self, rid: str, engine: str, *, prompt_tokens: int = 0) -> None:
         self.rid = rid
         self.engine = engine
-        self.queued_s = 0.0  # time it waited for an admission slot before it was sent
+        # Time it queued: for an admission slot before it was sent, then in the engine's own
+        # queue where the wire reports it (vLLM's events, added on its first output).
+        self.queued_s = 0.0
         # Prompt plus output tokens so far (the engine client counts them per delta): the
         # KV-cache estimate for wires that do not report their usage.
         self.tokens = prompt_tokens
