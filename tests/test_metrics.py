@@ -415,3 +415,21 @@ async def test_daemon_load_sums_engines_and_clamps_reports() -> None:
             engine.load = None
         # No engine has a figure (no report, no KV capacity from the handshake): absent.
         assert v("smgd_kv_cache_usage_ratio") is None
+
+
+async def test_tool_calls_count_as_the_finish_the_client_saw(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The engine stopped, the client was told ``tool_calls`` (streamed or not): the finish
+    reasons count what the client saw."""
+    from tests.test_api_tools import CHAT, parsing_engine
+
+    async with open_app(parsing_engine()) as (app, _):
+        whole = await post(app, "/v1/chat/completions", CHAT)
+        streamed = await post_stream(app, "/v1/chat/completions", {**CHAT, "stream": True})
+        samples, _ = await scrape(app)
+    assert whole.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert streamed.chunks()[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    labels = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_requests_finished_total", finish_reason="tool_calls", **labels) == 2
+    assert value(samples, "smgd_requests_finished_total", finish_reason="stop", **labels) == 0

@@ -313,10 +313,14 @@ async def _collect_attempt(job: Job, state: RequestState) -> None:
     raise EngineDead(f"engine {job.engine.name} ended the request without a finish")
 
 
-async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = None) -> None:
+async def collect(
+    jobs: list[Job], state: RequestState, cutoff: Cutoff | None = None, *, log: bool = True
+) -> None:
     """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled).
 
     ``cutoff`` cancels the jobs (their engine requests are aborted) and raises its error.
+    ``log=False``: the caller calls :func:`log_request` once it has rendered the response
+    (a chat choice's ``tool_calls`` finish is known only then); on an error it is done here.
     """
     errors: list[SmgdError] = []
     cutoff = cutoff or _NEVER_CUT
@@ -329,6 +333,7 @@ async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = 
             scope.cancel()
 
     scope = trio.CancelScope()  # no byte goes to the client meanwhile: a cancel is safe
+    finished = False
     try:
         cutoff.check()
         cutoff.watch(scope.cancel)
@@ -343,12 +348,14 @@ async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = 
             cutoff.check()
         if errors:
             raise errors[0]
+        finished = True
     except SmgdError as err:
         state.fail(err)
         raise
     finally:
         cutoff.unwatch(scope.cancel)
-        log_request(state)
+        if log or not finished:
+            log_request(state)
 
 
 # --------------------------------------------------------------------------- streamed

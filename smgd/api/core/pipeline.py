@@ -286,7 +286,9 @@ class RequestState:
             "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
             "ttft_ms": ttft,
             "e2e_ms": round((now - self.t_start) * 1e3, 2),
-            "finish_reason": ",".join(c.finish_reason or "none" for c in self.choices),
+            "finish_reason": ",".join(
+                c.reported_finish or c.finish_reason or "none" for c in self.choices
+            ),
             "error": self.error,
         }
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from smgd.api.core.errors import stream_error
-from smgd.api.core.execute import collect, stream
+from smgd.api.core.execute import collect, log_request, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.core.prepare import (
     JSON_HEADERS,
@@ -372,7 +372,7 @@ async def _respond(
             cutoff=call.ctx.cutoff,
         )
         return Reply(body, SSE_HEADERS)
-    await collect(jobs, state, call.ctx.cutoff)
+    await collect(jobs, state, call.ctx.cutoff, log=False)
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
@@ -403,6 +403,7 @@ async def _respond(
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
+    log_request(state)  # now that the finish reasons the client gets are known
     payload = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
