@@ -435,7 +435,7 @@ class GatewayCollector:
         kv_values: list[float] = []
         for engine in gateway.router.engines():
             stats = engine.statistics()
-            occupancy = stats.occupancy
+            occupancy = engine.occupancy()
             queued_total += occupancy.waiting + stats.queue_depth
             running_total += occupancy.running
             if occupancy.kv_usage is not None and stats.state in _SERVING:

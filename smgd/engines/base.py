@@ -101,7 +101,6 @@ class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None
     queue_depth: int
     rejected_total: int
-    occupancy: Occupancy
 
 
 class EngineClient:
@@ -176,7 +175,6 @@ class EngineClient:
             max_model_len=self.info.max_model_len if self.info else None,
             queue_depth=self.admission.queue_depth,
             rejected_total=self.admission.rejected_total,
-            occupancy=self.occupancy(),
         )
 
     def occupancy(self) -> Occupancy:
