@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from smgd.api.core.errors import stream_error
-from smgd.api.core.execute import collect, stream
+from smgd.api.core.execute import collect, log_request, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.core.prepare import (
     JSON_HEADERS,
@@ -299,6 +299,7 @@ class ParsedRenderer(OpenAIRenderer):
             out = self.fmt.delta_chunk(choice.index, fields, logprobs=logprobs)
         if choice.done:
             reason = parser.finish_reason(choice.finish_reason)
+            choice.reported_finish = reason
             out += self.fmt.delta_chunk(choice.index, {}, finish_reason=reason)
         return out
 
@@ -371,7 +372,7 @@ async def _respond(
             cutoff=call.ctx.cutoff,
         )
         return Reply(body, SSE_HEADERS)
-    await collect(jobs, state, call.ctx.cutoff)
+    await collect(jobs, state, call.ctx.cutoff, log=False)
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
@@ -386,7 +387,7 @@ async def _respond(
             parser.finish()
             parser.forced_calls()
             entry["message"] = parser.message()
-            finish_reason = parser.finish_reason(finish_reason)
+            finish_reason = choice.reported_finish = parser.finish_reason(finish_reason)
         elif chat:
             entry["message"] = {"role": "assistant", "content": text}
         else:
@@ -402,6 +403,7 @@ async def _respond(
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
+    log_request(state)  # now that the finish reasons the client gets are known
     payload = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
