@@ -24,7 +24,7 @@ import msgspec
 import trio
 
 from smgd.bench import report
-from smgd.bench.workload import Workload
+from smgd.bench.workload import VOCABS, Workload
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -108,6 +108,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run every target N times, alternating their order, and report medians (1)",
     )
+    parser.add_argument(
+        "--vocab",
+        choices=VOCABS,
+        default="tiny",
+        help="tokenizer: the packaged 1k-token one (tiny), or a 128k-token byte-level BPE "
+        "built offline on first use (~20 s) with real multilingual text as the prompt",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
@@ -126,6 +133,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, list[int]]:
         prompt_tokens=args.prompt_tokens,
         max_tokens=max_tokens,
         duration_s=duration,
+        vocab=args.vocab,
     )
     return workload, conc
 
