@@ -177,6 +177,9 @@ def test_vllm_own_server_is_vllm_serve_with_the_same_engine_flags() -> None:
     assert argv[3:5] == ["serve", "/m"]
     assert argv[-len(real.VLLM_FLAGS) :] == list(real.VLLM_FLAGS)
     assert argv[argv.index("--port") + 1] == "9001"
+    # An engine flag too: smgd's launch keeps the engine's stats on, so vllm serve must as well.
+    assert "--disable-log-stats" not in argv
+    assert "--disable-log-stats" not in real.smgd_launch_args(real.VLLM)
 
 
 def test_unavailable_names_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -264,7 +264,8 @@ def own_argv(engine: RealEngine, *, python: str, model: str, port: int) -> list[
         "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--disable-log-stats",
+        # Not --disable-log-stats: that is an engine flag too (no SchedulerStats per step), and
+        # smgd's launch keeps the stats on (it reads them); both engines must run the same.
         "--disable-uvicorn-access-log",
         *engine.flags,
     ]  # fmt: skip
@@ -323,9 +324,11 @@ def count_spec(
     *, port: int, ids: list[int], workload: Workload, concurrency: int, duration_s: float
 ) -> dict[str, Any]:
     """The loadgen's spec for one point on a real engine (``count`` mode, ``ignore_eos``)."""
-    # A real engine is far slower than the mock: bound the time by the duration plus a few
-    # whole requests at a pessimistic 50 ms per step, not by the mock's step.
+    # A real engine's step is not known in advance (the tiny model on vLLM: ~2 ms; on SGLang
+    # here: 100+ ms): bound the time by the duration plus a few whole requests at a pessimistic
+    # 50 ms per step, and the count so loosely (1 ms per token) that the duration ends a point.
     request_s = workload.max_tokens * 0.05
+    fastest_request_s = workload.max_tokens * 0.001
     return {
         "port": port,
         "model": SERVED_NAME,
@@ -333,7 +336,7 @@ def count_spec(
         "max_tokens": workload.max_tokens,
         "concurrency": concurrency,
         "duration_s": duration_s,
-        "max_requests": concurrency * (math.ceil(duration_s / 0.5) + 1),
+        "max_requests": concurrency * (math.ceil(duration_s / fastest_request_s) + 1),
         "time_limit_s": max(60.0, 3 * (duration_s + request_s)),
         "expected_text": "",
         "prefix_lens": [],
