@@ -175,8 +175,8 @@ async def _guarded_real(
 async def run_all(
     workload: Workload, conc: list[int], targets: list[str], out: Path
 ) -> dict[str, Any]:
-    from smgd.bench import vllm_frontend
     from smgd.bench import targets as t
+    from smgd.bench import vllm_frontend
 
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
