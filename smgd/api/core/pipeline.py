@@ -83,6 +83,7 @@ class Choice:
         "matched",
         "output_ids",
         "parts",
+        "prompt_logprobs",
         "prompt_tokens",
         "rid",
         "sent_role",
@@ -103,6 +104,7 @@ class Choice:
         engine: str = "",
         keep_ids: bool = False,
         logprobs: LogprobTrack | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.index = index
         self.rid = rid
@@ -119,6 +121,8 @@ class Choice:
         self.parts: list[str] = []  # text so far, kept for non-streamed and native responses
         self.output_ids: list[int] | None = [] if keep_ids else None
         self.logprobs = logprobs  # set when the request asked for logprobs
+        # Prompt tokens 1, 2, ...'s logprobs as the engine sent them, when the request asked.
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if prompt_logprobs else None
         self.t_last: float | None = None  # time of this choice's last output event
         self.tokens_seen = 0  # completion_tokens at that event
 
@@ -134,6 +138,8 @@ class Choice:
         """
         if self.finish_reason is not None:
             return ""
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
         ids = delta.token_ids
         counted = self.completion_tokens
         self.completion_tokens += len(ids)

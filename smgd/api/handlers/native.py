@@ -3,7 +3,8 @@
 Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new_tokens``,
 ``stop``, ``no_stop_trim``...), ``stream``, ``rid``. Response: ``{"text", "output_ids",
 "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-"e2e_latency"}}``; a list of those when ``n > 1``. Streamed events carry the *cumulative*
+"e2e_latency"}}``; a list of those when ``n > 1``. A top-level ``priority`` goes to engines
+that schedule by it (``[[engines]] scheduling``; a 400 elsewhere unless 0). Streamed events carry the *cumulative*
 ``text`` and ``output_ids`` so far (SGLang's default), ending with ``data: [DONE]``.
 ``finish_reason`` is ``{"type": "stop", "matched": <token id or stop string>}`` or
 ``{"type": "length", "length": <max_new_tokens>}``.
@@ -26,6 +27,7 @@ from smgd.api.core.execute import collect, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, check_request_id
 from smgd.api.core.prepare import (
     JSON_HEADERS,
+    ParamNames,
     Reply,
     context_len,
     encode,
@@ -35,7 +37,7 @@ from smgd.api.core.prepare import (
 from smgd.api.core.sse import DONE, SSE_HEADERS, encode_json, event
 from smgd.api.handlers.openai import TokenText
 from smgd.errors import InvalidRequest, SmgdError
-from smgd.sampling import from_native
+from smgd.sampling import from_native, read_priority
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
 
 __all__ = ["NativeRenderer", "generate_reply"]
 
+# What an engine may refuse, by /generate's names.
+_NAMES = ParamNames(
+    min_tokens="sampling_params.min_new_tokens", prompt_logprobs="logprob_start_len"
+)
 # SGLang request keys for features no engine path here implements; rejected by name.
 _UNSUPPORTED = (
     "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
@@ -185,6 +191,8 @@ async def generate_reply(call: Call) -> Reply:
     sampling_params = body.get("sampling_params")
     vocab, eos = text.vocab_size, text.tokenizer.eos_token_ids
 
+    priority = read_priority(body)
+
     def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
         return from_native(
             sampling_params,
@@ -193,12 +201,14 @@ async def generate_reply(call: Call) -> Reply:
             vocab_size=vocab,
             eos_token_ids=eos,
             logprobs=logprobs,
+            priority=priority,
         )
 
     state = call.new_state("generate", model)
     jobs, options = plan_jobs(
         call.ctx.gateway, model, text, [ids], sampling_for, state,
         keep_ids=True, top_logprobs_param="top_logprobs_num", align_logprobs=False,
+        names=_NAMES,
     )  # fmt: skip
     max_tokens = jobs[0].request.sampling.max_tokens
     lp = None
