@@ -4,8 +4,9 @@ Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new
 ``stop``, ``no_stop_trim``...), ``stream``, ``rid``. Response: ``{"text", "output_ids",
 "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
 "e2e_latency"}}``; a list of those when ``n > 1``. A top-level ``priority`` goes to engines
-that schedule by it (``[[engines]] scheduling``; a 400 elsewhere unless 0). Streamed events carry the *cumulative*
-``text`` and ``output_ids`` so far (SGLang's default), ending with ``data: [DONE]``.
+that schedule by it (``[[engines]] scheduling``; a 400 elsewhere unless 0). Streamed events
+carry the *cumulative* ``text`` and ``output_ids`` so far (SGLang's default), ending with
+``data: [DONE]``.
 ``finish_reason`` is ``{"type": "stop", "matched": <token id or stop string>}`` or
 ``{"type": "length", "length": <max_new_tokens>}``.
 
