@@ -306,7 +306,7 @@ def test_encoders_carry_priority_min_tokens_and_prompt_logprobs() -> None:
     assert msg.logprob_start_len == 0 and msg.top_logprobs_num == 4  # type: ignore[union-attr]
     add = vllm_decode_request(encode_add(req, arrival_time=0.0))
     core = add.request  # type: ignore[union-attr]
-    assert core.priority == -2
+    assert core.priority == -2 and core.sampling_params is not None
     assert core.sampling_params.prompt_logprobs == 4 and core.sampling_params.min_tokens == 3
 
 

@@ -83,7 +83,7 @@ async def offline(python: str, model: str, out: dict[str, Any]) -> None:
 
 def own(row: list[list[Any]], token_id: int) -> float:
     """The logprob vLLM gave ``token_id`` in a [[id, logprob, rank], ...] row."""
-    return next(max(lp, -9999.0) for tid, lp, _ in row if tid == token_id)
+    return float(next(max(lp, -9999.0) for tid, lp, _ in row if tid == token_id))
 
 
 async def test_prompt_logprobs_echo_min_tokens_priority_match_vllm() -> None:
