@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import enum
 import ipaddress
+import itertools
 import os
 import re
 import tomllib
@@ -581,6 +582,21 @@ def has_grammar(engine: EngineConfig) -> bool:
     with backend "none", nor to the mock engine unless its config names a backend."""
     backend = engine.structured_output.backend
     return backend != "none" and not (backend == "auto" and is_mock(engine))
+
+
+def sglang_has_tokenizer(engine: EngineConfig) -> bool:
+    """Whether this engine is an SGLang scheduler smgd launches with the model's tokenizer
+    loaded: the launcher's default, since its grammar backend compiles against it; not with
+    ``--skip-tokenizer-init`` or grammar backend "none" (the launcher then skips it). Unknown,
+    so False, for a scheduler smgd does not launch."""
+    launch = engine.launch
+    if launch is None or launch.kind != "sglang" or engine.structured_output.backend == "none":
+        return False
+    args = launch.args
+    grammar_none = "--grammar-backend=none" in args or any(
+        a == "--grammar-backend" and b == "none" for a, b in itertools.pairwise(args)
+    )
+    return "--skip-tokenizer-init" not in args and not grammar_none
 
 
 def _check_structured_output(engine: EngineConfig, at: str) -> None:

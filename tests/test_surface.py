@@ -15,7 +15,7 @@ import pytest
 
 from smgd.api.core.prepare import OPENAI_NAMES, ParamNames, check_engine
 from smgd.config import Config as SmgdConfig
-from smgd.config import EngineConfig, LaunchConfig, WireFamily, validate
+from smgd.config import EngineConfig, LaunchConfig, StructuredOutputConfig, WireFamily, validate
 from smgd.engines import scheduling_args
 from smgd.errors import ConfigError, InvalidRequest
 from smgd.mock.scheduler import MockRequest, MockScheduler, mock_logprob, mock_prompt_logprob
@@ -124,6 +124,32 @@ async def test_streamed_echo_carries_the_prompt_logprobs_first() -> None:
     assert len(every) == len(PROMPT) + 2
 
 
+async def test_native_prompt_logprobs_in_sglangs_shape() -> None:
+    async with serve_sglang_mock(MockScheduler(max_batch=4, skip_ids=range(6))) as served:
+        reply = await served.call(
+            lambda: httpx.post(
+                f"{served.base_url}/generate",
+                json={
+                    "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
+                    "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+                },
+                timeout=30,
+            )
+        )  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    meta = reply.json()["meta_info"]
+    rows = _prompt_rows(2)
+    assert meta["input_token_logprobs"] == [
+        [None, PROMPT[0], None],
+        *([r.logprob, r.token_id, None] for r in rows),
+    ]
+    assert meta["input_top_logprobs"] == [
+        None,
+        *([[t.logprob, t.token_id, None] for t in r.top or ()] for r in rows),
+    ]
+    assert len(meta["output_token_logprobs"]) == 2
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -187,7 +213,7 @@ def test_min_tokens_holds_back_stop_ids_on_the_mock() -> None:
 
 
 async def test_min_tokens_on_a_real_sglang_is_a_400_naming_the_endpoints_key() -> None:
-    # serve_sglang_mock's engine is configured as a real SGLang (wire = "sglang")
+    # serve_sglang_mock's engine is configured as an SGLang scheduler smgd did not launch
     async with serve_sglang_mock(MockScheduler(max_batch=4, skip_ids=range(6))) as served:
         openai_reply = await served.call(
             lambda: completion(served, {"prompt": PROMPT, "max_tokens": 8, "min_tokens": 2})
@@ -252,6 +278,23 @@ def test_what_a_real_engine_cannot_do_is_a_400(
     with pytest.raises(InvalidRequest) as info:
         check_engine(_Engine(wire, config), params, priority, names)  # type: ignore[arg-type]
     assert info.value.param == param
+
+
+def test_min_tokens_goes_to_sglang_schedulers_that_load_their_tokenizer() -> None:
+    params = SamplingParams(max_tokens=8, min_tokens=2)
+
+    def sglang(args: list[str], **kw: Any) -> _Engine:
+        return _Engine("sglang", _config(launch=LaunchConfig(kind="sglang", args=args), **kw))
+
+    assert check_engine(sglang([]), params, None, OPENAI_NAMES) is None  # type: ignore[arg-type]
+    for engine in (
+        sglang(["--skip-tokenizer-init"]),
+        sglang(["--grammar-backend", "none"]),
+        sglang(["--grammar-backend=none"]),
+        sglang([], structured_output=StructuredOutputConfig(backend="none")),
+    ):
+        with pytest.raises(InvalidRequest):
+            check_engine(engine, params, None, OPENAI_NAMES)  # type: ignore[arg-type]
 
 
 def test_priority_goes_to_engines_that_schedule_by_it() -> None:

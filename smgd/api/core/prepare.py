@@ -25,7 +25,7 @@ import trio
 from smgd.api.core.execute import Cutoff, Job
 from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.api.core.sse import encode_json
-from smgd.config import is_mock
+from smgd.config import is_mock, sglang_has_tokenizer
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
@@ -339,19 +339,28 @@ def check_engine(
 ) -> int | None:
     """Refuse what ``engine`` cannot do (400 naming the request key); the priority to send.
 
-    - ``min_tokens`` on a real SGLang engine: 0.5.23's scheduler, run with
-      ``--skip-tokenizer-init`` as smgd runs it, reads the min-new-tokens stop ids from the
-      tokenizer it then does not load (its own front end refuses it in that mode too).
+    - ``min_tokens`` on an SGLang scheduler without the model's tokenizer: 0.5.23's reads the
+      min-new-tokens stop ids from the tokenizer object, which ``--skip-tokenizer-init`` leaves
+      out (its own front end refuses it in that mode; the scheduler would crash). Schedulers
+      smgd launches load it unless grammar backend "none" (:func:`sglang_has_tokenizer`); for
+      one smgd does not launch, smgd cannot tell, so it refuses.
     - Prompt logprobs on TokenSpeed: its engine refuses any ``logprob_start_len`` but -1.
     - A non-zero ``priority`` where the engine does not schedule by priority (``[[engines]]
       scheduling``); vLLM refuses it then, SGLang would ignore it. An engine that does gets
       0 for a request without one: SGLang would otherwise run such requests last.
     """
     wire = engine.wire
-    if params.min_tokens and wire == "sglang" and not is_mock(engine.config):
+    config = engine.config
+    if (
+        params.min_tokens
+        and wire == "sglang"
+        and not is_mock(config)
+        and not sglang_has_tokenizer(config)
+    ):
         raise InvalidRequest(
-            f"`{names.min_tokens}` is not available on engine {engine.name}: SGLang started "
-            "with --skip-tokenizer-init (as smgd runs it) cannot apply it",
+            f"`{names.min_tokens}` is not available on engine {engine.name}: an SGLang "
+            "scheduler without its tokenizer (--skip-tokenizer-init, grammar backend none, or "
+            "not launched by smgd) cannot apply it",
             param=names.min_tokens,
         )
     if params.prompt_logprobs is not None and wire == "tokenspeed":
@@ -360,7 +369,7 @@ def check_engine(
             "logprobs",
             param=names.prompt_logprobs,
         )
-    if engine.config.scheduling != "priority":
+    if config.scheduling != "priority":
         if priority:
             raise InvalidRequest(
                 f"`{names.priority}`: engine {engine.name} does not schedule by priority "

@@ -76,8 +76,8 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
 
     ``min_tokens`` goes in ``min_new_tokens`` as TokenizerManager sends it; SGLang 0.5.23's
     scheduler cannot apply it when started with ``--skip-tokenizer-init`` (its penalizer reads
-    stop ids from the tokenizer object it then does not have, and crashes): the engine client
-    refuses it for such engines before anything is sent (``smgd.api.core.prepare``).
+    stop ids from the tokenizer object it then does not have, and crashes): smgd refuses it for
+    such engines before anything is sent (``smgd.api.core.prepare.check_engine``).
     """
     if s.ignore_eos and s.stop_token_ids:
         # SGLang's ignore_eos also disables stop_token_ids (_check_token_based_finish).
