@@ -27,8 +27,8 @@ from smgd.wire.vllm.decode import decode_request as vllm_decode_request
 from smgd.wire.vllm.encode import encode_add
 from smgd.wire.vllm.engine_side import encode_outputs, prompt_logprobs_tensors
 from smgd.wire.vllm.structs import EngineCoreOutput, EngineCoreOutputs
-from tests.fake_engine import MODEL, TINY_MODEL
-from tests.test_api_logprobs import ASCII, TOK, TT, Served, serve_sglang_mock
+from tests.fake_engine import MODEL, TINY_MODEL, open_app, post
+from tests.test_api_logprobs import ASCII, TOK, TT, Served, TokenspeedLike, serve_sglang_mock
 
 PROMPT = ASCII[:6]  # no specials: the mock echoes it as it is
 
@@ -360,3 +360,17 @@ def test_vllm_prompt_logprob_tensors_decode_with_ranks() -> None:
     frames = encode_outputs(EngineCoreOutputs(outputs=[out]))
     (delta,) = decode_outputs(frames).deltas
     assert delta.prompt_logprobs == rows
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"echo": True, "logprobs": 0}, "echo"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ],
+)
+async def test_tokenspeed_has_no_prompt_logprobs(body: dict[str, Any], param: str) -> None:
+    async with open_app(TokenspeedLike()) as (app, _):
+        reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "a", **body})
+    assert reply.status == 400
+    assert reply.json()["error"]["param"] == param

@@ -31,6 +31,8 @@ from smgd.api.core.execute import collect, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.core.prepare import (
     JSON_HEADERS,
+    OPENAI_NAMES,
+    ParamNames,
     Reply,
     context_len,
     encode,
@@ -672,9 +674,12 @@ async def completion_reply(call: Call) -> Reply:
         else:
             prompts.append(list(item))
     state = call.new_state("completion", model)
+    # Prompt logprobs the client did not name come from `echo` (with `logprobs`).
+    implied = body.get("prompt_logprobs") is None
     jobs, options = plan_jobs(
         call.ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
         top_logprobs_param="logprobs",
+        names=ParamNames(prompt_logprobs="echo") if implied else OPENAI_NAMES,
     )  # fmt: skip
     _no_streamed_prompt_logprobs(body, streaming)
     if options.echo_only and streaming:
