@@ -8,10 +8,12 @@ and its launch flags). The real engines: tests/real_engines/test_surface_real.py
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from smgd.api.core.prepare import OPENAI_NAMES, ParamNames, check_engine
 from smgd.config import Config as SmgdConfig
@@ -28,6 +30,7 @@ from smgd.wire.vllm.encode import encode_add
 from smgd.wire.vllm.engine_side import encode_outputs, prompt_logprobs_tensors
 from smgd.wire.vllm.structs import EngineCoreOutput, EngineCoreOutputs
 from tests.fake_engine import MODEL, TINY_MODEL, open_app, post
+from tests.faults.harness import daemon_toml, mock_engine_toml, serve
 from tests.test_api_logprobs import ASCII, TOK, TT, Served, TokenspeedLike, serve_sglang_mock
 
 PROMPT = ASCII[:6]  # no specials: the mock echoes it as it is
@@ -374,3 +377,33 @@ async def test_tokenspeed_has_no_prompt_logprobs(body: dict[str, Any], param: st
         reply = await post(app, "/v1/completions", {"model": MODEL, "prompt": "a", **body})
     assert reply.status == 400
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.slow
+async def test_a_priority_engine_runs_the_lowest_value_first(tmp_path: Path) -> None:
+    """The whole daemon and its launched mock (``scheduling = "priority"``, one request at a
+    time): while a long request runs, two more wait in the engine; the one with the lower
+    priority is admitted first, though it came second."""
+    engine = mock_engine_toml("m0", MODEL, step_ms=50.0, extra='scheduling = "priority"\n').replace(
+        "[engines.mock]\n", "[engines.mock]\nmax_batch = 1\n"
+    )
+    finished: list[str] = []
+
+    async with (
+        serve(tmp_path, daemon_toml(engine)) as daemon,
+        httpx.AsyncClient(base_url=daemon.url, timeout=30) as client,
+    ):
+
+        async def ask(name: str, priority: int, max_tokens: int) -> None:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens}
+            reply = await client.post("/v1/completions", json={**body, "priority": priority})
+            assert reply.status_code == 200, reply.text
+            finished.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "first", 0, 20)  # 1 s on the engine
+            await trio.sleep(0.3)  # real time: it is running
+            nursery.start_soon(ask, "late", 5, 2)
+            await trio.sleep(0.1)
+            nursery.start_soon(ask, "urgent", -5, 2)
+    assert finished == ["first", "urgent", "late"]
