@@ -111,6 +111,7 @@ def _common(spec: dict[str, Any]) -> GenerateRequest:
         prompt_ids=spec["prompt_ids"],
         stream=spec["stream"],
         sampling=SamplingParams(**sampling),
+        priority=spec.get("priority"),
     )
 
 
