@@ -299,13 +299,7 @@ class OpenAIRenderer:
         if not text and not choice.done and not (first and self.fmt.chat):
             return b""
         choice.sent_role = True
-        logprobs = self._unsent_logprobs(choice)
-        if first and self.echo_ids is not None and self.tokens is not None:
-            head = echo_logprobs(
-                self.tokens, self.echo_ids[choice.index], choice.prompt_logprobs or []
-            )
-            tail = None if logprobs == b"null" else msgspec.json.decode(logprobs)
-            logprobs = encode_json(join_logprobs(head, tail))
+        logprobs = self._unsent_logprobs(choice, first=first)
         return self.fmt.chunk(
             choice.index,
             text,
@@ -314,12 +308,19 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
-    def _unsent_logprobs(self, choice: Choice) -> bytes:
+    def _unsent_logprobs(self, choice: Choice, *, first: bool = False) -> bytes:
+        """The logprobs of the chunk (``null`` if none); a completions ``echo`` puts the
+        prompt's before the output's in a choice's ``first`` chunk."""
+        found: dict[str, Any] | None = None
         if self.tokens is not None and choice.logprobs is not None:
             entries, offsets, texts = choice.logprobs.unsent()
             if entries:
-                return encode_json(self._logprobs(entries, offsets, texts))
-        return b"null"
+                found = self._logprobs(entries, offsets, texts)
+            if first and self.echo_ids is not None:
+                prompt = self.echo_ids[choice.index]
+                head = echo_logprobs(self.tokens, prompt, choice.prompt_logprobs or [])
+                found = join_logprobs(head, found)
+        return b"null" if found is None else encode_json(found)
 
     def _logprobs(
         self, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
