@@ -10,12 +10,14 @@ test can compute every stream's exact expected output and the demo streams reada
 With a :class:`~smgd.mock.script.Script`, a prompt it has a reply for gets that reply's tokens
 then the first EOS id instead (cyclically too, so ``ignore_eos`` writes the reply again).
 A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens, equally
-predictable.
+predictable. A request with a LoRA adapter writes the same tokens rotated by
+:func:`lora_rotation` of the adapter's name, so each adapter observably changes the output.
 """
 
 from __future__ import annotations
 
 import enum
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -43,12 +45,21 @@ class MockRequest:
     ignore_eos: bool = False
     stream: bool = True
     logprobs: int | None = None  # None: none; k: sampled token plus top-k
+    lora: str | None = None  # the LoRA adapter's name: its output is rotated (lora_rotation)
     # Filled by the scheduler:
     source: list[int] = field(default_factory=list)
     generated: int = 0
     unsent: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     aborted: bool = False
+
+
+def lora_rotation(name: str, length: int) -> int:
+    """How far an adapter rotates the mock's output (1..length-1; 0 for one token): a fixed
+    function of its name, so each adapter writes its own, reproducible, text."""
+    if length < 2:
+        return 0
+    return 1 + zlib.crc32(name.encode()) % (length - 1)
 
 
 @dataclass(slots=True)
@@ -114,6 +125,9 @@ class MockScheduler:
         else:
             source = [t for t in req.prompt_ids if t not in self.skip_ids]
             req.source = source or [t for t in req.prompt_ids if t not in self.eos_ids] or [4]
+        if req.lora is not None:
+            shift = lora_rotation(req.lora, len(req.source))
+            req.source = req.source[shift:] + req.source[:shift]
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:

@@ -85,6 +85,7 @@ class SglangMockWire:
                 ignore_eos=sp.ignore_eos,
                 stream=msg.stream,
                 logprobs=msg.top_logprobs_num if msg.return_logprob else None,
+                lora=msg.lora_name if msg.lora_id is not None else None,
             )
         )
 
