@@ -1,0 +1,59 @@
+"""``vllm:lora_requests_info``: which LoRA adapters are busy, for LoRA-aware load balancers.
+
+The Gateway API Inference Extension's model-server protocol (proposal 003, "LoRA Adapter
+Serving") scrapes this gauge with vLLM's name and semantics: the value is when it was last
+updated (Unix seconds; the picker takes the newest series), the labels
+
+- ``max_lora``: how many adapters one batch may hold (``[engines.lora] max_loras``; summed
+  over the engines with LoRA, since each runs its own batches);
+- ``running_lora_adapters``: the adapters with requests on an engine, comma-separated;
+- ``waiting_lora_adapters``: the adapters with requests queued in smgd (admission) for an
+  engine, comma-separated.
+
+One series per scrape, only while some engine has ``[engines.lora]`` (vLLM, too, has none
+without LoRA).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+    from smgd.engines.base import EngineClient
+
+__all__ = ["LORA_INFO", "LoraInfoCollector"]
+
+LORA_INFO = "vllm:lora_requests_info"
+
+
+class LoraInfoCollector:
+    """A prometheus_client collector over the engines ``engines()`` returns at scrape time."""
+
+    def __init__(
+        self, engines: Callable[[], Iterable[EngineClient]], clock: Callable[[], float] = time.time
+    ) -> None:
+        self._engines = engines
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        tables = [e.lora for e in self._engines() if e.lora.enabled]
+        if not tables:
+            return
+        family = GaugeMetricFamily(
+            LORA_INFO,
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        waiting = sorted({name for t in tables for name in t.waiting})
+        running = sorted({name for t in tables for name in t.running})
+        max_lora = sum(t.max_loras for t in tables)
+        family.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], self._clock())
+        yield family
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # nothing fixed: the family exists only while an engine has LoRA
