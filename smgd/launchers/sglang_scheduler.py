@@ -22,8 +22,10 @@ after ``ShutdownReq`` is 0. SIGTERM/SIGINT to the launcher stop the scheduler fi
 launcher dies (smgd gone: see lifeline.py), the scheduler dies with it.
 
 ``--cpu-shims`` (or ``SMGD_SGLANG_CPU_SHIMS=1``) puts ``cpu_shims/`` (import-only stand-ins
-for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and sets
-``SGLANG_USE_CPU_ENGINE=1`` unless already set: what a CPU-only machine needs.
+for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and
+``cpu_torch/`` (torch's pinned-memory requests dropped: SGLang's LoRA layers make them) on the
+scheduler's, and sets ``SGLANG_USE_CPU_ENGINE=1`` unless already set: what a CPU-only machine
+needs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+# Pinned-memory requests dropped without an accelerator (SGLang's LoRA layers make them):
+# a sitecustomize, so it runs in the spawned scheduler process too.
+CPU_TORCH = Path(__file__).resolve().parent / "cpu_torch"
 # smgd started this process through lifeline.py: it dies with smgd. The scheduler it spawns
 # (and anything that forks) must die with it; the kernel's death signal does not reach them,
 # so they tie themselves when they import this file as __mp_main__ (as every multiprocessing
@@ -77,7 +82,7 @@ def _grammar_backend(argv: list[str]) -> str | None:
 
 def _use_shims() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p
+        p for p in (str(SHIMS), str(CPU_TORCH), os.environ.get("PYTHONPATH", "")) if p
     )
     sys.path.insert(0, str(SHIMS))
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

@@ -12,11 +12,18 @@ model with ``--lora-modules sql=...`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``. 
 output ids with the adapter differ from the base model's and are identical to vLLM's, by the
 adapter's own name and as ``tiny:sql``; an adapter loaded at run time on both
 (``/v1/load_lora_adapter``) gives identical output too; unloaded, it is a 404.
-SGLang: see :func:`test_sglang_adapter_output_is_sglangs`.
+SGLang: ``smgd serve`` launches the scheduler with ``[engines.lora]`` (``--lora-paths
+sql=...``, ``--lora-backend torch_native``) while SGLang's own offline ``Engine`` (its
+TokenizerManager resolves ``lora_path="sql"`` to the adapter's id) runs the same prompts
+(``sglang_offline_generate.py``; SGLang's HTTP server needs ``jsonschema``, which the cached
+venv lacks): identical greedy ids, different from the base model's. SGLang's LoRA layers ask
+for pinned memory, which a CPU-only torch refuses; the launcher's CPU shims drop the request
+(``smgd/launchers/cpu_torch/sitecustomize.py``), in both runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -29,6 +36,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from smgd.launchers import cpu_shims_dir, cpu_torch_dir
 
 from ..engine_harness import short_ipc_dir
 from .daemon_real import MODEL, READY_S, serve
@@ -182,3 +191,87 @@ def test_vllm_adapter_output_is_vllms_own_servers(tmp_path: Path) -> None:
         assert gone.status_code == 404
         assert smgd_ids(url, "sql") == with_sql  # the start-up adapter serves on
     print(f"TIMING lora_vllm_total {time.monotonic() - t0:.1f}")
+
+
+SGLANG_SCRIPT = Path(__file__).with_name("sglang_offline_generate.py")
+# The tiny SGLang model's vocabulary is 1024.
+SGLANG_PROMPTS = [[1, 385, 600, 436, 943, 14, 10, 385], [1, 771, 591, 206, 100, 200]]
+# sglang.Engine keyword arguments equal to the daemon's launch flags (daemon_real.SGLANG_ARGS
+# and [engines.lora]); the grammar backend does not touch unconstrained requests.
+SGLANG_ENGINE = {
+    "device": "cpu",
+    "max_total_tokens": 4096,
+    "max_running_requests": 8,
+    "dtype": "float32",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_overlap_schedule": True,
+    "grammar_backend": "none",
+    "cuda_graph_backend_decode": "disabled",
+    "cuda_graph_backend_prefill": "disabled",
+    "enable_lora": True,
+    "max_loras_per_batch": LORA["max_loras"],
+    "max_lora_rank": LORA["max_lora_rank"],
+    "lora_backend": "torch_native",
+}
+
+
+def test_sglang_adapter_output_is_sglangs(tmp_path: Path) -> None:
+    python, model = env("SGLANG_PYTHON", "SGLANG_MODEL")
+    sql = make(Path(model), tmp_path / "sql", seed=0)
+    requests = [
+        {"input_ids": ids, "max_new_tokens": MAX_TOKENS, "lora_path": lora}
+        for lora in (None, "sql")
+        for ids in SGLANG_PROMPTS
+    ]
+    job = {
+        "engine": {**SGLANG_ENGINE, "model_path": model, "lora_paths": [f"sql={sql}"]},
+        "requests": requests,
+    }
+    t0 = time.monotonic()
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    # Files, not pipes: nobody reads the oracle's output until smgd's checks are done.
+    with (tmp_path / "job.json").open() as stdin, (tmp_path / "oracle.out").open("w+") as out_f:
+        oracle = subprocess.Popen(
+            [python, str(SGLANG_SCRIPT)],
+            stdin=stdin,
+            stdout=out_f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": f"{cpu_shims_dir()}:{cpu_torch_dir()}"},
+        )
+    try:
+        lora = lora_table({"sql": sql}, runtime=False)
+        with serve("sglang", extra=lora, launch_args=["--lora-backend", "torch_native"]) as url:
+            print(f"TIMING lora_sglang_smgd_up {time.monotonic() - t0:.1f}")
+            base = sglang_ids(url, MODEL)
+            with_sql = sglang_ids(url, "sql")
+            assert sglang_ids(url, f"{MODEL}:sql") == with_sql
+        oracle.wait(timeout=READY_S)
+    finally:
+        if oracle.poll() is None:
+            oracle.kill()
+            oracle.wait()
+    out = (tmp_path / "oracle.out").read_text()
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert oracle.returncode == 0 and lines, out[-3000:]
+    expected = json.loads(lines[-1][len("RESULT ") :])["outputs"]
+    print(f"TIMING lora_sglang_total {time.monotonic() - t0:.1f}")
+    n = len(SGLANG_PROMPTS)
+    assert base == expected[:n]
+    assert with_sql == expected[n:]
+    assert with_sql != base  # the adapter changes the greedy output
+
+
+def sglang_ids(url: str, model: str) -> list[list[int]]:
+    out = []
+    for prompt in SGLANG_PROMPTS:
+        body = {
+            "model": model,
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_TOKENS},
+        }
+        response = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out.append(response.json()["output_ids"])
+    return out
