@@ -66,6 +66,14 @@ async def test_an_adapter_is_a_model_that_runs_on_its_base_models_engine(
         for unknown in ("nope", "tiny:nope", "sql:tiny"):
             status, error = await output_ids(client, unknown)
             assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+        # SGLang's own field: /generate's lora_path names the adapter of the model.
+        native = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}}
+        response = await client.post("/generate", json={**native, "lora_path": "sql"})
+        assert response.json()["output_ids"] == rotated("sql", PROMPT)
+        response = await client.post("/generate", json={**native, "lora_path": "nope"})
+        assert (response.status_code, response.json()["error"]["param"]) == (404, "lora_path")
+        response = await client.post("/generate", json={**native, "lora_path": ["sql"]})
+        assert (response.status_code, response.json()["error"]["param"]) == (400, "lora_path")
         chat = await client.post(
             "/v1/chat/completions",
             json={"model": "sql", "messages": [{"role": "user", "content": "hi"}]},
