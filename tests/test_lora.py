@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -15,6 +16,7 @@ from smgd.engines.base import EngineClient
 from smgd.engines.lora import LoraTable, lora_args, static_adapters
 from smgd.engines.lora_metrics import LoraInfoCollector
 from smgd.errors import ConfigError, ModelNotFound
+from smgd.reload import replace_keys
 from smgd.router import Router
 from smgd.wire.common import EngineInfo, GenerateRequest, LoraAdapter, SamplingParams
 
@@ -253,3 +255,11 @@ def test_lora_requests_info_has_vllms_name_labels_and_timestamp_value() -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LoraInfoCollector(lambda: clients(plain)))
     assert "lora" not in generate_latest(registry).decode()  # no engine with LoRA: no series
+
+
+def test_a_changed_lora_table_replaces_the_engine_on_reload() -> None:
+    old = EngineConfig(name="e", wire=WireFamily.VLLM, models=["m"], model_dir="/m")
+    new = msgspec.structs.replace(old, lora=LoraConfig(adapters={"sql": "/sql"}))
+    assert replace_keys(old, new) == ["lora"]
+    more = msgspec.structs.replace(new, lora=LoraConfig(adapters={"sql": "/sql"}, max_loras=8))
+    assert replace_keys(new, more) == ["lora"]
