@@ -7,19 +7,26 @@ output must be: the request reached the engine with that adapter, and no other.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from smgd.mock.scheduler import lora_rotation
 
 from .daemon_harness import config_text, engine_toml, running_daemon
+from .faults.harness import until
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [100, 101, 102, 103, 104, 105]  # no special ids: the mock echoes every one
+LORA_INFO = re.compile(
+    r'vllm:lora_requests_info\{max_lora="4",running_lora_adapters="([^"]*)",'
+    r'waiting_lora_adapters="([^"]*)"\}'
+)
 
 
 def adapter(root: Path, name: str) -> Path:
@@ -34,8 +41,8 @@ def rotated(name: str, ids: list[int]) -> list[int]:
     return ids[shift:] + ids[:shift]
 
 
-def write(tmp_path: Path, wire: str, *, runtime: bool = True) -> Path:
-    lora = (
+def write(tmp_path: Path, wire: str, *, runtime: bool = True, keys: str = "") -> Path:
+    lora = keys + (
         f'[engines.lora]\nadapters = {{sql = "{adapter(tmp_path, "sql")}"}}\n'
         f"allow_runtime_updates = {'true' if runtime else 'false'}\n"
     )
@@ -156,3 +163,42 @@ async def test_where_adapters_cannot_load_at_run_time_the_answer_says_why(
         message = response.json()["error"]["message"]
         assert ("allow_runtime_updates" if not runtime else "cannot load LoRA") in message
         assert (await output_ids(client, "chat"))[0] == 404
+
+
+async def lora_info(client: httpx.AsyncClient) -> tuple[str, str]:
+    found = LORA_INFO.search((await client.get("/metrics")).text)
+    assert found is not None
+    return found[1], found[2]
+
+
+async def test_lora_requests_info_names_the_running_and_the_waiting_adapter(
+    tmp_path: Path,
+) -> None:
+    chat = str(adapter(tmp_path, "chat"))
+    # One request at a time on the engine: the second one waits in smgd's admission queue.
+    path = write(tmp_path, "vllm", keys="max_inflight = 1\n")
+    async with running_daemon(path) as (_, client):
+        load = {"lora_name": "chat", "lora_path": chat}
+        assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 200
+        assert await lora_info(client) == ("", "")
+        long = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+            "stream": True,
+        }
+        async with trio.open_nursery() as nursery:
+            for model in ("sql", "chat"):
+                nursery.start_soon(
+                    lambda m: client.post("/generate", json={**long, "model": m}), model
+                )
+
+            async def both() -> bool:  # one runs, the other waits for it
+                return sorted(await lora_info(client)) == ["chat", "sql"]
+
+            await until(both, within=30)
+            nursery.cancel_scope.cancel()  # the clients leave: both requests end
+
+        async def none() -> bool:
+            return await lora_info(client) == ("", "")
+
+        await until(none, within=30)
