@@ -687,6 +687,19 @@ def _check_lora(config: Config, served: Mapping[str, str], *, check_paths: bool)
                     path=key,
                     hint="point it at a PEFT adapter directory",
                 )
+    count = config.server.workers
+    for name, (i, _, _) in owners.items() if count > 1 else ():
+        holders = {
+            j % count for j, e in enumerate(config.engines) if e.lora and name in e.lora.adapters
+        }
+        missing = sorted(set(range(count)) - holders)
+        if missing:
+            raise ConfigError(
+                f"workers = {count}, but adapter {name!r} is on no engine of worker "
+                f"{missing[0]} (worker k runs engines[i] with i % {count} == k)",
+                path=f"$.engines[{i}].lora.adapters.{name}",
+                hint="name it on an engine of every worker",
+            )
 
 
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)

@@ -263,3 +263,13 @@ def test_a_changed_lora_table_replaces_the_engine_on_reload() -> None:
     assert replace_keys(old, new) == ["lora"]
     more = msgspec.structs.replace(new, lora=LoraConfig(adapters={"sql": "/sql"}, max_loras=8))
     assert replace_keys(new, more) == ["lora"]
+
+
+def test_with_workers_every_worker_holds_each_adapter(tmp_path: Path) -> None:
+    adapter_dir(tmp_path, "sql")
+    lora = 'adapters = {sql = "sql"}'
+    workers = "[server]\nworkers = 2\n"
+    err = error_of(tmp_path, workers, engine_toml("a", "m1", lora), engine_toml("b", "m1"))
+    assert err.path == "$.engines[0].lora.adapters.sql"
+    assert "worker 1" in err.message
+    load(tmp_path, workers, engine_toml("a", "m1", lora), engine_toml("b", "m1", lora))
