@@ -166,6 +166,21 @@ def test_requests_count_waiting_then_running_then_nothing() -> None:
     assert not table.running
 
 
+def test_an_engines_own_queues_decide_running_and_waiting_for_what_smgd_has_in_flight() -> None:
+    table = LoraTable(None, [])
+    with table.counting("a") as a, table.counting("b") as b, table.counting("c") as c:
+        a()
+        b()
+        c()
+        with table.counting("q"):  # still in smgd's admission queue
+            assert table.busy() == ({"a", "b", "c"}, {"q"})  # no report yet: sent = running
+            table.report(0, ["a", "stale"], ["b"])  # c was sent after this report
+            assert table.busy() == ({"a", "c"}, {"b", "q"})
+            table.report(1, ["b"], [])  # another rank runs b
+            assert table.busy() == ({"a", "b", "c"}, {"b", "q"})
+    assert table.busy() == (set(), set())  # a report never outlives the requests
+
+
 # ---------------------------------------------------------------------------- routing
 
 

@@ -171,12 +171,18 @@ async def lora_info(client: httpx.AsyncClient) -> tuple[str, str]:
     return found[1], found[2]
 
 
+@pytest.mark.parametrize("queue", ["admission", "engine"])
 async def test_lora_requests_info_names_the_running_and_the_waiting_adapter(
-    tmp_path: Path,
+    tmp_path: Path, queue: str
 ) -> None:
     chat = str(adapter(tmp_path, "chat"))
-    # One request at a time on the engine: the second one waits in smgd's admission queue.
-    path = write(tmp_path, "vllm", keys="max_inflight = 1\n")
+    # One request at a time: the second one waits in smgd's admission queue, or is sent and
+    # waits in the engine's own queue (which the engine reports in its scheduler stats).
+    path = write(tmp_path, "vllm", keys="max_inflight = 1\n" if queue == "admission" else "")
+    if queue == "engine":
+        path.write_text(
+            path.read_text().replace("[engines.mock]\n", "[engines.mock]\nmax_batch = 1\n")
+        )
     async with running_daemon(path) as (_, client):
         load = {"lora_name": "chat", "lora_path": chat}
         assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 200

@@ -85,3 +85,9 @@ def test_sglang_generate_with_an_adapter_is_what_the_tokenizer_manager_sends() -
     adapter = LoraAdapter(name=lora["name"], path=lora["path"], int_id=1)
     assert encode_generate(req, adapter) == bytes.fromhex(SGLANG["hex"])
     assert lora_id(lora["name"], lora["path"]) == lora["lora_id"]
+
+
+def test_vllm_scheduler_stats_name_the_adapters_in_each_queue() -> None:
+    batch = decode_outputs(frames("out_stats_lora"))
+    assert (batch.lora_running, batch.lora_waiting) == (["sql"], ["chat"])
+    assert batch.load is not None and (batch.load.running, batch.load.waiting) == (2, 1)

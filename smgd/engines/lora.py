@@ -69,8 +69,12 @@ class LoraTable:
         self.runtime_updates = config is not None and config.allow_runtime_updates
         self._adapters = {a.name: a for a in adapters}
         self._next_id = max((a.int_id for a in adapters), default=0) + 1
+        # Requests per adapter: queued in smgd's admission / sent to the engine.
         self.waiting: Counter[str] = Counter()
         self.running: Counter[str] = Counter()
+        # What the engine's ranks last said about their own queues (vLLM's scheduler stats):
+        # rank -> (adapters running, adapters waiting).
+        self._reported: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
@@ -96,6 +100,25 @@ class LoraTable:
 
     def remove(self, name: str) -> LoraAdapter | None:
         return self._adapters.pop(name, None)
+
+    # ---- which adapters are busy (smgd.engines.lora_metrics)
+    def report(self, rank: int, running: list[str], waiting: list[str]) -> None:
+        """An engine rank's own account of its queues (vLLM's scheduler stats)."""
+        self._reported[rank] = (frozenset(running), frozenset(waiting))
+
+    def busy(self) -> tuple[set[str], set[str]]:
+        """(running, waiting): adapters with requests the engine runs, and those with requests
+        waiting, in the engine's queue (where it reports its queues) or in smgd's admission.
+
+        A report is a snapshot taken before the engine's last step, so only adapters smgd still
+        has requests in flight for count from it; one sent since the last report counts as
+        running.
+        """
+        sent = set(self.running)
+        reported_running = {n for run, _ in self._reported.values() for n in run} & sent
+        reported_waiting = {n for _, wait in self._reported.values() for n in wait} & sent
+        running = reported_running | (sent - reported_waiting)
+        return running, reported_waiting | set(self.waiting)
 
     # ---- request counts (EngineClient.open_stream)
     @contextmanager

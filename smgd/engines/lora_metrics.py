@@ -6,9 +6,10 @@ updated (Unix seconds; the picker takes the newest series), the labels
 
 - ``max_lora``: how many adapters one batch may hold (``[engines.lora] max_loras``; summed
   over the engines with LoRA, since each runs its own batches);
-- ``running_lora_adapters``: the adapters with requests on an engine, comma-separated;
-- ``waiting_lora_adapters``: the adapters with requests queued in smgd (admission) for an
-  engine, comma-separated.
+- ``running_lora_adapters``: the adapters with requests an engine runs, comma-separated;
+- ``waiting_lora_adapters``: the adapters with requests waiting, comma-separated: in the
+  engine's own queue (vLLM reports its queues per adapter in its scheduler stats; other
+  engines' queued requests count as running) or in smgd's admission queue.
 
 One series per scrape, only while some engine has ``[engines.lora]`` (vLLM, too, has none
 without LoRA).
@@ -49,8 +50,9 @@ class LoraInfoCollector:
             "Running stats on lora requests.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        waiting = sorted({name for t in tables for name in t.waiting})
-        running = sorted({name for t in tables for name in t.running})
+        busy = [t.busy() for t in tables]
+        running = sorted({name for run, _ in busy for name in run})
+        waiting = sorted({name for _, wait in busy for name in wait})
         max_lora = sum(t.max_loras for t in tables)
         family.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], self._clock())
         yield family

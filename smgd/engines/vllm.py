@@ -127,6 +127,8 @@ class VllmEngineClient(HandshakeEngineClient):
         if out.utility is not None and (call := self._calls.get(out.utility.call_id)):
             call.reply = out.utility
             call.done.set()
+        if out.lora_running is not None and out.lora_waiting is not None and self.lora.enabled:
+            self.lora.report(out.engine_index, out.lora_running, out.lora_waiting)
         for delta in out.deltas:
             meta = self._meta.get(delta.rid)
             if meta is None:

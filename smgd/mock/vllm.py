@@ -15,6 +15,7 @@ log_stats on); sampled-token logprobs plus top-k columns; an undecodable request
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -244,6 +245,11 @@ class VllmMockWire:
                 "num_running_reqs": len(sched.running),
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_cache_usage": len(sched.running) / self.max_batch,
+                # Requests per LoRA adapter in each queue, as vLLM's SchedulerStats has them.
+                "waiting_lora_adapters": dict(Counter(r.lora for r in sched.waiting if r.lora)),
+                "running_lora_adapters": dict(
+                    Counter(r.lora for r in sched.running.values() if r.lora)
+                ),
             }
         batch = EngineCoreOutputs(
             engine_index=self.engine_index, outputs=items, scheduler_stats=stats
