@@ -5,20 +5,29 @@ adapter name, and the vllm:lora_requests_info gauge (no daemon; test_lora_daemon
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import pytest
+import trio
+import trio.testing
 from prometheus_client import CollectorRegistry, generate_latest
 
-from smgd.config import EngineConfig, LoraConfig, RoutingConfig, WireFamily, load_config
+from smgd.api.handlers.lora import load_lora_adapter
+from smgd.config import Config, EngineConfig, LoraConfig, RoutingConfig, WireFamily, load_config
 from smgd.engines.base import EngineClient
 from smgd.engines.lora import LoraTable, lora_args, static_adapters
 from smgd.engines.lora_metrics import LoraInfoCollector
-from smgd.errors import ConfigError, ModelNotFound
+from smgd.errors import ConfigError, EngineRejected, InvalidRequest, ModelNotFound
 from smgd.reload import replace_keys
 from smgd.router import Router
 from smgd.wire.common import EngineInfo, GenerateRequest, LoraAdapter, SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from smgd.api.core.prepare import Call
 
 
 def adapter_dir(root: Path, name: str) -> Path:
@@ -288,3 +297,51 @@ def test_with_workers_every_worker_holds_each_adapter(tmp_path: Path) -> None:
     assert err.path == "$.engines[0].lora.adapters.sql"
     assert "worker 1" in err.message
     load(tmp_path, workers, engine_toml("a", "m1", lora), engine_toml("b", "m1", lora))
+
+
+# ---------------------------------------------------------------------------- run-time loads
+
+
+class _Loader(_Engine):
+    """An engine whose loads wait for ``release`` and fail when ``refuse`` is set."""
+
+    def __init__(self, name: str, *, refuse: bool = False) -> None:
+        super().__init__(name, ("base",), [])
+        self.lora.runtime_updates = True
+        self.release = trio.Event()
+        self.refuse = refuse
+
+    async def load_adapter(self, name: str, path: str, *, load_inplace: bool = False) -> None:
+        await self.release.wait()
+        if self.refuse:
+            raise EngineRejected(f"engine {self.name} refused it", param="lora_path")
+        self.lora.add(self.lora.new(name, path))
+
+
+def _call(engines: list[_Loader], body: Mapping[str, object]) -> Call:
+    gateway = SimpleNamespace(config=Config(), router=_router(*engines))
+    ctx = SimpleNamespace(gateway=gateway)
+    return cast("Call", SimpleNamespace(ctx=ctx, json=lambda: body))
+
+
+async def test_a_second_load_of_a_name_under_way_is_refused() -> None:
+    engine = _Loader("a")
+    body = {"lora_name": "x", "lora_path": "/x"}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load_lora_adapter, _call([engine], body))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.fail_after(5), pytest.raises(InvalidRequest, match="being loaded"):
+            await load_lora_adapter(_call([engine], body))  # at once, not after the first
+        engine.release.set()
+    assert "x" in engine.lora
+    assert not engine.lora.loading
+
+
+async def test_an_adapter_one_engine_refuses_is_served_by_none() -> None:
+    took, refused = _Loader("a"), _Loader("b", refuse=True)
+    took.release.set()
+    refused.release.set()
+    with pytest.raises(EngineRejected):
+        await load_lora_adapter(_call([took, refused], {"lora_name": "x", "lora_path": "/x"}))
+    assert "x" not in took.lora  # loaded there first, then forgotten again
+    assert not took.lora.loading and not refused.lora.loading

@@ -68,6 +68,7 @@ class LoraTable:
         self.max_loras = config.max_loras if config is not None else 0
         self.runtime_updates = config is not None and config.allow_runtime_updates
         self._adapters = {a.name: a for a in adapters}
+        self.loading: set[str] = set()  # names a run-time load is under way for
         self._next_id = max((a.int_id for a in adapters), default=0) + 1
         # Requests per adapter: queued in smgd's admission / sent to the engine.
         self.waiting: Counter[str] = Counter()

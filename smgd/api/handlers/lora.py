@@ -116,8 +116,14 @@ async def load_lora_adapter(call: Call) -> Reply:
     not_ready = [e for e in targets if not e.ready]
     if not_ready:
         raise EngineNotReady(f"engine {not_ready[0].name} is {not_ready[0].state_name}")
+    if any(name in e.lora.loading for e in targets):
+        raise InvalidRequest(
+            f"The lora adapter '{name}' is being loaded by another request.", param="lora_name"
+        )
     had = {e.name for e in holders}
     loaded: list[EngineClient] = []
+    for engine in targets:
+        engine.lora.loading.add(name)
     try:
         for engine in targets:
             await engine.load_adapter(name, path, load_inplace=inplace)
@@ -128,6 +134,9 @@ async def load_lora_adapter(call: Call) -> Reply:
             if engine.name not in had:
                 engine.lora.remove(name)
         raise
+    finally:
+        for engine in targets:
+            engine.lora.loading.discard(name)
     message = f"Success: LoRA adapter '{name}' added successfully."
     return Reply(message.encode(), TEXT_HEADERS)
 
