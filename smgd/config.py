@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import enum
 import ipaddress
+import itertools
 import os
 import re
 import tomllib
@@ -109,6 +110,14 @@ class ServerConfig(_Section):
     # i % workers == its index (smgd.workers). 1 = everything in one process. One process
     # tops out near one core; more than the machine's cores only adds contention.
     workers: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORKERS)] = 1
+    # CORS (smgd.api.http.cors): the browser origins ("https://ui.example", or "*") whose
+    # pages may call the public API; empty = off, no CORS header is ever sent. The other three
+    # shape the preflight answer; "*" allows any method or request header (Authorization
+    # included: smgd echoes what the browser asks for, which a literal "*" would not cover).
+    cors_allowed_origins: list[str] = msgspec.field(default_factory=list)
+    cors_allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cors_allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cors_allow_credentials: bool = False
 
 
 class AdminConfig(_Section):
@@ -198,6 +207,16 @@ GRAMMAR_FLAGS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+# The launch flags smgd sets for `scheduling = "priority"`, per launch kind. SGLang's default
+# runs larger values first; --schedule-low-priority-values-first gives vLLM's order, so
+# `priority` means the same on every engine.
+SCHEDULING_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "sglang": ("--enable-priority-scheduling", "--schedule-low-priority-values-first"),
+    "vllm": ("--scheduling-policy", "priority"),
+    "mock": ("--priority-scheduling",),
+}
+
+
 class StructuredOutputConfig(_Section):
     """The engine's grammar backend (constrained decoding for response_format & co.)."""
 
@@ -216,7 +235,7 @@ MAX_LORAS = 256
 # vLLM's largest --max-lora-rank.
 MAX_LORA_RANK = 512
 # What an adapter may be called: it is a model name in requests and /v1/models. No ':' (the
-# `base:adapter` form splits on it) and no ',' (vllm:lora_requests_info lists names with it).
+# `base:adapter` form splits on it) and no ',' (smgd_lora_requests_info lists names with it).
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}")
 # The launch flags smgd sets from [engines.lora], per launch kind (config.validate refuses them
 # in launch.args as well).
@@ -283,6 +302,10 @@ class EngineConfig(_Section):
     # `reasoning_content`.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # "priority": the engine runs requests by their `priority` (lower first) and smgd passes it
+    # on, launching the engine with its priority flags (SCHEDULING_FLAGS); "fcfs": arrival
+    # order, and a request with a non-zero priority is a 400.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
     required: bool = True  # readiness waits for it
     # Admission: requests in flight on this engine before new ones queue; 0 = unlimited.
     max_inflight: Count = 0
@@ -606,6 +629,21 @@ def has_grammar(engine: EngineConfig) -> bool:
     return backend != "none" and not (backend == "auto" and is_mock(engine))
 
 
+def sglang_has_tokenizer(engine: EngineConfig) -> bool:
+    """Whether this engine is an SGLang scheduler smgd launches with the model's tokenizer
+    loaded: the launcher's default, since its grammar backend compiles against it; not with
+    ``--skip-tokenizer-init`` or grammar backend "none" (the launcher then skips it). Unknown,
+    so False, for a scheduler smgd does not launch."""
+    launch = engine.launch
+    if launch is None or launch.kind != "sglang" or engine.structured_output.backend == "none":
+        return False
+    args = launch.args
+    grammar_none = "--grammar-backend=none" in args or any(
+        a == "--grammar-backend" and b == "none" for a, b in itertools.pairwise(args)
+    )
+    return "--skip-tokenizer-init" not in args and not grammar_none
+
+
 def _check_structured_output(engine: EngineConfig, at: str) -> None:
     so = engine.structured_output
     at_so = f"{at}.structured_output"
@@ -702,6 +740,30 @@ def _check_lora(config: Config, served: Mapping[str, str], *, check_paths: bool)
             )
 
 
+def _check_scheduling(engine: EngineConfig, at: str) -> None:
+    wire = engine.mock.wire if engine.wire is WireFamily.MOCK else engine.wire.value
+    if engine.scheduling == "priority" and wire == "tokenspeed":
+        raise ConfigError(
+            "the tokenspeed engine has no priority scheduling",
+            path=f"{at}.scheduling",
+            hint='use "fcfs"',
+        )
+    launch = engine.launch
+    if launch is None:
+        return
+    flags = (
+        "--scheduling-policy", "--enable-priority-scheduling",
+        "--schedule-low-priority-values-first", "--priority-scheduling",
+    )  # fmt: skip
+    for arg in launch.args:
+        if arg.startswith(flags):
+            raise ConfigError(
+                f"launch.args sets {arg.split('=')[0]}: smgd sets the scheduling flags",
+                path=f"{at}.launch.args",
+                hint='set `scheduling = "priority"` instead',
+            )
+
+
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
 
 
@@ -762,8 +824,10 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
             )
         _check_structured_output(engine, at)
+        _check_scheduling(engine, at)
     _check_lora(config, served, check_paths=check_paths)
     _check_workers(config, served)
+    _check_cors(config.server)
     _check_socket_paths(config)
     _check_admin_exposure(config.admin)
     for model in config.routing.models:
@@ -772,6 +836,38 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 f"routing for model {model!r} that no engine serves",
                 path=f"$.routing.models.{model}",
             )
+
+
+# A serialized origin as a browser sends it (RFC 6454 §6.2): scheme://host[:port], lower case,
+# no path. "https://ui.example/" (a trailing slash) would never equal any Origin header.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s@]+")
+# An HTTP token (RFC 9110 §5.6.2): what a method or a header name may be.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_cors(server: ServerConfig) -> None:
+    """CORS keys a browser could never match, and credentials with the "*" origin."""
+    for i, origin in enumerate(server.cors_allowed_origins):
+        if origin != "*" and not (_ORIGIN.fullmatch(origin) and origin == origin.lower()):
+            raise ConfigError(
+                f"{origin!r} is not an origin",
+                path=f"$.server.cors_allowed_origins[{i}]",
+                hint="an origin is scheme://host[:port] in lower case with no path, as browsers "
+                'send it ("https://ui.example", "http://localhost:3000"), or "*" for any',
+            )
+    for key in ("cors_allowed_methods", "cors_allowed_headers"):
+        for i, name in enumerate(getattr(server, key)):
+            if not _TOKEN.fullmatch(name):
+                raise ConfigError(
+                    f"{name!r} is not an HTTP token", path=f"$.server.{key}[{i}]", hint='or "*"'
+                )
+    if server.cors_allow_credentials and "*" in server.cors_allowed_origins:
+        raise ConfigError(
+            'cors_allow_credentials cannot be used with the origin "*"',
+            path="$.server.cors_allow_credentials",
+            hint="browsers refuse credentialed responses to any origin (Fetch standard); "
+            "list the origins that may send credentials",
+        )
 
 
 # The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
-from smgd.engines import grammar_args
+from smgd.engines import grammar_args, scheduling_args
 from smgd.engines.base import EngineState
 from smgd.engines.lora import lora_args, static_adapters
 from smgd.engines.sglang import SglangEngineClient
@@ -123,6 +123,7 @@ def build_engine_client(
             "--skip-ids",
             ",".join(map(str, sorted(text.tokenizer.special_ids))),
             *mock_script_args(engine, config),
+            *scheduling_args(engine),
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
@@ -143,6 +144,7 @@ def build_engine_client(
                 "--model-path",
                 str(text.model_dir),
                 *grammar_args(engine),
+                *scheduling_args(engine),
                 *lora_args(config, engine),
                 *launch.args,
             ]
@@ -157,7 +159,12 @@ def build_engine_client(
                 python=launch.python or "python3",
                 launcher=launcher_script("vllm_engine.py"),
                 model=str(text.model_dir),
-                args=[*grammar_args(engine), *lora_args(config, engine), *launch.args],
+                args=[
+                    *grammar_args(engine),
+                    *scheduling_args(engine),
+                    *lora_args(config, engine),
+                    *launch.args,
+                ],
             )
     if wire == "vllm":
         return VllmEngineClient(

@@ -1,5 +1,5 @@
 """LoRA adapters: the [engines.lora] schema, launch flags, the adapter table, routing by
-adapter name, and the vllm:lora_requests_info gauge (no daemon; test_lora_daemon.py runs one).
+adapter name, and the smgd_lora_requests_info gauge (no daemon; test_lora_daemon.py runs one).
 """
 
 from __future__ import annotations
@@ -270,9 +270,9 @@ def test_lora_requests_info_has_vllms_name_labels_and_timestamp_value() -> None:
         sent()
         with b.lora.counting("chat"):
             text = generate_latest(registry).decode()
-    assert "# TYPE vllm:lora_requests_info gauge" in text
+    assert "# TYPE smgd_lora_requests_info gauge" in text
     line = (
-        'vllm:lora_requests_info{max_lora="8",running_lora_adapters="sql",'
+        'smgd_lora_requests_info{max_lora="8",running_lora_adapters="sql",'
         'waiting_lora_adapters="chat"} 1.7646800005e+09'
     )
     assert line in text

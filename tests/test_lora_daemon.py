@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [100, 101, 102, 103, 104, 105]  # no special ids: the mock echoes every one
 LORA_INFO = re.compile(
-    r'vllm:lora_requests_info\{max_lora="4",running_lora_adapters="([^"]*)",'
+    r'smgd_lora_requests_info\{max_lora="4",running_lora_adapters="([^"]*)",'
     r'waiting_lora_adapters="([^"]*)"\}'
 )
 
@@ -93,7 +93,7 @@ async def test_an_adapter_is_a_model_that_runs_on_its_base_models_engine(
         assert cards["sql"]["max_model_len"] == cards["tiny"]["max_model_len"]
         assert cards["tiny"]["parent"] is None
         metrics = (await client.get("/metrics")).text
-        assert 'vllm:lora_requests_info{max_lora="4",running_lora_adapters=""' in metrics
+        assert 'smgd_lora_requests_info{max_lora="4",running_lora_adapters=""' in metrics
 
 
 async def test_adapters_load_and_unload_at_run_time(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 :mod:`~smgd.engines.vllm`, :mod:`~smgd.engines.tokenspeed`) over :mod:`~smgd.engines.base`.
 
 :func:`smgd.supervise.build_engine_client` builds them from ``[[engines]]`` entries, with the
-launch flags :func:`grammar_args` derives from ``[engines.structured_output]``.
+launch flags :func:`grammar_args` derives from ``[engines.structured_output]`` and
+:func:`scheduling_args` from ``scheduling``.
 """
 
 from __future__ import annotations
@@ -10,8 +11,19 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from smgd.config import SCHEDULING_FLAGS, is_mock
+
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
+
+
+def scheduling_args(engine: EngineConfig) -> list[str]:
+    """The launch flags for ``scheduling = "priority"`` ([] for "fcfs", the engines' default,
+    and for what smgd does not launch)."""
+    kind = "mock" if is_mock(engine) else engine.launch.kind if engine.launch else None
+    if engine.scheduling != "priority" or kind is None:
+        return []
+    return list(SCHEDULING_FLAGS.get(kind, ()))
 
 
 def grammar_args(engine: EngineConfig) -> list[str]:

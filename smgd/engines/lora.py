@@ -5,7 +5,7 @@ has on that engine (vLLM's ``lora_int_id``: the engine caches an adapter's weigh
 so a name keeps its id for as long as it is loaded), the start-up ones from ``[engines.lora]``
 and those loaded at run time (``POST /v1/load_lora_adapter``), and counts each adapter's
 requests waiting in smgd's admission queue and running on the engine, for
-``vllm:lora_requests_info`` (:mod:`smgd.lora_metrics`).
+``smgd_lora_requests_info`` (:mod:`smgd.engines.lora_metrics`).
 
 Launch flags for ``[engines.lora]`` are :func:`lora_args`.
 """

@@ -1,7 +1,8 @@
-"""``vllm:lora_requests_info``: which LoRA adapters are busy, for LoRA-aware load balancers.
+"""``smgd_lora_requests_info``: which LoRA adapters are busy, for LoRA-aware load balancers.
 
 The Gateway API Inference Extension's model-server protocol (proposal 003, "LoRA Adapter
-Serving") scrapes this gauge with vLLM's name and semantics: the value is when it was last
+Serving") scrapes this gauge with the semantics of vLLM's ``vllm:lora_requests_info`` (the
+endpoint picker is told smgd's name: docs/reference/metrics.md): the value is when it was last
 updated (Unix seconds; the picker takes the newest series), the labels
 
 - ``max_lora``: how many adapters one batch may hold (``[engines.lora] max_loras``; summed
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LORA_INFO", "LoraInfoCollector"]
 
-LORA_INFO = "vllm:lora_requests_info"
+LORA_INFO = "smgd_lora_requests_info"
 
 
 class LoraInfoCollector:

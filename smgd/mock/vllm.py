@@ -15,6 +15,7 @@ log_stats on); sampled-token logprobs plus top-k columns; an undecodable request
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,10 +33,12 @@ from smgd.wire.vllm.engine_side import (
     encode_ready,
     encode_ready_response,
     logprobs_lists,
+    prompt_logprobs_tensors,
 )
 from smgd.wire.vllm.structs import (
     AbortRequest,
     AddRequest,
+    EngineCoreEvent,
     EngineCoreOutput,
     EngineCoreOutputs,
     PrefillStats,
@@ -61,6 +64,8 @@ _FINISH = {
     MockFinish.ABORT: VllmFinishReason.ABORT,
 }
 
+
+QUEUED, SCHEDULED = 1, 2  # EngineCoreEventType
 
 # Utility calls the mock answers (a generate-only engine); the rest are answered with None.
 UTILITY_ANSWERS: dict[str, object] = {"get_supported_tasks": ["generate"]}
@@ -95,6 +100,7 @@ class VllmMockWire:
         self._eos: dict[str, int | None] = {}
         self._logprobs: dict[str, int] = {}
         self._prefilled: set[str] = set()
+        self._queued_at: dict[str, float] = {}  # rid -> its ADD's arrival (log_stats)
         self._die = False
         self.loras: dict[int, str] = {}  # adapters the engine holds: lora_int_id -> name
 
@@ -163,10 +169,15 @@ class VllmMockWire:
         req = msg.request
         sp = req.sampling_params or SamplingParams()
         self.received.append(req.request_id)
+        if self.log_stats:
+            self._queued_at[req.request_id] = time.monotonic()
         eos = sp._eos_token_id
         self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
         if sp.logprobs is not None:
             self._logprobs[req.request_id] = sp.logprobs
+        # vLLM's min_tokens masks _all_stop_token_ids: without them (a front end that sent
+        # none) EOS is not held back.
+        min_tokens = sp.min_tokens if sp._all_stop_token_ids else 0
         stops = set(sp.stop_token_ids or ())
         if eos is not None:
             stops.add(eos)  # the engine stops on EOS only because the front end sent it
@@ -179,6 +190,9 @@ class VllmMockWire:
                 prompt_ids=list(req.prompt_token_ids or ()),
                 max_tokens=sp.max_tokens if sp.max_tokens is not None else 16,
                 stop_token_ids=frozenset(stops),
+                prompt_logprobs=sp.prompt_logprobs,
+                min_tokens=min_tokens,
+                priority=req.priority,
                 lora=lora,
             )
         )
@@ -209,6 +223,14 @@ class VllmMockWire:
                 out.stop_reason = o.matched  # a stop token id; EOS reports none
         if o.rid not in self._prefilled:
             self._prefilled.add(o.rid)
+            queued = self._queued_at.pop(o.rid, None)
+            if queued is not None:
+                # vLLM's request events: queued at ADD, scheduled by the step that produced
+                # its first output (this one).
+                out.events = [
+                    EngineCoreEvent(QUEUED, queued),
+                    EngineCoreEvent(SCHEDULED, time.monotonic()),
+                ]
             out.prefill_stats = PrefillStats(
                 num_prompt_tokens=o.prompt_tokens,
                 num_computed_tokens=o.prompt_tokens - o.cached_tokens,
@@ -219,6 +241,8 @@ class VllmMockWire:
             rows = [[t, *(t + j for j in range(1, k + 1))] for t in o.new_ids]
             vals = [[-0.5 * (j + 1) for j in range(k + 1)] for _ in o.new_ids]
             out.new_logprobs = logprobs_lists(rows, vals, [1] * len(rows))
+        if o.prompt_logprobs:
+            out.new_prompt_logprobs_tensors = prompt_logprobs_tensors(o.prompt_logprobs)
         return out
 
     def encode_step(
@@ -233,10 +257,12 @@ class VllmMockWire:
             else:
                 items.append(self._output(o))
             if o.finish is not None:
-                for table in (self._eos, self._logprobs):
+                for table in (self._eos, self._logprobs, self._queued_at):
                     table.pop(o.rid, None)
                 self._prefilled.discard(o.rid)
         self._client_aborted.difference_update(aborted_queued)
+        for rid in aborted_queued:
+            self._queued_at.pop(rid, None)
         if not items and not (self.log_stats and (outputs or aborted_queued)):
             return []  # with log_stats vLLM sends a stats-only message after finishes/aborts
         stats = None

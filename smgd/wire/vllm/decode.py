@@ -162,6 +162,29 @@ class _HotError(msgspec.Struct, gc=False):
     retryable: bool = False
 
 
+class _HotEvent(msgspec.Struct, gc=False):
+    type: int  # EngineCoreEventType
+    timestamp: float  # the engine's time.monotonic()
+
+
+# EngineCoreEventType values.
+_QUEUED, _SCHEDULED = 1, 2
+
+
+def _queue_time(events: list[_HotEvent]) -> float | None:
+    """The wait in the engine's queue, first QUEUED to first SCHEDULED event (vLLM's own
+    ``queued_time``); None when the events hold only one of them."""
+    queued = scheduled = None
+    for ev in events:
+        if ev.type == _QUEUED and queued is None:
+            queued = ev.timestamp
+        elif ev.type == _SCHEDULED and scheduled is None:
+            scheduled = ev.timestamp
+    if queued is None or scheduled is None:
+        return None
+    return max(scheduled - queued, 0.0)
+
+
 class _HotOutput(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -170,7 +193,7 @@ class _HotOutput(msgspec.Struct, array_like=True, gc=False):
     pooling_output: msgspec.Raw = _NIL
     finish_reason: int | None = None
     stop_reason: int | str | None = None
-    events: msgspec.Raw = _NIL
+    events: list[_HotEvent] | None = None  # with log_stats; in a request's first output
     kv_transfer_params: msgspec.Raw = _NIL
     ec_transfer_params: msgspec.Raw = _NIL
     trace_headers: msgspec.Raw = _NIL
@@ -219,6 +242,8 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
 
     ``deltas`` carry no ``completion_tokens``: the wire sends new ids only, the caller counts.
     ``prompt_logprobs`` maps a request id to its prompt rows (first output only).
+    ``queue_times`` maps a request id to the seconds it waited in the engine's queue, from
+    the QUEUED and SCHEDULED events of its first output (only when the engine logs stats).
     """
 
     engine_index: int = 0
@@ -231,25 +256,34 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
     timestamp: float = 0.0
     engine_dead: bool = False
     prompt_logprobs: dict[str, list[TokenLogprob]] | None = None
+    queue_times: dict[str, float] | None = None
     # With scheduler stats: the adapters with requests running / waiting in the engine.
     lora_running: list[str] | None = None
     lora_waiting: list[str] | None = None
 
 
-def _logprob_rows(lp: _HotLogprobs, frames: Sequence[Frame], k: int | None) -> list[TokenLogprob]:
+def _logprob_rows(
+    lp: _HotLogprobs, frames: Sequence[Frame], k: int | None, *, ranks: bool = False
+) -> list[TokenLogprob]:
+    """Rows of a LogprobsTensors; ``ranks``: with each row's token rank (prompt rows)."""
     if len(lp.logprob_token_ids.shape) != 2 or lp.logprob_token_ids.shape != lp.logprobs.shape:
         raise WireError("vllm: logprob token ids and values must be 2-D of the same shape")
     ids = tensor_values(lp.logprob_token_ids, frames)
     vals = tensor_values(lp.logprobs, frames)
     if len(ids) != len(vals) or any(len(a) != len(b) for a, b in zip(ids, vals, strict=False)):
         raise WireError("vllm: logprob token ids and values have different shapes")
+    rank_of: list[Any] = [None] * len(ids)
+    if ranks:
+        rank_of = tensor_values(lp.ranks, frames)
+        if len(rank_of) != len(ids):
+            raise WireError("vllm: prompt logprob ranks do not match its rows")
     rows: list[TokenLogprob] = []
-    for id_row, val_row in zip(ids, vals, strict=True):
-        # Column 0 is the sampled token; 1..K are the batch-wide top-K, so slice to the
-        # request's own K.
+    for id_row, val_row, rank in zip(ids, vals, rank_of, strict=True):
+        # Column 0 is the sampled (or prompt) token; 1..K are the batch-wide top-K, so slice
+        # to the request's own K.
         n = len(id_row) - 1 if k is None else min(k, len(id_row) - 1)
         top = [TopLogprob(id_row[j], val_row[j]) for j in range(1, n + 1)] if n > 0 else None
-        rows.append(TokenLogprob(token_id=id_row[0], logprob=val_row[0], top=top))
+        rows.append(TokenLogprob(token_id=id_row[0], logprob=val_row[0], top=top, rank=rank))
     return rows
 
 
@@ -294,6 +328,7 @@ def decode_outputs(
     msg: _HotOutputs = _decode(_HOT_DECODER, frames[0], "EngineCoreOutputs")
     deltas: list[TokenDelta] = []
     prompt_lp: dict[str, list[TokenLogprob]] | None = None
+    queue_times: dict[str, float] | None = None
     for out in msg.outputs:
         rid = out.request_id
         delta = TokenDelta(rid=rid, token_ids=out.new_token_ids)
@@ -308,7 +343,12 @@ def decode_outputs(
         if out.new_prompt_logprobs_tensors is not None:
             if prompt_lp is None:
                 prompt_lp = {}
-            prompt_lp[rid] = _logprob_rows(out.new_prompt_logprobs_tensors, frames, None)
+            rows = _logprob_rows(out.new_prompt_logprobs_tensors, frames, None, ranks=True)
+            prompt_lp[rid] = delta.prompt_logprobs = rows
+        if out.events is not None and (waited := _queue_time(out.events)) is not None:
+            if queue_times is None:
+                queue_times = {}
+            queue_times[rid] = waited
         deltas.append(delta)
     utility = None
     if (u := msg.utility_output) is not None:
@@ -336,6 +376,7 @@ def decode_outputs(
         start_wave=msg.start_wave,
         timestamp=msg.timestamp,
         prompt_logprobs=prompt_lp,
+        queue_times=queue_times,
         lora_running=lora_running,
         lora_waiting=lora_waiting,
     )
