@@ -92,6 +92,7 @@ async def test_an_adapter_is_a_model_that_runs_on_its_base_models_engine(
         assert cards["sql"]["root"] == str(tmp_path / "sql")
         assert cards["sql"]["max_model_len"] == cards["tiny"]["max_model_len"]
         assert cards["tiny"]["parent"] is None
+        assert (await client.get("/v1/models/sql")).json() == cards["sql"]
         metrics = (await client.get("/metrics")).text
         assert 'smgd_lora_requests_info{max_lora="4",running_lora_adapters=""' in metrics
 
