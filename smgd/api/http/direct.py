@@ -21,7 +21,7 @@ Events written on the engine's reader task go out when its delivery round closes
 written back to back, each connection's in one ``os.write``. That is before any other task
 runs, so nothing can come between an event and its write; and the writes, close together,
 find the client still awake more often (its wake-up is charged to the writer: at C = 16 this
-took CPU per token from 59-68 to 50-57 µs, docs/performance.md).
+took CPU per token from 61-68 to 51-55 µs, docs/performance.md).
 
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event
