@@ -27,7 +27,6 @@ from smgd.api.http.app import create_app
 from smgd.api.http.dispatch import Dispatcher
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.base import EngineClient, EngineState
-from smgd.engines.stream import DELIVERY
 from smgd.gateway import Gateway
 from smgd.wire.common import (
     EngineInfo,
@@ -116,18 +115,6 @@ class FakeEngine(EngineClient):
     async def wait_abort(self, rid: str) -> None:
         while rid not in self.aborts:
             await self._abort_event.wait()
-
-    def deliver(self, delta: TokenDelta) -> None:
-        # As a real engine's reader task does: every delivery inside a delivery round, so
-        # direct streams' writes go out when it closes.
-        if DELIVERY.open:
-            super().deliver(delta)
-            return
-        DELIVERY.open = True
-        try:
-            super().deliver(delta)
-        finally:
-            DELIVERY.close()
 
     # ---- the scripted scheduler
     def _token(self, i: int) -> int:

@@ -24,7 +24,6 @@ from smgd.api.http import worker_loop
 from smgd.api.http.app import create_app
 from smgd.api.http.direct import DirectWriter, direct_writer
 from smgd.config import ServerConfig
-from smgd.engines.stream import DELIVERY
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
@@ -183,45 +182,6 @@ def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
         if not writer.write(b"z" * 65536):
             break
     assert writer.broken or writer.backlog
-    left.close()
-
-
-def test_writes_on_a_delivery_round_go_out_when_it_closes_one_write_per_connection() -> None:
-    # The reader renders the whole batch first; each connection's events then go out in one
-    # write, before any other task runs.
-    left, right = socket.socketpair()
-    left.setblocking(False)
-    right.setblocking(False)
-
-    class Conn:
-        send_lock = trio.Lock()
-        body_end_written = False
-
-        class stream:
-            socket = left
-
-    writer = DirectWriter(Conn())
-    woken: list[bool] = []
-    writer.wake = lambda: woken.append(True)
-    DELIVERY.open = True
-    try:
-        assert writer.write(b"abc")
-        assert writer.finish(b"de")
-        with pytest.raises(BlockingIOError):
-            right.recv(100)  # nothing written yet
-    finally:
-        DELIVERY.close()
-    assert right.recv(100) == b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
-    assert writer.writes == 1 and not woken
-    right.close()
-    DELIVERY.open = True
-    try:
-        for _ in range(100):  # the peer is gone: a write at the round's end fails...
-            writer.write(b"z" * 65536)
-    finally:
-        DELIVERY.close()
-    # ...and wakes the stream's task, where a False from write() would have
-    assert (writer.broken or writer.backlog) and woken
     left.close()
 
 

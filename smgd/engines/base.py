@@ -36,7 +36,7 @@ import trio
 
 from smgd.admission import Admission
 from smgd.config import has_grammar
-from smgd.engines.stream import DELIVERY, RequestStream, StreamState, fail_all
+from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
 from smgd.wire.common import (
     EngineInfo,
@@ -315,24 +315,18 @@ class EngineClient:
         while True:
             batch = await sock.recv_multipart_batch(RECV_BATCH)
             self._last_frame = trio.current_time()
-            # Sinks defer their socket writes to the round's end (DeliveryRound), which comes
-            # before this task yields: no other task runs in between.
-            DELIVERY.open = True
-            try:
-                for frames in batch:
-                    try:
-                        self._handle_frames(frames)
-                    except WireError as exc:
-                        self._decode_errors += 1
-                        self._decode_streak += 1
-                        log.warning("engine %s: undecodable frame: %s", self.name, exc)
-                        if self._decode_streak >= DECODE_ERROR_STREAK:
-                            self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
-                            return
-                    else:
-                        self._decode_streak = 0
-            finally:
-                DELIVERY.close()
+            for frames in batch:
+                try:
+                    self._handle_frames(frames)
+                except WireError as exc:
+                    self._decode_errors += 1
+                    self._decode_streak += 1
+                    log.warning("engine %s: undecodable frame: %s", self.name, exc)
+                    if self._decode_streak >= DECODE_ERROR_STREAK:
+                        self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
+                        return
+                else:
+                    self._decode_streak = 0
             # One wakeup per batch for consumers: let them run before taking more.
             await trio.lowlevel.checkpoint()
 

@@ -10,7 +10,7 @@ per request per engine step.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,44 +19,6 @@ if TYPE_CHECKING:
 
     from smgd.errors import EngineError
     from smgd.wire.common import TokenDelta
-
-
-class Deferred(Protocol):
-    def run_deferred(self) -> None:
-        """Do the work put off until the end of a delivery round."""
-
-
-class DeliveryRound:
-    """The deliveries of one reader wakeup: sinks may put work off to the round's end.
-
-    An engine's reader task opens the round, delivers every delta of the frames it took off
-    the socket in one wakeup, and closes it before it yields; :meth:`close` runs what sinks
-    deferred meanwhile (:meth:`defer`), in order. A direct stream's socket write is such work
-    (:mod:`smgd.api.http.direct`): decoded, detokenized and rendered for the whole batch first,
-    the writes then go out back to back, one per connection. Every one still happens before
-    any other task runs, so nothing can come between an event and its write.
-    """
-
-    __slots__ = ("_pending", "open")
-
-    def __init__(self) -> None:
-        self.open = False
-        self._pending: list[Deferred] = []
-
-    def defer(self, item: Deferred) -> None:
-        """Run ``item.run_deferred()`` when the round closes (only while it is open)."""
-        self._pending.append(item)
-
-    def close(self) -> None:
-        self.open = False
-        pending, self._pending = self._pending, []
-        for item in pending:
-            item.run_deferred()
-
-
-# One per process: the readers of all engines run on one trio loop, and a round opens and
-# closes with no await in between, so rounds never overlap.
-DELIVERY = DeliveryRound()
 
 
 class StreamState(enum.Enum):

@@ -237,13 +237,8 @@ class EventWriter(Protocol):
     def writes(self) -> int:
         """Chunks the kernel took at once so far."""
 
-    wake: Callable[[], None] | None
-    """Called when a write put off to the end of the engine reader's round (the writer may
-    defer what :meth:`write` and :meth:`finish` take there) left a backlog or broke."""
-
     def write(self, payload: bytes) -> bool:
-        """Send ``payload`` as one chunk (now, or at the end of the reader's round); False if
-        it waits in the backlog or broke."""
+        """Send ``payload`` as one chunk now; False if it waits in the backlog or broke."""
 
     def finish(self, payload: bytes) -> bool:
         """Send ``payload`` as the body's last chunk and end the body, in one write."""
@@ -457,7 +452,6 @@ async def _direct(
         return True
 
     rs.sink = sink
-    writer.wake = rs.notify
     try:
         while True:
             if writer.broken:
@@ -486,7 +480,6 @@ async def _direct(
                 writer.write(KEEPALIVE)
     finally:
         rs.sink = None  # a pending release() now does nothing; held output is moot
-        writer.wake = None
 
 
 async def _stream_one(

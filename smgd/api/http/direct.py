@@ -16,13 +16,6 @@ a chunk with one ``os.write`` (:class:`DirectWriter`, which :mod:`smgd.api.core.
 as its ``EventWriter``). The stream's task sleeps meanwhile and wakes only when the writer
 needs it:
 
-Events written on the engine's reader task go out when its delivery round closes
-(:class:`~smgd.engines.stream.DeliveryRound`): the batch's events are all rendered first, then
-written back to back, each connection's in one ``os.write``. That is before any other task
-runs, so nothing can come between an event and its write; and the writes, close together,
-find the client still awake more often (its wake-up is charged to the writer: at C = 16 this
-took CPU per token from 61-68 to 51-55 µs, docs/performance.md).
-
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event
   joins the backlog until it is empty (order is kept; nothing is dropped);
@@ -46,10 +39,8 @@ from typing import TYPE_CHECKING, Any
 from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import TCPServer
 
-from smgd.engines.stream import DELIVERY
-
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
 __all__ = ["BODY_END", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
 
@@ -64,17 +55,7 @@ CONNECTION_KEY = "smgd.connection"
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
-    __slots__ = (
-        "_busy",
-        "_conn",
-        "_fileno",
-        "_queued",
-        "_send_lock",
-        "backlog",
-        "broken",
-        "wake",
-        "writes",
-    )
+    __slots__ = ("_busy", "_conn", "_fileno", "_send_lock", "backlog", "broken", "writes")
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -85,34 +66,16 @@ class DirectWriter:
         self._busy = False  # flush() is in hypercorn's send path right now
         self.backlog = bytearray()
         self.broken = False
-        self.writes = 0  # writes the kernel took at once (keep-alive logic, tests)
-        # Chunks written during an engine reader's delivery round, sent when it closes.
-        self._queued: list[bytes] = []
-        # Called when a deferred write left a backlog or found the socket broken: the owning
-        # task has to act, as on a False from write() (set by the task while it streams).
-        self.wake: Callable[[], None] | None = None
+        self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
 
     def write(self, payload: bytes) -> bool:
         """Send ``payload`` as one chunk now; False if it waits in the backlog or the socket broke.
 
         A False asks the owning task to :meth:`flush` (or to end the stream if ``broken``).
-        On an engine reader's delivery round the chunk is written when the round closes;
-        a backlog or a broken socket found then calls :attr:`wake` instead.
         """
         if self.broken:
             return False
-        frame = b"%x\r\n%b\r\n" % (len(payload), payload)
-        # _send(), inlined: this runs for nearly every token.
-        if self.backlog or self._busy or self._send_lock.locked():
-            self.backlog += frame
-            return False
-        if DELIVERY.open:
-            queued = self._queued
-            if not queued:
-                DELIVERY.defer(self)
-            queued.append(frame)
-            return True
-        return self._write(frame)
+        return self._send(b"%x\r\n%b\r\n" % (len(payload), payload))
 
     def finish(self, payload: bytes) -> bool:
         """Send ``payload`` as the body's last chunk followed by its terminator, in one write.
@@ -133,28 +96,6 @@ class DirectWriter:
         if self.backlog or self._busy or self._send_lock.locked():
             self.backlog += frame
             return False
-        if DELIVERY.open:
-            # On the engine's reader task: written when its round closes, with every other
-            # stream's event of the batch, back to back (and this stream's in one write).
-            queued = self._queued
-            if not queued:
-                DELIVERY.defer(self)
-            queued.append(frame)
-            return True
-        return self._write(frame)
-
-    def run_deferred(self) -> None:
-        """The reader's round closed: write what it queued (one write), wake the task if
-        that left a backlog or broke."""
-        queued, self._queued = self._queued, []
-        if self.broken:
-            return
-        frame = queued[0] if len(queued) == 1 else b"".join(queued)
-        # No task ran since _send() found no backlog and the lock free: neither changed.
-        if not self._write(frame) and self.wake is not None:
-            self.wake()
-
-    def _write(self, frame: bytes) -> bool:
         fd = self._fileno()
         try:
             sent = os.write(fd, frame) if fd >= 0 else 0
