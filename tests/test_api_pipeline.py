@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from smgd.api.core.pipeline import (
@@ -143,3 +145,26 @@ def test_request_ids() -> None:
         assert {len(r) for r in ids} == {32}
         assert all(int(r, 16) >= 0 for r in ids)
         assert any(r.startswith("0") for r in ids)  # leading zeros are kept
+
+
+async def test_the_log_line_of_a_request_is_built_only_when_it_is_written(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from smgd.api.core.execute import log_request
+
+    built: list[float] = []
+    real = RequestState.log_fields
+
+    def counting(self: RequestState, now: float) -> dict[str, object]:
+        built.append(now)
+        return real(self, now)
+
+    monkeypatch.setattr(RequestState, "log_fields", counting)
+    state = RequestState(request_id="x", kind="completions", model="m", created=0, t_start=0.0)
+    state.choices.append(choice())
+    with caplog.at_level(logging.WARNING, logger="smgd.api"):
+        log_request(state)  # an info line nobody writes
+    assert built == [] and state.t_end is not None
+    with caplog.at_level(logging.INFO, logger="smgd.api"):
+        log_request(state)
+    assert len(built) == 1 and "x completions done" in caplog.text

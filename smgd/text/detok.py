@@ -98,7 +98,7 @@ class IncrementalDetokenizer:
             if text is None:
                 return ""
             self._emitted = len(self._ids)
-            return str(text)
+            return text
         return self._fallback_step()
 
     def push_each(self, token_ids: Sequence[int]) -> list[str]:

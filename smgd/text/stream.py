@@ -47,8 +47,9 @@ class TextStream:
         self.stops = StopMatcher(stops, include_stop=include_stop)
         self._include_stop = include_stop
         # No stop strings: the matcher would hand every text through as it is, so push()
-        # skips it (two calls per token fewer on the hot path).
-        self._no_stops = not self.stops.stops
+        # skips it (two calls per token fewer on the hot path). While no finish comes, push()
+        # is then ``detok.push()``, which a caller may call itself (Choice.apply does).
+        self._no_stops = self.plain = not self.stops.stops
         # After a push() that reported a stop hit: how many of its ids were generated up to
         # and including the one that completed the stop.
         self.kept = 0

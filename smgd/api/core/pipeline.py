@@ -165,6 +165,10 @@ class Choice:
         if self.output_ids is not None:
             self.output_ids.extend(ids)
         finish = delta.finish
+        if finish is None and self.logprobs is None and self.text.plain:
+            # Mid-stream with no stop strings and no logprobs, nearly every token: what the
+            # rest of this method would do, without its calls (TextStream.plain).
+            return self.text.detok.push(ids)
         if finish is not None and finish.reason not in _FINISH_TEXT:
             raise engine_finish_error(finish)
         stop_token = (
