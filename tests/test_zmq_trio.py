@@ -118,8 +118,9 @@ async def test_soak_tiny_hwm_parks_on_every_few_messages(
         # ~1.5 s normally. A lost edge usually stalls until some unrelated mailbox command
         # wakes the FD (observed: 25-36 s), so a 15 s bound turns that into a failure.
         # Which side parks depends on which is faster; without turns for the sender the
-        # consumer sometimes was, and the sender parked only 77 times in 20,000 (1 run in 5).
-        await _soak(push, pull, 20_000, batch=batch, limit_s=15, consumer_turns=3)
+        # consumer sometimes was, and the sender parked only 77 times in 20,000 (1 run in 5);
+        # 3 turns were too few once the reader drained by EVENTS (86 parks seen), so 8.
+        await _soak(push, pull, 20_000, batch=batch, limit_s=15, consumer_turns=8)
         assert push.statistics().waits > 100
 
 
