@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
-from smgd.engines import grammar_args
+from smgd.engines import launch_flags
 from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient, tokenspeed_argv
@@ -141,21 +141,21 @@ def build_engine_client(
                 f"ipc://{output_path}",
                 "--model-path",
                 str(text.model_dir),
-                *grammar_args(engine),
+                *launch_flags(engine),
                 *launch.args,
             ]
         elif launch.kind == "tokenspeed":
             argv = tokenspeed_argv(
                 python=launch.python or "python3",
                 model=str(text.model_dir),
-                args=[*grammar_args(engine), *launch.args],
+                args=[*launch_flags(engine), *launch.args],
             )
         elif launch.kind == "vllm":
             argv = vllm_argv(
                 python=launch.python or "python3",
                 launcher=launcher_script("vllm_engine.py"),
                 model=str(text.model_dir),
-                args=[*grammar_args(engine), *launch.args],
+                args=[*launch_flags(engine), *launch.args],
             )
     if wire == "vllm":
         return VllmEngineClient(

@@ -26,13 +26,13 @@ import msgspec
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import InvalidRequest
-from smgd.wire.common import FinishReason
+from smgd.wire.common import EmbedRequest, FinishReason
 from smgd.wire.vllm.decode import decode_handshake, decode_outputs, decode_ready_response
-from smgd.wire.vllm.encode import encode_abort, encode_add, encode_init
+from smgd.wire.vllm.encode import encode_abort, encode_add, encode_embed, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+    from smgd.wire.common import EngineInfo, EngineRequest, TokenDelta
 
 
 class _Meta(msgspec.Struct):
@@ -66,7 +66,10 @@ class VllmEngineClient(HandshakeEngineClient):
         # protocol; dense-DP engines report 1. The rank count comes from the config.
         return resp.engine_info(), resp.data_parallel_size
 
-    def _wire_add(self, req: GenerateRequest) -> list[bytes]:
+    def _wire_add(self, req: EngineRequest) -> list[bytes]:
+        if isinstance(req, EmbedRequest):
+            self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids))
+            return encode_embed(req)
         sp = req.sampling
         if sp.max_tokens < 1:
             # The engine asserts max_tokens >= 1; a failed assert kills its input thread.

@@ -159,6 +159,9 @@ class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
     dimensions: int | None = None
 
 
+EngineRequest = GenerateRequest | EmbedRequest  # what an engine client submits
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS / stop token (engine) or stop string (smgd)
     LENGTH = "length"

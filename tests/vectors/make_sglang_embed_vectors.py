@@ -147,8 +147,13 @@ def outputs() -> None:
     vec = torch.nn.functional.normalize(torch.randn(2, 8, generator=gen), dim=-1)
     rows = [
         {"rid": RID, "finish": FINISH_LENGTH(1), "embedding": vec[0].tolist(), "prompt": 6},
-        {"rid": RID2, "finish": FINISH_LENGTH(1), "embedding": vec[1].tolist(), "prompt": 2,
-         "cached": 1},
+        {
+            "rid": RID2,
+            "finish": FINISH_LENGTH(1),
+            "embedding": vec[1].tolist(),
+            "prompt": 2,
+            "cached": 1,
+        },
     ]
     for name, batch in (("embed_out_one", rows[:1]), ("embed_out_two", rows)):
         add(

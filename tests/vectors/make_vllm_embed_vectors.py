@@ -109,18 +109,27 @@ def main(argv: list[str]) -> None:
     add_out(
         "out_embed_inline",
         EngineCoreOutput(
-            "embd-A", [], pooling_output=small, finish_reason=FinishReason.STOP,
+            "embd-A",
+            [],
+            pooling_output=small,
+            finish_reason=FinishReason.STOP,
             prefill_stats=prefill,
         ),
     )
     add_out(
         "out_embed_aux_two",
         EngineCoreOutput(
-            "embd-A", [], pooling_output=big, finish_reason=FinishReason.STOP,
+            "embd-A",
+            [],
+            pooling_output=big,
+            finish_reason=FinishReason.STOP,
             prefill_stats=prefill,
         ),
         EngineCoreOutput(
-            "embd-B", [], pooling_output=small[:4].clone(), finish_reason=FinishReason.STOP,
+            "embd-B",
+            [],
+            pooling_output=small[:4].clone(),
+            finish_reason=FinishReason.STOP,
             prefill_stats=PrefillStats(num_prompt_tokens=3, num_computed_tokens=3),
         ),
     )

@@ -102,7 +102,10 @@ _raw_decoder = msgspec.msgpack.Decoder()  # untyped: ext stays Ext, bin stays by
 _output_decoder = msgspec.msgpack.Decoder(
     _OutputHead
     | _EmbedHead
-    | AbortReq | HealthCheckOutput | FlushCacheReqOutput | GetInternalStateReqOutput
+    | AbortReq
+    | HealthCheckOutput
+    | FlushCacheReqOutput
+    | GetInternalStateReqOutput
 )
 _request_decoder = msgspec.msgpack.Decoder(
     TokenizedGenerateReqInput
@@ -271,7 +274,13 @@ def _abort_delta(msg: AbortReq) -> TokenDelta:
 
 
 _OUTPUT_TAGS = frozenset(
-    {"BatchTokenIDOutput", "BatchEmbeddingOutput", "AbortReq", "HealthCheckOutput", "FlushCacheReqOutput"}
+    {
+        "BatchTokenIDOutput",
+        "BatchEmbeddingOutput",
+        "AbortReq",
+        "HealthCheckOutput",
+        "FlushCacheReqOutput",
+    }
     | {"GetInternalStateReqOutput"}
 )
 _REQUEST_TAGS = frozenset(
@@ -304,9 +313,10 @@ def decode_output(frame: bytes | memoryview) -> list[TokenDelta] | Control:
     """Decode one scheduler -> router frame.
 
     ``BatchTokenIDOutput`` becomes one TokenDelta per rid (ids are new ids only, usage is
-    cumulative), ``BatchEmbeddingOutput`` one final TokenDelta per rid with its vector; an ``AbortReq`` echo (a queued or rejected request) becomes a one-element list
-    with an ABORT finish; control replies come back as their typed struct, other well-formed
-    SGLang messages as :class:`OtherMessage`. Anything else raises WireError.
+    cumulative), ``BatchEmbeddingOutput`` one final TokenDelta per rid with its vector; an
+    ``AbortReq`` echo (a queued or rejected request) becomes a one-element list with an ABORT
+    finish; control replies come back as their typed struct, other well-formed SGLang messages
+    as :class:`OtherMessage`. Anything else raises WireError.
     """
     try:
         msg = _output_decoder.decode(frame)
