@@ -10,12 +10,16 @@ test can compute every stream's exact expected output and the demo streams reada
 With a :class:`~smgd.mock.script.Script`, a prompt it has a reply for gets that reply's tokens
 then the first EOS id instead (cyclically too, so ``ignore_eos`` writes the reply again).
 A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens, equally
-predictable.
+predictable. An embedding request finishes in its first step with :func:`mock_embedding`, a
+vector that depends only on its token ids.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import math
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,10 +32,16 @@ if TYPE_CHECKING:
     from smgd.mock.script import Script
 
 
+# The mock's embedding size: the hidden size of the packaged tiny model, so `dimensions`
+# checked against its config.json matches what the mock returns.
+MOCK_EMBED_SIZE = 64
+
+
 class MockFinish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"  # EOS or stop token id
     ABORT = "abort"
+    EMBEDDED = "embedded"  # an embedding request's vector is ready
 
 
 @dataclass(slots=True)
@@ -43,6 +53,8 @@ class MockRequest:
     ignore_eos: bool = False
     stream: bool = True
     logprobs: int | None = None  # None: none; k: sampled token plus top-k
+    embed: bool = False  # an embedding request: one step, a vector, no tokens
+    dimensions: int | None = None  # an embedding's Matryoshka truncation
     # Filled by the scheduler:
     source: list[int] = field(default_factory=list)
     generated: int = 0
@@ -61,6 +73,23 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked
+    embedding: list[float] | None = None  # an embedding request's vector
+
+
+def mock_embedding(prompt_ids: list[int], dimensions: int | None = None) -> list[float]:
+    """The mock's embedding of ``prompt_ids``: :data:`MOCK_EMBED_SIZE` values from a hash of the
+    ids, the first ``dimensions`` of them kept, L2-normalized (as the engines' poolers do), each
+    a float32 value (so both wires carry it exactly)."""
+    seed = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).digest()
+    raw: list[float] = []
+    counter = 0
+    while len(raw) < MOCK_EMBED_SIZE:
+        block = hashlib.blake2b(seed + counter.to_bytes(4, "little")).digest()
+        raw.extend(b / 127.5 - 1.0 for b in block)
+        counter += 1
+    kept = raw[: dimensions or MOCK_EMBED_SIZE]
+    norm = math.sqrt(sum(x * x for x in kept)) or 1.0
+    return [struct.unpack("<f", struct.pack("<f", x / norm))[0] for x in kept]
 
 
 def mock_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
@@ -147,6 +176,10 @@ class MockScheduler:
         for req in self.running.values():
             finish: MockFinish | None = None
             matched: int | None = None
+            if req.embed:
+                outputs.append(self._embedded(req))
+                finished.append(req.rid)
+                continue
             if req.aborted:
                 finish = MockFinish.ABORT
             else:
@@ -183,6 +216,19 @@ class MockScheduler:
             del self.running[rid]
         self.steps += 1
         return outputs
+
+    def _embedded(self, req: MockRequest) -> StepOutput:
+        aborted = req.aborted
+        return StepOutput(
+            rid=req.rid,
+            new_ids=[],
+            finish=MockFinish.ABORT if aborted else MockFinish.EMBEDDED,
+            matched=None,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=0,
+            cached_tokens=self._cached(req.prompt_ids),
+            embedding=None if aborted else mock_embedding(req.prompt_ids, req.dimensions),
+        )
 
     def take_aborted_queued(self) -> list[str]:
         rids, self.aborted_queued = self.aborted_queued, []
