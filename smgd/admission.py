@@ -44,11 +44,14 @@ class Admission:
         return int(self._limiter.borrowed_tokens)
 
     @asynccontextmanager
-    async def slot(self, owner: object) -> AsyncIterator[None]:
-        """Hold one in-flight slot for ``owner`` for the duration of the block."""
+    async def slot(self, owner: object) -> AsyncIterator[float]:
+        """Hold one in-flight slot for ``owner`` for the duration of the block; the block gets
+        the seconds it waited in the queue (0.0 when a slot was free, the clock unread)."""
+        waited = 0.0
         try:
             self._limiter.acquire_on_behalf_of_nowait(owner)
         except trio.WouldBlock:
+            queued_at = trio.current_time()
             if self.queue_depth >= self.max_queue:
                 self.rejected_total += 1
                 raise Overloaded(
@@ -61,7 +64,8 @@ class Admission:
                 raise Overloaded(
                     f"no engine capacity within {self.queue_timeout_s:g} s", code="queue_timeout"
                 ) from None
+            waited = trio.current_time() - queued_at
         try:
-            yield
+            yield waited
         finally:
             self._limiter.release_on_behalf_of(owner)

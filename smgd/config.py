@@ -109,6 +109,14 @@ class ServerConfig(_Section):
     # i % workers == its index (smgd.workers). 1 = everything in one process. One process
     # tops out near one core; more than the machine's cores only adds contention.
     workers: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORKERS)] = 1
+    # CORS (smgd.api.http.cors): the browser origins ("https://ui.example", or "*") whose
+    # pages may call the public API; empty = off, no CORS header is ever sent. The other three
+    # shape the preflight answer; "*" allows any method or request header (Authorization
+    # included: smgd echoes what the browser asks for, which a literal "*" would not cover).
+    cors_allowed_origins: list[str] = msgspec.field(default_factory=list)
+    cors_allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cors_allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cors_allow_credentials: bool = False
 
 
 class AdminConfig(_Section):
@@ -701,6 +709,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             )
         _check_structured_output(engine, at)
     _check_workers(config, served)
+    _check_cors(config.server)
     _check_socket_paths(config)
     _check_admin_exposure(config.admin)
     for model in config.routing.models:
@@ -709,6 +718,38 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 f"routing for model {model!r} that no engine serves",
                 path=f"$.routing.models.{model}",
             )
+
+
+# A serialized origin as a browser sends it (RFC 6454 §6.2): scheme://host[:port], lower case,
+# no path. "https://ui.example/" (a trailing slash) would never equal any Origin header.
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s@]+")
+# An HTTP token (RFC 9110 §5.6.2): what a method or a header name may be.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _check_cors(server: ServerConfig) -> None:
+    """CORS keys a browser could never match, and credentials with the "*" origin."""
+    for i, origin in enumerate(server.cors_allowed_origins):
+        if origin != "*" and not (_ORIGIN.fullmatch(origin) and origin == origin.lower()):
+            raise ConfigError(
+                f"{origin!r} is not an origin",
+                path=f"$.server.cors_allowed_origins[{i}]",
+                hint="an origin is scheme://host[:port] in lower case with no path, as browsers "
+                'send it ("https://ui.example", "http://localhost:3000"), or "*" for any',
+            )
+    for key in ("cors_allowed_methods", "cors_allowed_headers"):
+        for i, name in enumerate(getattr(server, key)):
+            if not _TOKEN.fullmatch(name):
+                raise ConfigError(
+                    f"{name!r} is not an HTTP token", path=f"$.server.{key}[{i}]", hint='or "*"'
+                )
+    if server.cors_allow_credentials and "*" in server.cors_allowed_origins:
+        raise ConfigError(
+            'cors_allow_credentials cannot be used with the origin "*"',
+            path="$.server.cors_allow_credentials",
+            hint="browsers refuse credentialed responses to any origin (Fetch standard); "
+            "list the origins that may send credentials",
+        )
 
 
 # The unix sockets smgd binds: per engine under its ipc dir (smgd.engines: in.sock, out.sock,

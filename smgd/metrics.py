@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = [
     "E2E_BUCKETS",
     "ITL_BUCKETS",
+    "QUEUE_BUCKETS",
+    "TOKEN_BUCKETS",
+    "TPOT_BUCKETS",
     "TTFT_BUCKETS",
     "Buckets",
     "FinishedChoice",
@@ -71,6 +74,14 @@ ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
 )  # fmt: skip
+# Time per output token is an average over a choice's decode: the same range as one event gap.
+TPOT_BUCKETS = ITL_BUCKETS
+# A queue wait (admission, bounded by queue_timeout_s, plus the engine's) is part of TTFT:
+# the TTFT range serves.
+QUEUE_BUCKETS = TTFT_BUCKETS
+# Prompt and output lengths: 1-2-5 steps from 1 token to 1M (the longest contexts served), as
+# vLLM's request_prompt_tokens / request_generation_tokens buckets.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 10**6)
 
 # Request outcomes (the `status` label of smgd_requests_total).
 OK, ERROR, CANCELLED = "ok", "error", "cancelled"
@@ -94,6 +105,16 @@ class FinishedChoice(Protocol):
     def completion_tokens(self) -> int: ...
     @property
     def stopped_here(self) -> bool: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def reported_finish(self) -> str | None: ...
+    @property
+    def queued_s(self) -> float: ...
+    @property
+    def t_first(self) -> float | None: ...
+    @property
+    def t_last(self) -> float | None: ...
 
 
 class FinishedRequest(Protocol):
@@ -182,9 +203,15 @@ class RequestMetrics:
         self.requests: dict[tuple[str, str, str], int] = {}  # (model, engine, status)
         self.tokens: dict[tuple[str, str, str], int] = {}  # (model, engine, kind)
         self.aborts: dict[str, int] = {}  # by reason
-        self.ttft: dict[str, Buckets] = {}  # by model
-        self.itl: dict[str, Buckets] = {}
-        self.e2e: dict[str, Buckets] = {}
+        self.finished: dict[tuple[str, str, str], int] = {}  # (model, engine, finish_reason)
+        # Histograms by (model, engine).
+        self.ttft: dict[tuple[str, str], Buckets] = {}
+        self.itl: dict[tuple[str, str], Buckets] = {}
+        self.e2e: dict[tuple[str, str], Buckets] = {}
+        self.tpot: dict[tuple[str, str], Buckets] = {}
+        self.queue: dict[tuple[str, str], Buckets] = {}
+        self.prompt_len: dict[tuple[str, str], Buckets] = {}
+        self.output_len: dict[tuple[str, str], Buckets] = {}
 
     # ---- recording (called once per request / response)
     def http(self, route: str, method: str, status: int) -> None:
@@ -199,33 +226,54 @@ class RequestMetrics:
         self.abort(abort_reason(err, draining=draining))
 
     def record(self, state: FinishedRequest, now: float, *, draining: bool = False) -> None:
-        """Fold one finished (or abandoned) request in; ``now`` is its end time."""
+        """Fold one finished (or abandoned) request in; ``now`` is its end time.
+
+        Every figure but the inter-token gaps is per choice (one engine request), labelled
+        with the engine that ran it, as vLLM and SGLang count ``n > 1``.
+        """
         model = state.model
         for choice in state.choices:
+            engine = choice.engine
             if choice.done and state.error is None:
                 status = OK
+                finish = choice.reported_finish or choice.finish_reason or "stop"
             elif state.error is not None:
-                status = ERROR
+                status, finish = ERROR, "error"
             else:
-                status = CANCELLED
-            key = (model, choice.engine, status)
+                status, finish = CANCELLED, "abort"
+            key = (model, engine, status)
             self.requests[key] = self.requests.get(key, 0) + 1
+            key = (model, engine, finish)
+            self.finished[key] = self.finished.get(key, 0) + 1
+            labels = (model, engine)
             if choice.counts_prompt:
-                self._add_tokens(model, choice.engine, "prompt", choice.prompt_tokens)
+                self._add_tokens(model, engine, "prompt", choice.prompt_tokens)
                 if choice.cached_tokens:
-                    self._add_tokens(model, choice.engine, "cached", choice.cached_tokens)
-            self._add_tokens(model, choice.engine, "completion", choice.completion_tokens)
+                    self._add_tokens(model, engine, "cached", choice.cached_tokens)
+                _hist(self.prompt_len, labels, TOKEN_BUCKETS).observe(choice.prompt_tokens)
+            self._add_tokens(model, engine, "completion", choice.completion_tokens)
+            _hist(self.output_len, labels, TOKEN_BUCKETS).observe(choice.completion_tokens)
+            _hist(self.queue, labels, QUEUE_BUCKETS).observe(choice.queued_s)
+            first, last = choice.t_first, choice.t_last
+            if first is not None:
+                _hist(self.ttft, labels, TTFT_BUCKETS).observe(first - state.t_start)
+                # vLLM's definition: the decode time over the tokens after the first. Only
+                # with two events or more: one event's tokens came together, no decode timing.
+                if last is not None and last > first and choice.completion_tokens > 1:
+                    tpot = (last - first) / (choice.completion_tokens - 1)
+                    _hist(self.tpot, labels, TPOT_BUCKETS).observe(tpot)
+            _hist(self.e2e, labels, E2E_BUCKETS).observe(now - state.t_start)
             if choice.stopped_here:
                 self.abort("stop_string")
             elif status == CANCELLED:
                 self.abort("drain" if draining else "client_disconnect")
         if state.failure is not None:
             self.abort(abort_reason(state.failure, draining=draining))
-        if state.t_first is not None:
-            _hist(self.ttft, model, TTFT_BUCKETS).observe(state.t_first - state.t_start)
-        if state.gaps:
-            _hist(self.itl, model, ITL_BUCKETS).observe_many(state.gaps)
-        _hist(self.e2e, model, E2E_BUCKETS).observe(now - state.t_start)
+        if state.gaps and state.choices:
+            # The gaps of every choice are pooled: n > 1 on several engines (rare) counts
+            # them under the first choice's engine.
+            labels = (model, state.choices[0].engine)
+            _hist(self.itl, labels, ITL_BUCKETS).observe_many(state.gaps)
 
     def _add_tokens(self, model: str, engine: str, kind: str, n: int) -> None:
         key = (model, engine, kind)
@@ -258,9 +306,16 @@ class RequestMetrics:
             ["reason"],
             (((reason,), value) for reason, value in self.aborts.items()),
         )
+        yield _counter(
+            "smgd_requests_finished",
+            "Engine requests (one per choice) by the finish reason the client saw: stop, "
+            "length, tool_calls; abort (the client left), error.",
+            ["model", "engine", "finish_reason"],
+            self.finished.items(),
+        )
         yield _histogram(
             "smgd_time_to_first_token_seconds",
-            "Time from request arrival to the first generated token.",
+            "Time from request arrival to a choice's first generated token.",
             self.ttft,
         )
         yield _histogram(
@@ -269,19 +324,43 @@ class RequestMetrics:
             self.itl,
         )
         yield _histogram(
+            "smgd_time_per_output_token_seconds",
+            "Per choice: (last output event - first) / (output tokens - 1), the mean decode "
+            "time per token after the first.",
+            self.tpot,
+        )
+        yield _histogram(
+            "smgd_request_queue_time_seconds",
+            "Per choice: time its engine request queued before it ran: smgd's admission queue, "
+            "plus the engine's own queue where the engine reports it (vLLM).",
+            self.queue,
+        )
+        yield _histogram(
             "smgd_request_duration_seconds",
-            "End-to-end request latency, arrival to last byte (or abandonment).",
+            "End-to-end request latency, arrival to last byte (or abandonment), per choice.",
             self.e2e,
+        )
+        yield _histogram(
+            "smgd_request_prompt_tokens",
+            "Prompt length in tokens, once per prompt.",
+            self.prompt_len,
+        )
+        yield _histogram(
+            "smgd_request_generation_tokens",
+            "Output length in tokens, per choice.",
+            self.output_len,
         )
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: label sets appear as requests arrive
 
 
-def _hist(table: dict[str, Buckets], model: str, bounds: Sequence[float]) -> Buckets:
-    hist = table.get(model)
+def _hist(
+    table: dict[tuple[str, str], Buckets], labels: tuple[str, str], bounds: Sequence[float]
+) -> Buckets:
+    hist = table.get(labels)
     if hist is None:
-        hist = table[model] = Buckets(bounds)
+        hist = table[labels] = Buckets(bounds)
     return hist
 
 
@@ -294,11 +373,15 @@ def _counter(
     return family
 
 
-def _histogram(name: str, doc: str, table: dict[str, Buckets]) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, doc, labels=["model"])
-    for model, hist in table.items():
-        family.add_metric([model], hist.cumulative(), hist.total)
+def _histogram(name: str, doc: str, table: dict[tuple[str, str], Buckets]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["model", "engine"])
+    for labels, hist in table.items():
+        family.add_metric(list(labels), hist.cumulative(), hist.total)
     return family
+
+
+# Engine states whose KV figure is current (a dead engine's last report is not).
+_SERVING = frozenset({"starting", "ready", "draining"})
 
 
 class GatewayCollector:
@@ -346,8 +429,17 @@ class GatewayCollector:
             "smgd_engine_admission_rejected", "Requests refused by admission (queue full/timeout)."
         )
         decode_errors = counter("smgd_engine_decode_errors", "Engine frames smgd could not decode.")
+        # The model-server protocol's three gauges, for the whole daemon (an endpoint picker
+        # scrapes one series per server: per-engine series would make it read just one).
+        queued_total = running_total = 0
+        kv_values: list[float] = []
         for engine in gateway.router.engines():
             stats = engine.statistics()
+            occupancy = engine.occupancy()
+            queued_total += occupancy.waiting + stats.queue_depth
+            running_total += occupancy.running
+            if occupancy.kv_usage is not None and stats.state in _SERVING:
+                kv_values.append(occupancy.kv_usage)
             values = [stats.name, stats.wire]
             up.add_metric(values, 1.0 if stats.state in ("starting", "ready") else 0.0)
             ready.add_metric(values, 1.0 if stats.state == "ready" else 0.0)
@@ -366,6 +458,22 @@ class GatewayCollector:
             decode_errors.add_metric(values, stats.decode_errors)
         yield from (up, ready, inflight, queue, running, waiting, kv, max_len)
         yield from (submitted, generated, rejected, decode_errors)
+        yield GaugeMetricFamily(
+            "smgd_queued_requests",
+            "Requests waiting to run: in the engines' own queues plus smgd's admission queues.",
+            value=queued_total,
+        )
+        yield GaugeMetricFamily(
+            "smgd_running_requests",
+            "Requests in the engines' running batches.",
+            value=running_total,
+        )
+        if kv_values:
+            yield GaugeMetricFamily(
+                "smgd_kv_cache_usage_ratio",
+                "KV cache usage 0-1, the mean over the engines that report or allow an estimate.",
+                value=sum(kv_values) / len(kv_values),
+            )
 
         restarts = CounterMetricFamily(
             "smgd_engine_restarts", "Engine relaunches after a death.", labels=["engine"]

@@ -64,6 +64,14 @@ FETCH_TIMEOUT_S = 2.0
 # series (docs/reference/metrics.md), far below it; a bound keeps a broken peer harmless.
 MAX_EXPOSITION_BYTES = 16 * 1024 * 1024
 WORKER_LABEL = "worker"
+# The daemon-wide load gauges (smgd.metrics; the inference extension's model-server protocol):
+# an endpoint picker reads one series per server, so the workers' figures are combined into
+# one unlabelled sample (queued and running summed, the KV usage averaged), not labelled.
+DAEMON_GAUGES: Mapping[str, Callable[[list[float]], float]] = {
+    "smgd_queued_requests": sum,
+    "smgd_running_requests": sum,
+    "smgd_kv_cache_usage_ratio": lambda values: sum(values) / len(values),
+}
 # A request line is one short word; anything longer is not a peer of ours.
 MAX_REQUEST_LINE = 64
 
@@ -153,11 +161,12 @@ async def ask_all(peers: WorkerPeers, what: str, own: bytes) -> list[tuple[int, 
 def merge_metrics(texts: Sequence[tuple[int, bytes | None]], count: int) -> bytes:
     """Join ``(worker index, exposition)`` pairs into one exposition (pure).
 
-    Every sample gains a ``worker`` label; a family keeps the first worker's help text and
-    type. A worker that did not answer (None), or whose text does not parse (logged), is left
-    out, not the whole scrape.
+    Every sample gains a ``worker`` label (but the :data:`DAEMON_GAUGES`, combined over the
+    workers); a family keeps the first worker's help text and type. A worker that did not
+    answer (None), or whose text does not parse (logged), is left out, not the whole scrape.
     """
     families: dict[str, Metric] = {}
+    combined: dict[str, list[float]] = {}
     answered = 0
     for index, text in texts:
         if text is None:
@@ -175,10 +184,15 @@ def merge_metrics(texts: Sequence[tuple[int, bytes | None]], count: int) -> byte
                 merged = families[family.name] = Metric(
                     family.name, family.documentation, family.type
                 )
+            if family.name in DAEMON_GAUGES:
+                combined.setdefault(family.name, []).extend(s.value for s in family.samples)
+                continue
             merged.samples.extend(
                 Sample(s.name, {**s.labels, WORKER_LABEL: label}, s.value, s.timestamp, s.exemplar)
                 for s in family.samples
             )
+    for name, values in combined.items():
+        families[name].samples = [Sample(name, {}, DAEMON_GAUGES[name](values))]
     scraped = GaugeMetricFamily(
         "smgd_workers_scraped",
         f"Workers whose metrics this scrape holds (of {count}).",

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from smgd.admission import Admission
 from smgd.engines.base import EngineState
+from smgd.engines.stream import RequestStream
 from smgd.errors import (
     Draining,
     EngineDead,
@@ -33,7 +34,7 @@ from smgd.metrics import (
     build_registry,
 )
 from smgd.text.tokenizer import load_tokenizer
-from smgd.wire.common import EngineLoad
+from smgd.wire.common import EngineInfo, EngineLoad
 from tests.fake_engine import (
     MODEL,
     TINY_MODEL,
@@ -109,17 +110,32 @@ async def test_counts_match_what_was_sent(autojump_clock: trio.abc.Clock) -> Non
     assert value(samples, "smgd_http_requests_total", **chat) == 1
     # One TTFT and one e2e per request; one inter-token gap per event after the first (the
     # fake engine emits one token per step, every step a separate event).
-    assert value(samples, "smgd_time_to_first_token_seconds_count", model=MODEL) == 3
-    assert value(samples, "smgd_request_duration_seconds_count", model=MODEL) == 3
+    hist = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_time_to_first_token_seconds_count", **hist) == 3
+    assert value(samples, "smgd_request_duration_seconds_count", **hist) == 3
     gaps = (3 - 1) + (5 - 1) + (7 - 1)
-    assert value(samples, "smgd_inter_token_latency_seconds_count", model=MODEL) == gaps
-    itl_sum = value(samples, "smgd_inter_token_latency_seconds_sum", model=MODEL)
+    assert value(samples, "smgd_inter_token_latency_seconds_count", **hist) == gaps
+    itl_sum = value(samples, "smgd_inter_token_latency_seconds_sum", **hist)
     assert itl_sum == pytest.approx(gaps * STEP_S)
     # Every gap is one 10 ms step (give or take float rounding of the clock): all of them at
     # or below le=0.015, none at or below le=0.0075.
     itl = "smgd_inter_token_latency_seconds_bucket"
-    assert value(samples, itl, model=MODEL, le="0.015") == gaps
-    assert value(samples, itl, model=MODEL, le="0.0075") == 0
+    assert value(samples, itl, le="0.015", **hist) == gaps
+    assert value(samples, itl, le="0.0075", **hist) == 0
+    # Time per output token: one per request, each the 10 ms step (one token per event).
+    assert value(samples, "smgd_time_per_output_token_seconds_count", **hist) == 3
+    tpot_sum = value(samples, "smgd_time_per_output_token_seconds_sum", **hist)
+    assert tpot_sum == pytest.approx(3 * STEP_S)
+    # Lengths: prompts as usage counted them, outputs 3, 5 and 7 (le=5 holds two of them).
+    assert value(samples, "smgd_request_prompt_tokens_count", **hist) == 3
+    assert value(samples, "smgd_request_prompt_tokens_sum", **hist) == prompt_tokens
+    assert value(samples, "smgd_request_generation_tokens_sum", **hist) == 3 + 5 + 7
+    assert value(samples, "smgd_request_generation_tokens_bucket", le="5.0", **hist) == 2
+    # No admission cap: every request was sent at once, no queue time.
+    assert value(samples, "smgd_request_queue_time_seconds_count", **hist) == 3
+    assert value(samples, "smgd_request_queue_time_seconds_sum", **hist) == 0
+    finished = "smgd_requests_finished_total"
+    assert value(samples, finished, finish_reason="length", **hist) == 3
     assert types["smgd_requests"] == "counter"
     assert types["smgd_time_to_first_token_seconds"] == "histogram"
     assert value(samples, "smgd_engine_generated_tokens_total", engine="fake", wire="fake") == 15
@@ -154,6 +170,10 @@ async def test_abort_causes(autojump_clock: trio.abc.Clock) -> None:
     assert value(samples, "smgd_requests_total", status="cancelled", **labels) == 1
     assert value(samples, "smgd_requests_total", status="ok", **labels) == 1
     assert value(samples, "smgd_requests_total", status="error", **labels) == 1
+    finished = "smgd_requests_finished_total"
+    assert value(samples, finished, finish_reason="abort", **labels) == 1
+    assert value(samples, finished, finish_reason="stop", **labels) == 1
+    assert value(samples, finished, finish_reason="error", **labels) == 1
     assert value(samples, "smgd_draining") == 1
 
 
@@ -172,9 +192,10 @@ async def test_metric_names_follow_prometheus_conventions(autojump_clock: trio.a
             for sample in family.samples:
                 assert sample.name.endswith(("_total", "_created")), sample.name
         if family.type == "histogram" or any(
-            w in family.name for w in ("latency", "duration", "time_to")
+            w in family.name for w in ("latency", "duration", "time_")
         ):
-            assert family.name.endswith("_seconds"), family.name
+            # a duration in seconds, or a count of tokens
+            assert family.name.endswith(("_seconds", "_tokens")), family.name
         assert not family.name.endswith(("_ms", "_milliseconds", "_percent")), family.name
         for sample in family.samples:
             assert not {"request_id", "rid", "user"} & sample.labels.keys()
@@ -321,11 +342,94 @@ async def test_every_metric_is_documented_and_the_dashboard_uses_real_names(
     documented = set(re.findall(r"`(smgd_[a-z_]+)`", doc))
     assert exposed - documented == set()  # every exposed metric has a row
     # and no row describes a metric that does not exist (smgd_workers_scraped: only with
-    # server.workers > 1, checked in test_worker_peers and test_workers)
-    assert documented - exposed == {"smgd_workers_scraped"}
+    # server.workers > 1, checked in test_worker_peers and test_workers; LoRA info: only with
+    # LoRA adapters configured)
+    assert documented - exposed == {"smgd_workers_scraped", "smgd_lora_requests_info"}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     used = {
         re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"smgd_\w+", e)
     }
     assert used - exposed == set()
+
+
+def daemon_load(samples: Samples) -> tuple[float, float, float | None]:
+    """(queued, running, KV usage) as the model-server protocol's gauges show them."""
+    kv = samples.get(("smgd_kv_cache_usage_ratio", frozenset()))
+    return value(samples, "smgd_queued_requests"), value(samples, "smgd_running_requests"), kv
+
+
+async def test_daemon_load_is_estimated_where_the_engine_reports_none(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """No load reports (as SGLang): the oldest max_num_seqs requests run, the rest wait; the
+    KV share is the running requests' prompt and output tokens over the KV capacity."""
+    fake = FakeEngine(behaviour=Behaviour(step_s=0.1))
+    fake._info = EngineInfo(
+        max_model_len=4096, vocab_size=1024, max_num_seqs=2, kv_cache_tokens=1000
+    )
+    fake.admission = Admission(max_inflight=3, max_queue=8, queue_timeout_s=60)
+    async with open_app(fake) as (app, _):
+        idle, _ = await scrape(app)
+        async with trio.open_nursery() as nursery:
+            body = {"model": MODEL, "prompt": "hi there", "max_tokens": 10, "stream": True}
+            for _ in range(4):
+                nursery.start_soon(post_stream, app, "/v1/completions", body)
+            await trio.sleep(0.55)  # five steps: every running request has five tokens
+            busy, _ = await scrape(app)
+        after, _ = await scrape(app)
+    prompt = len(fake.requests[0].prompt_ids)
+    # 2 running, 1 waiting in the engine (3 sent: max_inflight), 1 in smgd's admission queue.
+    queued, running, kv = daemon_load(busy)
+    assert (queued, running) == (2, 2)
+    assert kv == pytest.approx((2 * prompt + 2 * 5) / 1000)
+    assert daemon_load(idle) == (0, 0, 0.0)
+    assert daemon_load(after) == (0, 0, 0.0)
+    # the per-engine gauges show only what an engine reported: nothing here
+    labels = frozenset({("engine", "fake"), ("wire", "fake")})
+    assert ("smgd_engine_running_requests", labels) not in busy
+
+
+async def test_daemon_load_sums_engines_and_clamps_reports() -> None:
+    a, b, dead = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
+    async with open_gateway(a, b, dead) as gateway:
+        registry = build_registry(gateway, RequestMetrics())
+
+        def v(name: str) -> float | None:
+            return registry.get_sample_value(name, {})
+
+        # A report from before the last finish: nothing in flight, nothing runs or waits.
+        a.load = EngineLoad(running=3, waiting=2, kv_usage=0.5)
+        b.load = EngineLoad(running=0, waiting=0, kv_usage=0.25)
+        dead.load = EngineLoad(running=0, waiting=0, kv_usage=1.0)
+        dead.state = EngineState.DEAD  # its last figure is not current: not in the mean
+        assert (v("smgd_queued_requests"), v("smgd_running_requests")) == (0, 0)
+        assert v("smgd_kv_cache_usage_ratio") == pytest.approx((0.5 + 0.25) / 2)
+        # 4 in flight on a, which reports 3 running and 2 waiting: one of those 2 is gone.
+        for i in range(4):
+            a._streams[str(i)] = RequestStream(str(i), "a")
+        b.load = EngineLoad(running=1, waiting=0, kv_usage=0.25)
+        b._streams["x"] = RequestStream("x", "b")
+        assert (v("smgd_queued_requests"), v("smgd_running_requests")) == (1, 3 + 1)
+        for engine in (a, b, dead):
+            engine.load = None
+        # No engine has a figure (no report, no KV capacity from the handshake): absent.
+        assert v("smgd_kv_cache_usage_ratio") is None
+
+
+async def test_tool_calls_count_as_the_finish_the_client_saw(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The engine stopped, the client was told ``tool_calls`` (streamed or not): the finish
+    reasons count what the client saw."""
+    from tests.test_api_tools import CHAT, parsing_engine
+
+    async with open_app(parsing_engine()) as (app, _):
+        whole = await post(app, "/v1/chat/completions", CHAT)
+        streamed = await post_stream(app, "/v1/chat/completions", {**CHAT, "stream": True})
+        samples, _ = await scrape(app)
+    assert whole.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert streamed.chunks()[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    labels = {"model": MODEL, "engine": "fake"}
+    assert value(samples, "smgd_requests_finished_total", finish_reason="tool_calls", **labels) == 2
+    assert value(samples, "smgd_requests_finished_total", finish_reason="stop", **labels) == 0

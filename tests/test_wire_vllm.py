@@ -672,3 +672,29 @@ def test_decode_outputs_accepts_zero_copy_memoryviews() -> None:
     views = [memoryview(f) for f in frames]
     assert decode_outputs(views) == decode_outputs(frames)
     assert decode_outputs([memoryview(ENGINE_CORE_DEAD)]).engine_dead
+
+
+def test_queue_time_is_the_first_queued_to_scheduled_gap() -> None:
+    # make_vllm_vectors: QUEUED at TS - 0.01, SCHEDULED at TS - 0.005, on the first output
+    queue_times = decode_outputs(named("out_first_prefill_events")).queue_times
+    assert queue_times is not None and queue_times.keys() == {"req-A"}
+    assert queue_times["req-A"] == pytest.approx(0.005)
+    # a QUEUED event alone (no SCHEDULED yet) is no queue time
+    assert decode_outputs(named("out_scheduler_stats")).queue_times is None
+    assert decode_outputs(named("out_stats_only")).queue_times is None
+
+
+def test_live_engine_reports_each_requests_queue_time_once() -> None:
+    """The real engine (log_stats on) puts QUEUED and SCHEDULED on each request's first
+    output: every request that produced tokens gets exactly one queue time."""
+    produced: set[str] = set()
+    times: dict[str, list[float]] = {}
+    for v in LIVE:
+        if v["socket"] != "output" or v["name"] == "live_engine_core_dead":
+            continue
+        batch = decode_outputs(frames_of(v))
+        produced |= {d.rid for d in batch.deltas if d.token_ids}
+        for rid, waited in (batch.queue_times or {}).items():
+            times.setdefault(rid, []).append(waited)
+    assert produced and set(times) == produced
+    assert all(len(t) == 1 and 0 <= t[0] < 1 for t in times.values())

@@ -59,6 +59,29 @@ def test_merge_labels_every_sample_with_its_worker_under_one_header_per_family()
     )
 
 
+def test_the_daemon_load_gauges_are_one_series_for_all_workers() -> None:
+    """An endpoint picker reads one series per server: queued and running are summed over
+    the workers, KV usage averaged over those that have it, none labelled with a worker."""
+
+    def worker(queued: float, running: float, kv: float | None) -> bytes:
+        registry = _registry("e", 1)
+        Gauge("smgd_queued_requests", "Queued.", registry=registry).set(queued)
+        Gauge("smgd_running_requests", "Running.", registry=registry).set(running)
+        if kv is not None:
+            Gauge("smgd_kv_cache_usage_ratio", "KV.", registry=registry).set(kv)
+        return generate_latest(registry)
+
+    texts = [(0, worker(3, 4, 0.5)), (1, worker(5, 4, 0.25)), (2, worker(0, 1, None))]
+    samples = _samples(merge_metrics(texts, 3))
+    assert samples[("smgd_queued_requests", frozenset())] == 8
+    assert samples[("smgd_running_requests", frozenset())] == 9
+    assert samples[("smgd_kv_cache_usage_ratio", frozenset())] == 0.375
+    for name in ("smgd_queued_requests", "smgd_running_requests", "smgd_kv_cache_usage_ratio"):
+        assert [labels for (n, labels) in samples if n == name] == [frozenset()]
+    # the other families keep their worker labels
+    assert ("smgd_engine_up", frozenset({("engine", "e"), ("worker", "2")})) in samples
+
+
 def test_a_worker_whose_text_does_not_parse_is_left_out_not_the_scrape() -> None:
     merged = merge_metrics([(0, generate_latest(_registry("e0", 1))), (1, b"not {{ prometheus")], 2)
     samples = _samples(merged)

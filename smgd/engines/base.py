@@ -29,6 +29,7 @@ import logging
 import math
 from contextlib import asynccontextmanager
 from functools import partial
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -70,6 +71,23 @@ class EngineState(enum.Enum):
     READY = "ready"
     DEAD = "dead"
     STOPPED = "stopped"
+
+
+class Occupancy(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine holds of smgd's requests, in the model-server protocol's terms
+    (docs/reference/metrics.md, "Gateway API Inference Extension").
+
+    From the engine's own load report where its wire carries one, clamped to what smgd has in
+    flight there (a snapshot can predate the last finish). Otherwise ``estimated``: requests
+    in flight beyond the handshake's ``max_num_seqs`` wait, the oldest run (the schedulers
+    admit first come, first served), and the KV share is the running requests' prompt and
+    output tokens over the handshake's KV capacity (shared prefixes counted per request).
+    """
+
+    running: int  # in the engine's running batch
+    waiting: int  # in the engine's own queue; smgd's admission queue is separate
+    kv_usage: float | None  # 0-1; None: neither reported nor estimable
+    estimated: bool
 
 
 class EngineStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +182,24 @@ class EngineClient:
             queue_depth=self.admission.queue_depth,
             rejected_total=self.admission.rejected_total,
         )
+
+    def occupancy(self) -> Occupancy:
+        """See :class:`Occupancy`; O(requests in flight) when estimated, so scrape-time only."""
+        in_flight = len(self._streams)
+        load = self.load
+        if load is not None:
+            running = min(load.running, in_flight)
+            waiting = min(load.waiting, in_flight - running)
+            return Occupancy(
+                running=running, waiting=waiting, kv_usage=load.kv_usage, estimated=False
+            )
+        info = self.info
+        running = min(in_flight, info.max_num_seqs or in_flight) if info else in_flight
+        kv = None
+        if info is not None and info.kv_cache_tokens:
+            held = sum(s.tokens for s in islice(self._streams.values(), running))
+            kv = min(held / info.kv_cache_tokens, 1.0)
+        return Occupancy(running=running, waiting=in_flight - running, kv_usage=kv, estimated=True)
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -280,10 +316,11 @@ class EngineClient:
         if not self.ready:
             raise EngineNotReady(f"engine {self.name} is {self.state_name}")
         self.validate(req)
-        async with self.admission.slot(req.rid):
+        async with self.admission.slot(req.rid) as waited:
             if not self.ready:  # it may have died (or begun draining) while we queued
                 raise EngineNotReady(f"engine {self.name} is {self.state_name}")
-            stream = RequestStream(req.rid, self.name)
+            stream = RequestStream(req.rid, self.name, prompt_tokens=len(req.prompt_ids))
+            stream.queued_s = waited
             frames = self._encode_request(req)
             self._streams[req.rid] = stream
             if isinstance(req, GenerateRequest) and req.sampling.structured is not None:
@@ -447,7 +484,9 @@ class EngineClient:
         stream = self._streams.get(delta.rid)
         if stream is None:
             return  # finished or aborted locally already; late frames are expected
-        self._tokens_total += len(delta.token_ids)
+        n = len(delta.token_ids)
+        self._tokens_total += n
+        stream.tokens += n
         if delta.finish is not None and self._constrained:
             self._name_refused_constraint(delta)
         stream.push(delta)

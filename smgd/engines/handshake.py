@@ -324,6 +324,8 @@ class Batch(NamedTuple):
     deltas: list[TokenDelta]
     engine_index: int
     load: EngineLoad | None
+    # rid -> seconds it waited in the engine's own queue (wires whose engine reports it)
+    queue_times: dict[str, float] | None = None
 
 
 class HandshakeEngineClient(EngineClient):
@@ -663,6 +665,11 @@ class HandshakeEngineClient(EngineClient):
         if batch.load is not None and self.table is not None:
             self.table.update_load(batch.engine_index, batch.load)
             self.load = self.table.total_load()
+        if batch.queue_times:
+            for rid, waited in batch.queue_times.items():
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.queued_s += waited
         for delta in batch.deltas:
             self.deliver(delta)
 

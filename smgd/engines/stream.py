@@ -31,11 +31,19 @@ class StreamState(enum.Enum):
 class RequestStream:
     """Output of one engine request, as the consumer sees it."""
 
-    __slots__ = ("_error", "_pending", "_waiter", "engine", "rid", "sink", "state")
+    __slots__ = (
+        "_error", "_pending", "_waiter", "engine", "queued_s", "rid", "sink", "state", "tokens",
+    )  # fmt: skip
 
-    def __init__(self, rid: str, engine: str) -> None:
+    def __init__(self, rid: str, engine: str, *, prompt_tokens: int = 0) -> None:
         self.rid = rid
         self.engine = engine
+        # Time it queued: for an admission slot before it was sent, then in the engine's own
+        # queue where the wire reports it (vLLM's events, added on its first output).
+        self.queued_s = 0.0
+        # Prompt plus output tokens so far (the engine client counts them per delta): the
+        # KV-cache estimate for wires that do not report their usage.
+        self.tokens = prompt_tokens
         self.state = StreamState.OPEN
         self._pending: TokenDelta | None = None
         self._error: BaseException | None = None

@@ -114,7 +114,7 @@ class VllmEngineClient(HandshakeEngineClient):
                 # token. Name it, as SGLang does, so the text drops it as vLLM's own
                 # detokenizer does (even with skip_special_tokens=False).
                 delta.finish = msgspec.structs.replace(finish, matched_token=delta.token_ids[-1])
-        return Batch(out.deltas, out.engine_index, out.load)
+        return Batch(out.deltas, out.engine_index, out.load, out.queue_times)
 
     def _grammar_refusal(self, delta: TokenDelta) -> str | None:
         # A grammar the engine core cannot compile (or a backend it cannot build) fails only

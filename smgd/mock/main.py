@@ -133,6 +133,8 @@ def mock_engine_main(args: argparse.Namespace) -> int:
             info = {
                 "context_length": args.context_len,
                 "max_running_requests": args.max_batch,
+                # As the vLLM mock's handshake: room for a full batch of full contexts.
+                "max_total_num_tokens": args.context_len * args.max_batch,
                 "version": "smgd-mock",
             }
             print("SMGD_READY " + json.dumps(info), flush=True)

@@ -15,6 +15,7 @@ log_stats on); sampled-token logprobs plus top-k columns; an undecodable request
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import zmq
@@ -34,6 +35,7 @@ from smgd.wire.vllm.engine_side import (
 from smgd.wire.vllm.structs import (
     AbortRequest,
     AddRequest,
+    EngineCoreEvent,
     EngineCoreOutput,
     EngineCoreOutputs,
     PrefillStats,
@@ -61,6 +63,8 @@ _FINISH = {
     MockFinish.EMBEDDED: VllmFinishReason.STOP,  # a pooling request finishes "stopped"
 }
 
+
+QUEUED, SCHEDULED = 1, 2  # EngineCoreEventType
 
 # Utility calls the mock answers (a generate-only engine); the rest are answered with None.
 UTILITY_ANSWERS: dict[str, object] = {"get_supported_tasks": ["generate"]}
@@ -95,6 +99,7 @@ class VllmMockWire:
         self._eos: dict[str, int | None] = {}
         self._logprobs: dict[str, int] = {}
         self._prefilled: set[str] = set()
+        self._queued_at: dict[str, float] = {}  # rid -> its ADD's arrival (log_stats)
         self._die = False
 
     def request_death(self) -> None:
@@ -158,6 +163,8 @@ class VllmMockWire:
             return []  # DP waves: not modelled
         req = msg.request
         self.received.append(req.request_id)
+        if self.log_stats:
+            self._queued_at[req.request_id] = time.monotonic()
         if req.pooling_params is not None:  # an embedding request (--runner pooling)
             sched.add(
                 MockRequest(
@@ -197,6 +204,14 @@ class VllmMockWire:
                 out.stop_reason = o.matched  # a stop token id; EOS reports none
         if o.rid not in self._prefilled:
             self._prefilled.add(o.rid)
+            queued = self._queued_at.pop(o.rid, None)
+            if queued is not None:
+                # vLLM's request events: queued at ADD, scheduled by the step that produced
+                # its first output (this one).
+                out.events = [
+                    EngineCoreEvent(QUEUED, queued),
+                    EngineCoreEvent(SCHEDULED, time.monotonic()),
+                ]
             out.prefill_stats = PrefillStats(
                 num_prompt_tokens=o.prompt_tokens,
                 num_computed_tokens=o.prompt_tokens - o.cached_tokens,
@@ -221,10 +236,12 @@ class VllmMockWire:
             else:
                 items.append(self._output(o))
             if o.finish is not None:
-                for table in (self._eos, self._logprobs):
+                for table in (self._eos, self._logprobs, self._queued_at):
                     table.pop(o.rid, None)
                 self._prefilled.discard(o.rid)
         self._client_aborted.difference_update(aborted_queued)
+        for rid in aborted_queued:
+            self._queued_at.pop(rid, None)
         if not items and not (self.log_stats and (outputs or aborted_queued)):
             return []  # with log_stats vLLM sends a stats-only message after finishes/aborts
         stats = None

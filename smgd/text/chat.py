@@ -28,7 +28,9 @@ smgd as behind ``vllm serve``:
 - ``documents=None``, ``add_generation_prompt``, the tokenizer's special tokens
   (``bos_token``, ``eos_token``...) and the request's ``chat_template_kwargs``.
 
-Images, audio, video and files in a message are refused (smgd serves text-only models).
+Images, audio, video and files in a message are refused with a 400 naming the part
+(:func:`refuse_media`): smgd serves text-only models, and turning media into model inputs is
+the model's processor's work, which needs torch (docs/design.md, "Multimodal input").
 
 Where the template comes from (first hit wins): an explicit override file, ``chat_template.jinja``
 in the tokenizer dir, ``chat_template.json`` (``{"chat_template": ...}``), then
@@ -61,7 +63,14 @@ from smgd.errors import ConfigError, InvalidRequest
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
 
-__all__ = ["ChatTemplate", "load_chat_template", "prepare_messages", "prepare_tools"]
+__all__ = [
+    "MEDIA_PARTS",
+    "ChatTemplate",
+    "load_chat_template",
+    "prepare_messages",
+    "prepare_tools",
+    "refuse_media",
+]
 
 # Content part types that carry media: named in the 400, since no engine smgd fronts takes them.
 MEDIA_PARTS = frozenset(
@@ -79,6 +88,21 @@ MEDIA_PARTS = frozenset(
         "input_file",
     }
 )
+
+
+_MEDIA_REFUSAL = (
+    "smgd serves text-only models; multimodal input (images, audio, video, files) needs the "
+    "model's own processor, which runs on torch beside the engine, not in smgd "
+    '(docs/design.md, "Multimodal input")'
+)
+
+
+def refuse_media(kind: object, at: str) -> None:
+    """A 400 naming ``{at}.type`` when ``kind`` is a content part type that carries media."""
+    if isinstance(kind, str) and kind in MEDIA_PARTS:
+        raise InvalidRequest(
+            f"{at}: {kind} content is not supported: {_MEDIA_REFUSAL}", param=f"{at}.type"
+        )
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -212,12 +236,8 @@ def _text_parts(content: object, where: str) -> list[dict[str, Any]]:
             text = _string(part.get(kind), f"{at}.{kind}")
             extra = {k: v for k, v in part.items() if k not in ("type", "text", "refusal")}
             out.append({"type": "text", "text": text, **extra})
-        elif kind in MEDIA_PARTS:
-            raise InvalidRequest(
-                f"{at}: {kind} content is not supported: smgd serves text-only models",
-                param=f"{at}.type",
-            )
         else:
+            refuse_media(kind, at)
             raise InvalidRequest(
                 f"{at}: content part type {kind!r} is not supported (text only)",
                 param=f"{at}.type",

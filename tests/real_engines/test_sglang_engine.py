@@ -111,11 +111,20 @@ async def test_real_scheduler_through_the_engine_client() -> None:
             assert first == second, "greedy output must be deterministic"
             assert reason1 is reason2 is FinishReason.LENGTH
 
-            # Abort mid-stream: leave the stream after the first delta.
+            # Abort mid-stream: leave the stream after the first delta. Meanwhile the load
+            # smgd estimates for SGLang (its output socket carries none): one request running,
+            # holding its prompt and output tokens of the KV capacity the scheduler reported.
+            kv_tokens = client.info.kv_cache_tokens
+            assert kv_tokens is not None and kv_tokens > 0
+            request = greedy(400)
             with trio.fail_after(60):
-                async with client.open_stream(greedy(400)) as stream:
-                    await stream.receive()
+                async with client.open_stream(request) as stream:
+                    got = len((await stream.receive()).token_ids)
+                    busy = client.occupancy()
+            assert (busy.running, busy.waiting, busy.estimated) == (1, 0, True)
+            assert busy.kv_usage == (len(request.prompt_ids) + got) / kv_tokens
             assert client.in_flight == 0
+            assert (client.occupancy().running, client.occupancy().kv_usage) == (0, 0.0)
             with trio.fail_after(60):
                 await client.health_check(30.0)
             assert client.state is EngineState.READY

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from smgd.config import load_config
 from smgd.daemon import Running, run_daemon
@@ -226,6 +227,7 @@ async def test_vllm_launched_by_daemon() -> None:
             assert [m["id"] for m in models] == [MODEL]
             await check_parity(client, offline, offline_done)
             await check_max_tokens(client)
+            await check_protocol_metrics(client)
             await check_abort(client, engine)
             await check_logprobs(client)
             await check_sigkill(client, gateway)
@@ -281,6 +283,25 @@ async def check_parity(
     assert completion.status_code == 200, completion.text
     choice = completion.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (refs[2]["text"], "stop")
+
+
+async def check_protocol_metrics(client: httpx.AsyncClient) -> None:
+    """The inference extension's gauges on the real engine's reports, and its queue times.
+
+    vLLM puts each request's QUEUED and SCHEDULED events on its first output: with no
+    admission cap, every bit of the queue-time sum is the engine's own queue (0 without it).
+    """
+    text = (await client.get("/metrics")).text
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels or s.name.startswith("smgd_request_queue_time_seconds_")
+    }
+    assert samples["smgd_queued_requests"] == 0 and samples["smgd_running_requests"] == 0
+    assert 0 <= samples["smgd_kv_cache_usage_ratio"] <= 1
+    assert samples["smgd_request_queue_time_seconds_count"] >= len(PARITY) + 2
+    assert samples["smgd_request_queue_time_seconds_sum"] > 0
 
 
 async def check_max_tokens(client: httpx.AsyncClient) -> None:

@@ -207,6 +207,7 @@ def reroute(job: Job, model: str) -> bool:
         job.request.rid, job.engine.name, engine.name,
     )  # fmt: skip
     job.engine, job.request = engine, request
+    job.choice.engine = engine.name  # the metrics count it where it ran
     return True
 
 
@@ -301,6 +302,7 @@ async def _collect_one(job: Job, state: RequestState) -> None:
 async def _collect_attempt(job: Job, state: RequestState) -> None:
     choice = job.choice
     async with job.engine.open_stream(job.request) as rs:
+        choice.stream = rs
         async for delta in rs:
             text = choice.apply(delta)
             state.output_event(choice, trio.current_time())
@@ -311,10 +313,14 @@ async def _collect_attempt(job: Job, state: RequestState) -> None:
     raise EngineDead(f"engine {job.engine.name} ended the request without a finish")
 
 
-async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = None) -> None:
+async def collect(
+    jobs: list[Job], state: RequestState, cutoff: Cutoff | None = None, *, log: bool = True
+) -> None:
     """Run every job to its finish; raise the first :class:`SmgdError` (others cancelled).
 
     ``cutoff`` cancels the jobs (their engine requests are aborted) and raises its error.
+    ``log=False``: the caller calls :func:`log_request` once it has rendered the response
+    (a chat choice's ``tool_calls`` finish is known only then); on an error it is done here.
     """
     errors: list[SmgdError] = []
     cutoff = cutoff or _NEVER_CUT
@@ -327,6 +333,7 @@ async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = 
             scope.cancel()
 
     scope = trio.CancelScope()  # no byte goes to the client meanwhile: a cancel is safe
+    finished = False
     try:
         cutoff.check()
         cutoff.watch(scope.cancel)
@@ -341,12 +348,14 @@ async def collect(jobs: list[Job], state: RequestState, cutoff: Cutoff | None = 
             cutoff.check()
         if errors:
             raise errors[0]
+        finished = True
     except SmgdError as err:
         state.fail(err)
         raise
     finally:
         cutoff.unwatch(scope.cancel)
-        log_request(state)
+        if log or not finished:
+            log_request(state)
 
 
 # --------------------------------------------------------------------------- streamed
@@ -495,6 +504,7 @@ async def _stream_one(
         while True:
             try:
                 async with watch.opening(job) as rs:
+                    choice.stream = rs
                     if writer is not None:
                         # The dispatcher sent the response head before it asked for the body:
                         # every event can go straight to the socket, the first one included.
@@ -566,6 +576,7 @@ async def _pump(
                 produced = False  # a forwarded token: from then on, never retry elsewhere
                 try:
                     async with job.engine.open_stream(job.request) as rs:
+                        job.choice.stream = rs
                         async for delta in rs:
                             produced = produced or bool(delta.token_ids)
                             send.send_nowait((index, delta))

@@ -25,6 +25,7 @@ from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from smgd.engines.stream import RequestStream
     from smgd.errors import SmgdError
     from smgd.text.stream import TextStream
 
@@ -84,9 +85,12 @@ class Choice:
         "output_ids",
         "parts",
         "prompt_tokens",
+        "reported_finish",
         "rid",
         "sent_role",
         "stopped_here",
+        "stream",
+        "t_first",
         "t_last",
         "text",
         "tokens_seen",
@@ -119,12 +123,21 @@ class Choice:
         self.parts: list[str] = []  # text so far, kept for non-streamed and native responses
         self.output_ids: list[int] | None = [] if keep_ids else None
         self.logprobs = logprobs  # set when the request asked for logprobs
+        self.t_first: float | None = None  # time of this choice's first output event
         self.t_last: float | None = None  # time of this choice's last output event
+        self.stream: RequestStream | None = None  # its engine request's, once sent
+        # The finish reason the client was sent when a renderer changed it (``tool_calls``).
+        self.reported_finish: str | None = None
         self.tokens_seen = 0  # completion_tokens at that event
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def queued_s(self) -> float:
+        """How long its engine request queued: for a slot in smgd, then in the engine."""
+        return self.stream.queued_s if self.stream is not None else 0.0
 
     def apply(self, delta: TokenDelta) -> str:
         """Fold one (coalesced) engine delta in; return the new client text.
@@ -236,6 +249,8 @@ class RequestState:
             self.t_first = now
         if choice.t_last is not None:
             self.gaps.append(now - choice.t_last)
+        else:
+            choice.t_first = now
         choice.t_last = now
 
     def fail(self, err: SmgdError) -> None:
@@ -271,7 +286,9 @@ class RequestState:
             "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens"),
             "ttft_ms": ttft,
             "e2e_ms": round((now - self.t_start) * 1e3, 2),
-            "finish_reason": ",".join(c.finish_reason or "none" for c in self.choices),
+            "finish_reason": ",".join(
+                c.reported_finish or c.finish_reason or "none" for c in self.choices
+            ),
             "error": self.error,
         }
 

@@ -107,6 +107,7 @@ class Call:
     writer: EventWriter | None  # direct SSE writes for this connection, where they apply
     recorder: Recorder | None = None  # the app's metrics recorder
     recorded: bool = False  # the recorder saw this request (errors must not count it again)
+    path_tail: str = ""  # a path template's part: the model of /v1/models/{model}
 
     def json(self) -> dict[str, Any]:
         """The body as a JSON object (400 on anything else)."""

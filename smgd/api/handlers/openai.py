@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from smgd.api.core.errors import stream_error
-from smgd.api.core.execute import collect, stream
+from smgd.api.core.execute import collect, log_request, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.core.prepare import (
     JSON_HEADERS,
@@ -42,7 +42,7 @@ from smgd.api.core.tools import ParseSpec, delta_fields, forced_constraint, read
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.parse import ContentDelta, ReasoningDelta
 from smgd.sampling import from_openai
-from smgd.text.chat import prepare_tools
+from smgd.text.chat import prepare_tools, refuse_media
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
@@ -299,6 +299,7 @@ class ParsedRenderer(OpenAIRenderer):
             out = self.fmt.delta_chunk(choice.index, fields, logprobs=logprobs)
         if choice.done:
             reason = parser.finish_reason(choice.finish_reason)
+            choice.reported_finish = reason
             out += self.fmt.delta_chunk(choice.index, {}, finish_reason=reason)
         return out
 
@@ -371,7 +372,7 @@ async def _respond(
             cutoff=call.ctx.cutoff,
         )
         return Reply(body, SSE_HEADERS)
-    await collect(jobs, state, call.ctx.cutoff)
+    await collect(jobs, state, call.ctx.cutoff, log=False)
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
@@ -386,7 +387,7 @@ async def _respond(
             parser.finish()
             parser.forced_calls()
             entry["message"] = parser.message()
-            finish_reason = parser.finish_reason(finish_reason)
+            finish_reason = choice.reported_finish = parser.finish_reason(finish_reason)
         elif chat:
             entry["message"] = {"role": "assistant", "content": text}
         else:
@@ -402,6 +403,7 @@ async def _respond(
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         choices.append(entry)
+    log_request(state)  # now that the finish reasons the client gets are known
     payload = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -532,6 +534,9 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
             return [prompt]
         if all(isinstance(p, list) and p and _all_ids(p) for p in prompt):
             return list(prompt)
+        for i, item in enumerate(prompt):  # a chat content part, by mistake or on purpose
+            if isinstance(item, dict):
+                refuse_media(item.get("type"), f"prompt[{i}]")
     raise InvalidRequest(
         "`prompt` must be a non-empty string, array of strings, array of token ids, "
         "or array of token-id arrays",

@@ -6,6 +6,8 @@
   otherwise 503 with a reason per engine (its state, its last error, how often it restarted).
 - ``GET /v1/models``: served model names with the context length the engines reported at
   their handshake (``max_model_len``), falling back to the model's config.json.
+- ``GET /v1/models/{model}``: one of those cards (the id may hold ``/``); 404
+  ``model_not_found`` for a name it does not list.
 - ``POST /v1/tokenize`` (also ``/tokenize``): ``{"model", "prompt" | "messages",
   "add_special_tokens"}`` → ``{"tokens", "count", "max_model_len"}``.
 - ``POST /v1/detokenize`` (also ``/detokenize``): ``{"model", "tokens"}`` → ``{"prompt"}``.
@@ -24,7 +26,7 @@ from prometheus_client import generate_latest
 
 from smgd.api.core.prepare import JSON_HEADERS, Reply, encode, json_reply, resolve_model
 from smgd.api.core.sse import encode_json
-from smgd.errors import InvalidRequest
+from smgd.errors import InvalidRequest, ModelNotFound
 from smgd.worker_peers import ask_all, merge_load, merge_metrics, merge_readiness
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ __all__ = [
     "readiness",
     "readiness_answer",
     "readiness_report",
+    "retrieve_model",
     "tokenize",
 ]
 
@@ -122,6 +125,19 @@ async def models(call: Call) -> Reply:
     """``GET /v1/models``."""
     ctx = call.ctx
     return json_reply({"object": "list", "data": model_cards(ctx.gateway, ctx.created)})
+
+
+async def retrieve_model(call: Call) -> Reply:
+    """``GET /v1/models/{model}`` (the OpenAI SDK's ``models.retrieve``): the card ``GET
+    /v1/models`` lists for that id, whatever kind of model it is."""
+    ctx = call.ctx
+    model = call.path_tail
+    for card in model_cards(ctx.gateway, ctx.created):
+        if card["id"] == model:
+            return json_reply(card)
+    raise ModelNotFound(
+        f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 async def tokenize(call: Call) -> Reply:

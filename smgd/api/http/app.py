@@ -11,6 +11,8 @@ The public app:
   "no auth". Keys are never logged.
 - While draining, new generation requests get 503 + ``Retry-After``.
 - Bodies above ``server.max_body_bytes`` get 413.
+- CORS (``server.cors_*``, :mod:`smgd.api.http.cors`) for pages on other origins; off when no
+  origin is listed. It applies in place on reload, with the API keys.
 - Metrics (:mod:`smgd.metrics`): one private registry per app (``app.ctx.registry``); every
   response is counted by route and status, every error answered before a stream started by
   cause, and each generation request once when it ends.
@@ -34,6 +36,7 @@ from prometheus_client import generate_latest
 from smgd.api.core.pacer import LoadPacer
 from smgd.api.core.prepare import ApiContext
 from smgd.api.handlers import admin, embeddings, native, openai, ops
+from smgd.api.http.cors import CorsPolicy
 from smgd.api.http.dispatch import Dispatcher, Route
 from smgd.config import load_admin_token, load_api_keys
 from smgd.metrics import RequestMetrics, build_registry
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     from smgd.gateway import Gateway
     from smgd.reload import ReloadResult
 
-__all__ = ["KEY_PATHS", "ROUTES", "admin_routes", "create_admin_app", "create_app"]
+__all__ = ["KEY_PATHS", "PREFIX_ROUTES", "ROUTES", "admin_routes", "create_admin_app", "create_app"]
 
 # Worker threads tokenizing big prompts at once: every core but one (at least one thread), so
 # tokenization never takes the core the event loop streams every response from. Two threads
@@ -69,6 +72,10 @@ ROUTES: Mapping[str, Route] = {
     "/detokenize": Route("POST", ops.detokenize),
     "/metrics": Route("GET", ops.metrics),
     "/get_load": Route("GET", ops.get_load),
+}
+# Routes by path template: the model id may hold "/" ("org/model").
+PREFIX_ROUTES: Mapping[str, Route] = {
+    "/v1/models/{model}": Route("GET", ops.retrieve_model),
 }
 # Paths whose requests need an API key (when keys are configured): everything that reads a
 # model or runs one. Probes and metrics stay open for load balancers and scrapers.
@@ -116,19 +123,24 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
             ctx.api_keys = keys
             ctx.keepalive_s = config.server.keepalive_interval_s
             ctx.max_body_bytes = config.server.max_body_bytes
+            app.cors = cors
 
+        cors = CorsPolicy.from_config(config.server)
         return apply
 
     gateway.reload_hooks.append(on_reload)
-    return Dispatcher(
+    app = Dispatcher(
         ROUTES,
         ctx,
+        prefix_routes=PREFIX_ROUTES,
+        cors=CorsPolicy.from_config(server),
         key_paths=KEY_PATHS,
         key_refusal="Invalid or missing API key (Authorization: Bearer <key>)",
         metrics=metrics,
         recorder=record,
         background=background,
     )
+    return app
 
 
 def admin_routes(

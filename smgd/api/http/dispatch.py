@@ -7,16 +7,20 @@ and in this order:
 
 1. reads the body, without a scheduler pass when it is already queued; a client gone before
    its end gets no answer;
-2. takes the client's ``X-Request-Id`` (400 if malformed; of a list ``a, b``, as proxies merge
+2. with CORS on (:mod:`smgd.api.http.cors`), reads ``Origin``: the CORS headers go on every
+   answer below, and a preflight to a route's path is answered there, before the key check;
+3. takes the client's ``X-Request-Id`` (400 if malformed; of a list ``a, b``, as proxies merge
    repeated headers, the first) or mints one, and echoes it on every response;
-3. checks the API key where the path needs one (401) and refuses generation routes while
+4. checks the API key where the path needs one (401) and refuses generation routes while
    smgd drains (503 + ``Retry-After``);
-4. routes: an unknown path is 404, a method the route does not take 405 (with ``Allow``);
-   ``OPTIONS`` is answered with ``Allow``, ``HEAD`` as ``GET`` (the server sends no body);
-5. a body over ``max_body_bytes`` is 413, one not complete within :data:`BODY_TIMEOUT_S` 408;
-6. runs the handler: every error is the OpenAI envelope with its status and headers
+5. routes: an exact path, else a path template's prefix (``/v1/models/{model}``); an unknown
+   path is 404 (``Invalid URL (GET /x)``), a method the route does not take 405 (with
+   ``Allow``); ``OPTIONS`` is answered with ``Allow``, ``HEAD`` as ``GET`` (the server sends
+   no body);
+6. a body over ``max_body_bytes`` is 413, one not complete within :data:`BODY_TIMEOUT_S` 408;
+7. runs the handler: every error is the OpenAI envelope with its status and headers
    (:mod:`smgd.api.core.errors`), an unexpected exception a logged 500;
-7. counts the response in ``smgd_http_requests`` (route template, method, status; an unknown
+8. counts the response in ``smgd_http_requests`` (route template, method, status; an unknown
    route or method is ``unmatched``) and an error answered before any engine output in
    ``smgd_aborts`` by cause (a generation request that ran is recorded once, by its
    :class:`~smgd.api.core.pipeline.RequestState`).
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 
     from smgd.api.core.prepare import ApiContext, Handler, Recorder
+    from smgd.api.http.cors import CorsPolicy
     from smgd.api.http.worker_loop import DirectSendTCPServer
     from smgd.metrics import RequestMetrics
 
@@ -79,13 +84,8 @@ BODY_TIMEOUT_S = 60.0
 # The route label of a response to a path or method no route serves (one label, however many
 # paths clients try: the metric's cardinality stays bounded).
 UNMATCHED = "unmatched"
-# The messages of the dispatcher's own refusals (the words werkzeug used, which Quart answered
-# before the dispatcher did).
-NOT_FOUND = (
-    "The requested URL was not found on the server. If you entered the URL manually please "
-    "check your spelling and try again."
-)
-NOT_ALLOWED = "The method is not allowed for the requested URL."
+# The most of a request's path a 404 or 405 quotes back (a path may be kilobytes long).
+QUOTED_PATH_CHARS = 200
 TIMED_OUT = (
     "The server closed the network connection because the browser didn't finish the request "
     "within the specified time."
@@ -110,6 +110,22 @@ class Route:
         self.generation = generation
 
 
+def not_found(method: str, path: str) -> str:
+    """A 404's message: OpenAI's words for a path no route serves."""
+    return f"Invalid URL ({method} {_quoted(path)})"
+
+
+def not_allowed(method: str, path: str, allow: str) -> str:
+    """A 405's message: the method, the path, and what it takes."""
+    return f"Method {method} is not allowed for {_quoted(path)} (it takes {allow})"
+
+
+def _quoted(path: str) -> str:
+    if len(path) <= QUOTED_PATH_CHARS:
+        return path
+    return path[:QUOTED_PATH_CHARS] + "..."
+
+
 class _Refusal(Exception):
     """A request refused for a reason that is not a :class:`SmgdError` (404, 405, 408)."""
 
@@ -123,10 +139,14 @@ class _Refusal(Exception):
 class Dispatcher:
     """Serves a route table as an ASGI application (its lifespan included).
 
+    ``prefix_routes``: routes by path template (``/v1/models/{model}``): a path that no route
+    of ``routes`` serves and starts with a template's part before ``{`` goes to that route,
+    the rest of the path (which may hold ``/``) in ``Call.path_tail``.
     ``key_paths``: prefixes of the paths that need one of ``ctx.api_keys`` (none needed while
-    that is empty); ``key_refusal`` is the 401's message. ``metrics`` counts responses and
-    refusals, ``recorder`` the generation requests that ran. ``background``: tasks that run
-    for the app's life, beside the requests.
+    that is empty); ``key_refusal`` is the 401's message. ``cors``: the CORS policy
+    (:mod:`smgd.api.http.cors`), None when off; replaced whole on reload. ``metrics`` counts
+    responses and refusals, ``recorder`` the generation requests that ran. ``background``:
+    tasks that run for the app's life, beside the requests.
     """
 
     def __init__(
@@ -136,11 +156,19 @@ class Dispatcher:
         *,
         key_paths: tuple[str, ...],
         key_refusal: str,
+        prefix_routes: Mapping[str, Route] | None = None,
+        cors: CorsPolicy | None = None,
         metrics: RequestMetrics | None = None,
         recorder: Recorder | None = None,
         background: Iterable[Callable[[], Awaitable[None]]] = (),
     ) -> None:
         self.routes = routes
+        # (prefix, route template, route), longest prefix first.
+        self._prefixes = sorted(
+            ((t[: t.index("{")], t, r) for t, r in (prefix_routes or {}).items()),
+            key=lambda item: -len(item[0]),
+        )
+        self.cors = cors
         self.ctx = ctx
         self._key_paths = key_paths
         self._key_refusal = key_refusal
@@ -184,8 +212,8 @@ class Dispatcher:
             await self.serve(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
-        else:  # a websocket: no route takes one (hypercorn refuses the handshake with 403)
-            await send({"type": "websocket.close", "code": 1000, "reason": ""})
+        else:  # a websocket: no route takes one
+            await _refuse_websocket(scope, send)
 
     async def _lifespan(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         async with trio.open_nursery() as nursery:
@@ -221,6 +249,14 @@ class Dispatcher:
             finally:
                 conn.on_disconnect = None
 
+    def _prefix_route(self, path: str) -> tuple[Route | None, str, str]:
+        """(route, its template, the path's rest) of a prefix route serving ``path``; the rest
+        is never empty (``/v1/models/`` is no model's path)."""
+        for prefix, template, route in self._prefixes:
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return route, template, path[len(prefix) :]
+        return None, path, ""
+
     def _check_access(self, path: str, route: Route | None, authorization: str | None) -> None:
         """401 without a valid key where one is needed; 503 for a generation while draining."""
         ctx = self.ctx
@@ -236,21 +272,37 @@ class Dispatcher:
         path: str = scope["path"]
         method: str = scope["method"]
         route = self.routes.get(path)
-        label = path if route is not None and method in route.served else UNMATCHED
+        template, tail = path, ""
+        if route is None and self._prefixes:
+            route, template, tail = self._prefix_route(path)
+        label = template if route is not None and method in route.served else UNMATCHED
         request_id = new_request_id()
         call: Call | None = None
+        cors = self.cors
+        origin: str | None = None
+        extra: Mapping[str, str] | None = None  # CORS headers, on every answer
         try:
+            if cors is not None:
+                origin = _header(scope, b"origin")
+                extra = cors.response_headers(origin)
             header = _header(scope, b"x-request-id")
             if header is not None:
                 request_id = client_request_id(header)
+            if cors is not None and method == "OPTIONS" and route is not None:
+                preflight = _preflight(cors, scope, origin, route)
+                if preflight is not None:  # before the key check: no key on a preflight
+                    headers = {"Allow": route.allow, "X-Request-Id": request_id}
+                    await self._send_whole(send, label, method, 204, b"", headers, preflight)
+                    return
             self._check_access(path, route, _header(scope, b"authorization"))
             if route is None:
-                raise _Refusal(404, NOT_FOUND)
+                raise _Refusal(404, not_found(method, path))
             if method not in route.methods:
                 if method != "OPTIONS":  # a 405 must say what is allowed (RFC 9110 §15.5.6)
-                    raise _Refusal(405, NOT_ALLOWED, {"Allow": route.allow})
+                    message = not_allowed(method, path, route.allow)
+                    raise _Refusal(405, message, {"Allow": route.allow})
                 headers = {"Allow": route.allow, "X-Request-Id": request_id}
-                await self._send_whole(send, label, method, 200, b"", headers)
+                await self._send_whole(send, label, method, 200, b"", headers, extra)
                 return
             if outcome == "too_large":
                 raise PayloadTooLarge(f"the request body is larger than {limit} bytes")
@@ -265,6 +317,7 @@ class Dispatcher:
                 nursery=nursery,
                 writer=direct_writer(scope),
                 recorder=self._recorder,
+                path_tail=tail,
             )
             reply = await route.handler(call)
         except SmgdError as err:
@@ -275,7 +328,7 @@ class Dispatcher:
             if self._metrics is not None and (call is None or not call.recorded):
                 self._metrics.refused(err, draining=self.ctx.gateway.draining)
             headers = error_headers(err, request_id)
-            await self._send_whole(send, label, method, err.status, error_body(err), headers)
+            await self._send_whole(send, label, method, err.status, error_body(err), headers, extra)
             return
         except _Refusal as exc:
             headers = {
@@ -284,7 +337,7 @@ class Dispatcher:
                 "X-Request-Id": request_id,
             }
             body = http_error(exc.status, exc.message)
-            await self._send_whole(send, label, method, exc.status, body, headers)
+            await self._send_whole(send, label, method, exc.status, body, headers, extra)
             return
         except Exception as exc:  # never trio.Cancelled (a BaseException): that one propagates
             log.exception("%s: unhandled error", request_id, exc_info=exc)
@@ -292,9 +345,11 @@ class Dispatcher:
             if self._metrics is not None:
                 self._metrics.refused(internal, draining=self.ctx.gateway.draining)
             headers = error_headers(internal, request_id)
-            await self._send_whole(send, label, method, 500, error_body(internal), headers)
+            await self._send_whole(send, label, method, 500, error_body(internal), headers, extra)
             return
         headers = {**reply.headers, "X-Request-Id": call.request_id}
+        if extra:
+            headers.update(extra)
         if isinstance(reply.body, bytes):
             await self._send_whole(send, label, method, reply.status, reply.body, headers)
             return
@@ -317,11 +372,28 @@ class Dispatcher:
         status: int,
         body: bytes,
         headers: Mapping[str, str],
+        extra: Mapping[str, str] | None = None,
     ) -> None:
         if self._metrics is not None:
             self._metrics.http(label, method, status)
-        await send(_start(status, {**headers, "Content-Length": str(len(body))}))
+        whole = {**headers, "Content-Length": str(len(body))}
+        if extra:
+            whole.update(extra)
+        await send(_start(status, whole))
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _refuse_websocket(scope: Any, send: ASGISendCallable) -> None:
+    """A WebSocket handshake: a 404 with the error envelope where the server can send one
+    (hypercorn can: ASGI's ``websocket.http.response``), else a refused handshake (403)."""
+    if "websocket.http.response" not in (scope.get("extensions") or {}):
+        await send({"type": "websocket.close", "code": 1000, "reason": ""})
+        return
+    path = _quoted(scope["path"])
+    body = http_error(404, f"Invalid URL (WebSocket {path}): smgd serves no WebSocket endpoint")
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "websocket.http.response.start", "status": 404, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
 
 
 def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:
@@ -343,6 +415,17 @@ def client_request_id(header: str) -> str:
     (RFC 9110 §5.3): the first value is the original client's, and the one used.
     """
     return check_request_id(header.split(",", 1)[0].strip(), "X-Request-Id")
+
+
+def _preflight(
+    cors: CorsPolicy, scope: Any, origin: str | None, route: Route
+) -> Mapping[str, str] | None:
+    """A CORS preflight's answer headers; None when the request is no preflight from an
+    allowed origin (then it is answered as any ``OPTIONS``)."""
+    if origin is None or _header(scope, b"access-control-request-method") is None:
+        return None
+    requested = _header(scope, b"access-control-request-headers")
+    return cors.preflight_headers(origin, route.allow, requested)
 
 
 def _start(status: int, headers: Mapping[str, str]) -> Any:

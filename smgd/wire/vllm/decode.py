@@ -162,6 +162,29 @@ class _HotError(msgspec.Struct, gc=False):
     retryable: bool = False
 
 
+class _HotEvent(msgspec.Struct, gc=False):
+    type: int  # EngineCoreEventType
+    timestamp: float  # the engine's time.monotonic()
+
+
+# EngineCoreEventType values.
+_QUEUED, _SCHEDULED = 1, 2
+
+
+def _queue_time(events: list[_HotEvent]) -> float | None:
+    """The wait in the engine's queue, first QUEUED to first SCHEDULED event (vLLM's own
+    ``queued_time``); None when the events hold only one of them."""
+    queued = scheduled = None
+    for ev in events:
+        if ev.type == _QUEUED and queued is None:
+            queued = ev.timestamp
+        elif ev.type == _SCHEDULED and scheduled is None:
+            scheduled = ev.timestamp
+    if queued is None or scheduled is None:
+        return None
+    return max(scheduled - queued, 0.0)
+
+
 class _HotOutput(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -170,7 +193,7 @@ class _HotOutput(msgspec.Struct, array_like=True, gc=False):
     pooling_output: Tensor | None = None
     finish_reason: int | None = None
     stop_reason: int | str | None = None
-    events: msgspec.Raw = _NIL
+    events: list[_HotEvent] | None = None  # with log_stats; in a request's first output
     kv_transfer_params: msgspec.Raw = _NIL
     ec_transfer_params: msgspec.Raw = _NIL
     trace_headers: msgspec.Raw = _NIL
@@ -216,6 +239,8 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
 
     ``deltas`` carry no ``completion_tokens``: the wire sends new ids only, the caller counts.
     ``prompt_logprobs`` maps a request id to its prompt rows (first output only).
+    ``queue_times`` maps a request id to the seconds it waited in the engine's queue, from
+    the QUEUED and SCHEDULED events of its first output (only when the engine logs stats).
     """
 
     engine_index: int = 0
@@ -228,6 +253,7 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
     timestamp: float = 0.0
     engine_dead: bool = False
     prompt_logprobs: dict[str, list[TokenLogprob]] | None = None
+    queue_times: dict[str, float] | None = None
 
 
 def _logprob_rows(lp: _HotLogprobs, frames: Sequence[Frame], k: int | None) -> list[TokenLogprob]:
@@ -295,6 +321,7 @@ def decode_outputs(
     msg: _HotOutputs = _decode(_HOT_DECODER, frames[0], "EngineCoreOutputs")
     deltas: list[TokenDelta] = []
     prompt_lp: dict[str, list[TokenLogprob]] | None = None
+    queue_times: dict[str, float] | None = None
     for out in msg.outputs:
         rid = out.request_id
         delta = TokenDelta(rid=rid, token_ids=out.new_token_ids)
@@ -313,6 +340,10 @@ def decode_outputs(
             if prompt_lp is None:
                 prompt_lp = {}
             prompt_lp[rid] = _logprob_rows(out.new_prompt_logprobs_tensors, frames, None)
+        if out.events is not None and (waited := _queue_time(out.events)) is not None:
+            if queue_times is None:
+                queue_times = {}
+            queue_times[rid] = waited
         deltas.append(delta)
     utility = None
     if (u := msg.utility_output) is not None:
@@ -338,4 +369,5 @@ def decode_outputs(
         start_wave=msg.start_wave,
         timestamp=msg.timestamp,
         prompt_logprobs=prompt_lp,
+        queue_times=queue_times,
     )
