@@ -1,4 +1,5 @@
-"""The sans-IO parts of embeddings: the request read, ``dimensions``, the response, the config."""
+"""Embeddings without engine processes: the request read, ``dimensions``, the response, the config,
+the mock's vectors, and a failed engine's input moved to another (fake engines)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import base64
 import struct
 from typing import Any
 
+import msgspec
 import pytest
+import trio
 
 from smgd.api.core.embed import (
     MAX_INPUTS,
@@ -19,6 +22,9 @@ from smgd.config import Config, EngineConfig, LaunchConfig, WireFamily, validate
 from smgd.engines import launch_flags
 from smgd.errors import ConfigError, InvalidRequest
 from smgd.mock.scheduler import MOCK_EMBED_SIZE, MockRequest, MockScheduler, mock_embedding
+from smgd.wire.common import EmbedRequest, EngineRequest, Finish, FinishReason, TokenDelta
+
+from .fake_engine import MODEL, FakeEngine, open_app, post
 
 
 def test_every_openai_input_shape_is_read() -> None:
@@ -118,3 +124,54 @@ def test_config_task_embed_is_checked_and_sets_launch_flags() -> None:
     assert launch_flags(sglang) == ["--is-embedding"]
     assert launch_flags(vllm) == ["--runner", "pooling"]
     assert launch_flags(_engine(launch=LaunchConfig(kind="sglang"))) == []
+
+
+class FakeEmbedder(FakeEngine):
+    """A fake embedding engine: each input's vector is :func:`mock_embedding` of its ids after
+    one step; ``dies`` makes it crash during that step instead."""
+
+    def __init__(self, name: str, *, dies: bool = False) -> None:
+        super().__init__(name)
+        self.config = msgspec.structs.replace(self.config, task="embed")
+        self.dies = dies
+        self.embedded: list[EmbedRequest] = []
+
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
+        assert isinstance(req, EmbedRequest)
+        self.embedded.append(req)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._embed, req)
+        return [b"embed", req.rid.encode()]
+
+    async def _embed(self, req: EmbedRequest) -> None:
+        await trio.sleep(0.01)
+        if self.dies:
+            self.die("crashed during prefill")
+            return
+        vector = mock_embedding(req.prompt_ids, req.dimensions)
+        finish = Finish(reason=FinishReason.LENGTH)
+        prompt = len(req.prompt_ids)
+        self.deliver(
+            TokenDelta(rid=req.rid, token_ids=[], finish=finish, prompt_tokens=prompt,
+                       embedding=vector)
+        )  # fmt: skip
+
+
+async def test_an_input_moves_to_another_engine_when_its_engine_dies() -> None:
+    bad, good = FakeEmbedder("a", dies=True), FakeEmbedder("b")
+    async with open_app(bad, good) as (app, _):
+        reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": [[5, 6], [7]]})
+    assert reply.status == 200, reply.body
+    assert [d["embedding"] for d in reply.json()["data"]] == [
+        mock_embedding([5, 6]),
+        mock_embedding([7]),
+    ]
+    assert len(good.embedded) == 2
+    assert {r.rid for r in bad.embedded}.isdisjoint(r.rid for r in good.embedded)
+
+
+async def test_with_no_other_engine_the_failure_is_reported() -> None:
+    async with open_app(FakeEmbedder("a", dies=True)) as (app, _):
+        reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": "hello"})
+    assert reply.status in (502, 503)
+    assert "crashed during prefill" in reply.json()["error"]["message"]

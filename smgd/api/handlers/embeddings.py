@@ -70,7 +70,7 @@ async def embeddings_reply(call: Call) -> Reply:
         engine = gateway.router.pick(model, ids)
         req = EmbedRequest(rid=new_engine_rid(), prompt_ids=ids, dimensions=params.dimensions)
         engine.validate(req)
-        jobs.append(EmbedJob(engine, req))
+        jobs.append(EmbedJob(engine, req, router=gateway.router, model=model))
     await run_embeddings(jobs, ctx.cutoff)
     vectors = [job.vector or [] for job in jobs]
     prompt_tokens = sum(job.prompt_tokens or len(job.request.prompt_ids) for job in jobs)
