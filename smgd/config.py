@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import enum
 import ipaddress
+import itertools
 import os
 import re
 import tomllib
@@ -206,6 +207,16 @@ GRAMMAR_FLAGS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+# The launch flags smgd sets for `scheduling = "priority"`, per launch kind. SGLang's default
+# runs larger values first; --schedule-low-priority-values-first gives vLLM's order, so
+# `priority` means the same on every engine.
+SCHEDULING_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "sglang": ("--enable-priority-scheduling", "--schedule-low-priority-values-first"),
+    "vllm": ("--scheduling-policy", "priority"),
+    "mock": ("--priority-scheduling",),
+}
+
+
 class StructuredOutputConfig(_Section):
     """The engine's grammar backend (constrained decoding for response_format & co.)."""
 
@@ -258,6 +269,10 @@ class EngineConfig(_Section):
     # (/v1/embeddings: SGLang's --is-embedding, vLLM's --runner pooling, which smgd adds to a
     # launched engine's flags). An engine serves one task, as both engines run one.
     task: Literal["generate", "embed"] = "generate"
+    # "priority": the engine runs requests by their `priority` (lower first) and smgd passes it
+    # on, launching the engine with its priority flags (SCHEDULING_FLAGS); "fcfs": arrival
+    # order, and a request with a non-zero priority is a 400.
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
     required: bool = True  # readiness waits for it
     # Admission: requests in flight on this engine before new ones queue; 0 = unlimited.
     max_inflight: Count = 0
@@ -617,6 +632,21 @@ def _check_task(engine: EngineConfig, at: str, tasks: dict[str, tuple[str, str]]
             )
 
 
+def sglang_has_tokenizer(engine: EngineConfig) -> bool:
+    """Whether this engine is an SGLang scheduler smgd launches with the model's tokenizer
+    loaded: the launcher's default, since its grammar backend compiles against it; not with
+    ``--skip-tokenizer-init`` or grammar backend "none" (the launcher then skips it). Unknown,
+    so False, for a scheduler smgd does not launch."""
+    launch = engine.launch
+    if launch is None or launch.kind != "sglang" or engine.structured_output.backend == "none":
+        return False
+    args = launch.args
+    grammar_none = "--grammar-backend=none" in args or any(
+        a == "--grammar-backend" and b == "none" for a, b in itertools.pairwise(args)
+    )
+    return "--skip-tokenizer-init" not in args and not grammar_none
+
+
 def _check_structured_output(engine: EngineConfig, at: str) -> None:
     so = engine.structured_output
     at_so = f"{at}.structured_output"
@@ -644,6 +674,30 @@ def _check_structured_output(engine: EngineConfig, at: str) -> None:
                     path=f"{at}.launch.args",
                     hint="set the grammar backend in one place",
                 )
+
+
+def _check_scheduling(engine: EngineConfig, at: str) -> None:
+    wire = engine.mock.wire if engine.wire is WireFamily.MOCK else engine.wire.value
+    if engine.scheduling == "priority" and wire == "tokenspeed":
+        raise ConfigError(
+            "the tokenspeed engine has no priority scheduling",
+            path=f"{at}.scheduling",
+            hint='use "fcfs"',
+        )
+    launch = engine.launch
+    if launch is None:
+        return
+    flags = (
+        "--scheduling-policy", "--enable-priority-scheduling",
+        "--schedule-low-priority-values-first", "--priority-scheduling",
+    )  # fmt: skip
+    for arg in launch.args:
+        if arg.startswith(flags):
+            raise ConfigError(
+                f"launch.args sets {arg.split('=')[0]}: smgd sets the scheduling flags",
+                path=f"{at}.launch.args",
+                hint='set `scheduling = "priority"` instead',
+            )
 
 
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
@@ -708,6 +762,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
                 'launch.kind = "command" needs `command`', path=f"{at}.launch.command"
             )
         _check_structured_output(engine, at)
+        _check_scheduling(engine, at)
     _check_workers(config, served)
     _check_cors(config.server)
     _check_socket_paths(config)

@@ -29,8 +29,14 @@ Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Poli
   business (``smgd.engines``).
 - Features that need a parser or a mode smgd does not have are rejected by name rather than
   silently ignored: ``best_of`` (other than 1 / ``n``), ``suffix``, a ``structural_tag``,
-  ``prompt_logprobs``, non-text modalities, and SGLang's structural_tag / stop_regex /
+  predicted outputs, non-text modalities, and SGLang's structural_tag / stop_regex /
   custom_params.
+- Logprobs: completions ``logprobs`` and chat ``top_logprobs`` up to :data:`MAX_LOGPROBS`
+  (vLLM's limit). ``prompt_logprobs`` (vLLM's extension) asks for the prompt tokens' logprobs;
+  completions ``echo`` with ``logprobs`` implies it, as in vLLM, and ``echo`` may come with
+  ``max_tokens: 0`` (the reply is then the prompt alone: :attr:`TextOptions.echo_only`).
+- ``priority`` (vLLM's and SGLang's extension) is read and range-checked here; whether the
+  engine schedules by it is the API layer's check (``[[engines]] scheduling``).
 - ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are the chat endpoint's business
   (``smgd.api.core.tools``: it validates them, and gives ``required`` / a named function
   their constraint); the chat template renders the tools.
@@ -51,12 +57,15 @@ from smgd.wire.common import SamplingParams, Structured, StructuredKind
 
 __all__ = [
     "MAX_N",
+    "MAX_PRIORITY",
     "MAX_SCHEMA_NESTING",
     "MAX_STOPS",
+    "MIN_PRIORITY",
     "TextOptions",
     "for_choice",
     "from_native",
     "from_openai",
+    "read_priority",
 ]
 
 # `n` fans one HTTP request out into n engine requests while admission counts one; 16 keeps a
@@ -67,8 +76,12 @@ MAX_N = 16
 MAX_STOPS = 32
 # vLLM's default max_logprobs: top-k logprobs cost a sort per token per request on the engine.
 MAX_LOGPROBS = 20
-# OpenAI's limit for the legacy completions `logprobs` (chat's `top_logprobs` goes to 20).
-MAX_COMPLETION_LOGPROBS = 5
+# The legacy completions `logprobs` limit: vLLM's (its max_logprobs, as for chat's
+# `top_logprobs`), not OpenAI's 5, so clients written for vLLM (lm-eval) get what they ask for.
+MAX_COMPLETION_LOGPROBS = MAX_LOGPROBS
+# Scheduling priorities: 32-bit, far more levels than any policy needs, and clear of the
+# sys.maxsize sentinels SGLang gives requests without one.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 # SGLang's own SamplingParams default, so native clients get what SGLang itself would give.
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -91,7 +104,7 @@ _OPENAI_API_KEYS = frozenset(
         "model", "messages", "prompt", "stream", "stream_options", "tools", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
         "continue_final_message", "documents", "request_id", "user", "metadata", "store",
-        "service_tier", "priority",
+        "service_tier",
     }
 )  # fmt: skip
 _OPENAI_SAMPLING_KEYS = frozenset(
@@ -101,11 +114,12 @@ _OPENAI_SAMPLING_KEYS = frozenset(
         "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "n",
         "echo", "skip_special_tokens", "include_stop_str_in_output", "best_of", "suffix",
         "response_format", "tool_choice", "spaces_between_special_tokens",
-        "structured_outputs", *_GUIDED, "guided_whitespace_pattern",
+        "structured_outputs", *_GUIDED, "guided_whitespace_pattern", "prompt_logprobs",
+        "priority",
     }
 )  # fmt: skip
 # Present and not null → 400, whatever the value.
-_OPENAI_UNSUPPORTED = ("prompt_logprobs", "prediction", "audio", "functions", "function_call")
+_OPENAI_UNSUPPORTED = ("prediction", "audio", "functions", "function_call")
 _NATIVE_KEYS = frozenset(
     {
         "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
@@ -126,6 +140,10 @@ class TextOptions(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     n: int = 1
     echo: bool = False
+    # Completions `echo` with `max_tokens: 0` (vLLM's "echo without generation"): the engine
+    # makes one token for the prompt's logprobs; the reply has the prompt alone.
+    echo_only: bool = False
+    priority: int | None = None  # the request's scheduling priority, if it gave one
     ignored: tuple[str, ...] = ()  # request keys that had no effect (for a log line)
 
 
@@ -508,7 +526,7 @@ def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
 
 def _openai_features(r: _Reader, n: int) -> None:
     body = r.body
-    r.reject_present(_OPENAI_UNSUPPORTED, "no prompt logprobs, audio or function-call parsing")
+    r.reject_present(_OPENAI_UNSUPPORTED, "no predicted outputs, audio or function-call parsing")
     best_of = r.integer("best_of", None, 1, None)
     if best_of is not None and best_of not in (1, n):
         raise r.fail("best_of", "`best_of` is not supported (only 1 or equal to `n`)")
@@ -536,13 +554,21 @@ def from_openai(
     if chat and body.get("max_completion_tokens") is not None:
         key = "max_completion_tokens"  # the current name; max_tokens is deprecated for chat
     what = "messages" if chat else "prompt"
+    echo = r.flag("echo", False)
+    # vLLM's "echo without generation": completions `echo` may ask for no new tokens.
+    requested = r.integer(key, None, 0 if echo and not chat else 1, None)
+    echo_only = requested == 0
     max_tokens = _max_tokens(
-        r.integer(key, None, 1, None),
+        1 if echo_only else requested,
         key=key,
         prompt_len=prompt_len,
         context_len=context_len,
         what=what,
     )
+    logprobs = _openai_logprobs(r, chat)
+    prompt_logprobs = r.integer("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if echo and not chat and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # vLLM: echoed prompt tokens come with their logprobs
     params = _common(
         r,
         max_tokens=max_tokens,
@@ -550,8 +576,10 @@ def from_openai(
         seed_key="seed",
         vocab_size=vocab_size,
         eos_token_ids=eos_token_ids,
-        logprobs=_openai_logprobs(r, chat),
+        logprobs=logprobs,
     )
+    if prompt_logprobs is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
     ignored = [k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS]
     structured = _structured_openai(body, ignored)
     if structured is not None:
@@ -564,7 +592,9 @@ def from_openai(
         include_stop_str_in_output=r.flag("include_stop_str_in_output", False),
         skip_special_tokens=r.flag("skip_special_tokens", True),
         n=n,
-        echo=r.flag("echo", False),
+        echo=echo,
+        echo_only=echo_only,
+        priority=read_priority(body),
         ignored=tuple(ignored),
     )
     return params, options
@@ -578,11 +608,15 @@ def from_native(
     vocab_size: int,
     eos_token_ids: Sequence[int] = (),
     logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+    priority: int | None = None,
 ) -> tuple[SamplingParams, TextOptions]:
     """Normalize SGLang-native ``sampling_params`` (``/generate``).
 
     ``logprobs`` comes from the request's top level in SGLang (``return_logprob`` and
-    ``top_logprobs_num``): None for none, k for the sampled token plus top-k.
+    ``top_logprobs_num``): None for none, k for the sampled token plus top-k;
+    ``prompt_logprobs`` (``logprob_start_len`` 0) asks for the prompt's too, with the same k;
+    ``priority`` is the request's (:func:`read_priority`).
     """
     body = sampling_params or {}
     if not isinstance(body, Mapping):
@@ -618,8 +652,11 @@ def from_native(
     structured = _structured_native(body)
     if structured is not None:
         params = msgspec.structs.replace(params, structured=structured)
+    if prompt_logprobs and logprobs is not None:
+        params = msgspec.structs.replace(params, prompt_logprobs=logprobs)
     r.flag("spaces_between_special_tokens", True)
     options = TextOptions(
+        priority=priority,
         stop=r.stops("stop"),
         include_stop_str_in_output=r.flag("no_stop_trim", False),
         skip_special_tokens=r.flag("skip_special_tokens", True),
@@ -627,6 +664,11 @@ def from_native(
         ignored=tuple(k for k in body if k not in _NATIVE_KEYS),
     )
     return params, options
+
+
+def read_priority(body: Mapping[str, Any]) -> int | None:
+    """The request's ``priority`` (SGLang's /generate has it at the top level), checked."""
+    return _Reader(body).integer("priority", None, MIN_PRIORITY, MAX_PRIORITY)
 
 
 def for_choice(params: SamplingParams, j: int) -> SamplingParams:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
-from smgd.engines import launch_flags
+from smgd.engines import grammar_args, launch_flags, scheduling_args
 from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient, tokenspeed_argv
@@ -122,6 +122,7 @@ def build_engine_client(
             "--skip-ids",
             ",".join(map(str, sorted(text.tokenizer.special_ids))),
             *mock_script_args(engine, config),
+            *scheduling_args(engine),
             *(launch.args if launch else []),
         ]
         argv = mock_argv(wire, f"ipc://{input_path}", f"ipc://{output_path}", extra)
@@ -148,7 +149,7 @@ def build_engine_client(
             argv = tokenspeed_argv(
                 python=launch.python or "python3",
                 model=str(text.model_dir),
-                args=[*launch_flags(engine), *launch.args],
+                args=[*grammar_args(engine), *launch.args],
             )
         elif launch.kind == "vllm":
             argv = vllm_argv(

@@ -55,7 +55,7 @@ def assert_envelope(body: dict[str, Any], *, param: str | None, kind: str) -> No
         ("/generate", {"text": ["a", "b"]}, 400, "text"),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 0}}, 400,
          "sampling_params.max_new_tokens"),
-        ("/generate", {"text": "a", "logprob_start_len": 0}, 400, "logprob_start_len"),
+        ("/generate", {"text": "a", "logprob_start_len": 3}, 400, "logprob_start_len"),
         ("/generate", {"text": "a", "sampling_params": {"regex": "a+"}}, 400,
          "sampling_params.regex"),
     ],

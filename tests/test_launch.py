@@ -143,8 +143,9 @@ def _launcher_child(launcher: str, how: str) -> str:
 @pytest.mark.parametrize("how", ["spawn", "fork"])
 @pytest.mark.parametrize("launcher", ["vllm_engine.py", "sglang_scheduler.py"])
 def test_children_of_an_engine_launcher_die_with_it(launcher: str, how: str) -> None:
-    # vLLM's CPU worker and SGLang's scheduler are multiprocessing children of the launcher;
-    # the kernel's death signal is cleared in them, so the launcher file ties them.
+    # vLLM's CPU worker and the resource tracker beside SGLang's scheduler (which now runs in
+    # the launched process itself) are multiprocessing children of the launched process; the
+    # kernel's death signal is cleared in them, so the launcher file ties them.
     parent, (pid,) = run_parent(_launcher_child(launcher, how), lines=1)
     child = int(pid)
     try:

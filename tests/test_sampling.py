@@ -198,7 +198,7 @@ def test_min_tokens_above_max_tokens() -> None:
         ),
         ({"guided_json": {}, "guided_regex": "a"}, "guided_regex"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prediction": {"type": "content"}}, "prediction"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
@@ -313,3 +313,15 @@ def test_each_choice_gets_seed_plus_its_index() -> None:
     top = chat({"n": 2, "seed": 2**63 - 1})[0]  # wraps within a signed 64-bit integer
     assert for_choice(top, 1).seed == -(2**63)
     assert for_choice(top, 1).max_tokens == top.max_tokens
+
+
+def test_prompt_logprobs_echo_and_priority() -> None:
+    params, opts = completion({"prompt_logprobs": 3, "priority": -4})
+    assert params.prompt_logprobs == 3 and opts.priority == -4
+    # vLLM: echo with logprobs brings the prompt's logprobs, with the same k
+    params, opts = completion({"echo": True, "logprobs": 2})
+    assert params.prompt_logprobs == 2 and params.logprobs == 2 and opts.echo
+    params, opts = completion({"echo": True, "logprobs": 1, "max_tokens": 0})
+    assert opts.echo_only and params.max_tokens == 1
+    params, opts = completion({"logprobs": 20})
+    assert params.logprobs == 20 and params.prompt_logprobs is None and opts.priority is None

@@ -111,6 +111,7 @@ def _common(spec: dict[str, Any]) -> GenerateRequest:
         prompt_ids=spec["prompt_ids"],
         stream=spec["stream"],
         sampling=SamplingParams(**sampling),
+        priority=spec.get("priority"),
     )
 
 
@@ -160,7 +161,6 @@ def test_eos_ids_are_not_sent_and_top_k_minus_one_is_all() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"temperature": math.inf}, "temperature"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"min_tokens": 2}, "min_tokens"),
         ({"ignore_eos": True, "stop_token_ids": (5,)}, "stop_token_ids"),
         ({"seed": 1 << 63}, "seed"),
     ],

@@ -185,6 +185,12 @@ def test_decode_outputs_translates_like_vllm(vec: dict[str, Any]) -> None:
                 r[0] for r in want["prompt_logprobs"]["token_ids"]
             ]
             assert [r.logprob for r in rows] == [r[0] for r in want["prompt_logprobs"]["logprobs"]]
+            # the delta carries them too, with each row's top-K alternatives
+            assert delta.prompt_logprobs == rows
+            pids, pvals = want["prompt_logprobs"]["token_ids"], want["prompt_logprobs"]["logprobs"]
+            assert [[(t.token_id, t.logprob) for t in r.top or ()] for r in rows] == [
+                list(zip(i[1:], x[1:], strict=True)) for i, x in zip(pids, pvals, strict=True)
+            ]
     if "load" in expect:
         assert batch.load is not None
         assert batch.load.running == expect["load"]["running"]
@@ -318,11 +324,25 @@ def test_ignore_eos_leaves_the_eos_id_unset_like_vllm() -> None:
 
 def test_logprobs_request_translation() -> None:
     ours = to_vllm_sampling(
-        SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, eos_token_ids=(2,))
+        SamplingParams(
+            max_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=3, eos_token_ids=(2,)
+        )
     )
     theirs = _sampling_of("in_add_logprobs")
-    assert ours.logprobs == theirs.logprobs == 5
-    assert theirs.prompt_logprobs == 3  # smgd does not ask for prompt logprobs (yet)
+    for field in (*ENGINE_FIELDS, "prompt_logprobs"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert theirs.prompt_logprobs == 3
+
+
+def test_priority_goes_where_vllms_front_end_puts_it() -> None:
+    theirs = decode_request(named("in_add_tail_fields"))
+    assert isinstance(theirs, AddRequest)
+    req = GenerateRequest(
+        rid="r", prompt_ids=[1], sampling=SamplingParams(max_tokens=1), priority=-1
+    )
+    ours = decode_request(encode_add(req))
+    assert isinstance(ours, AddRequest)
+    assert ours.request.priority == theirs.request.priority == -1
 
 
 SO_SCHEMA = {

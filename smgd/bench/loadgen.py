@@ -67,6 +67,8 @@ class Spec(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] = []
     expected_tokens: int = 0  # tools: completion tokens each stream reports (reply + EOS)
     expected_finish: str = "tool_calls"  # tools: "stop" when the engine parses nothing
+    # "count" (a real engine, whose text is not known in advance): plain completions counted
+    # by their usage alone (:class:`_CountStream`); expected_text and prefix_lens are unused.
 
 
 class _Usage(msgspec.Struct):
@@ -448,6 +450,60 @@ class _ToolStream(_Stream):
         res.completed += 1
 
 
+class _CountStream(_Stream):
+    """A streamed completion from a real engine: its text is not known in advance, so only
+    the usage is checked (``ignore_eos``: exactly ``max_tokens``). Tokens inside the measured
+    window are the usage times the share of the text's characters that arrived inside it."""
+
+    __slots__ = ("_window_chars",)
+
+    def __init__(self, spec: Spec, res: Results, t0: float, t_end: float) -> None:
+        super().__init__(spec, res, t0, t_end)
+        self._window_chars = 0
+
+    def feed(self, data: bytes, now: float) -> bool:
+        res = self._res
+        for payload in self.parser.feed(data):
+            if payload == b"[DONE]":
+                self._done_marker = True
+                continue
+            event = _decode_event(payload)
+            if event.error is not None:
+                raise ProtocolError(f"error event: {event.error}")
+            if event.usage is not None:
+                self._usage = event.usage.completion_tokens
+            for choice in event.choices:
+                if not choice.text:
+                    continue
+                if self._last < 0:
+                    res.ttft.append(now - self._t0)
+                else:
+                    res.gaps.append(now - self._last)
+                self._last = now
+                res.chunks += 1
+                self._chars += len(choice.text)
+                if now <= self._t_end:
+                    self._window_chars += len(choice.text)
+        return self.parser.done
+
+    def finish(self) -> None:
+        res, spec, parser = self._res, self._spec, self.parser
+        if parser.status != 200:
+            raise ProtocolError(f"HTTP {parser.status}: {bytes(parser.body[:200])!r}")
+        if not self._done_marker:
+            raise ProtocolError("stream ended without [DONE]")
+        if self._usage < 0:
+            res.bad_streams += 1  # include_usage was asked for: a missing usage chunk is a bug
+            res.lost += spec.max_tokens
+        else:
+            res.usage_tokens += self._usage
+            res.lost += max(0, spec.max_tokens - self._usage)
+            res.duplicated += max(0, self._usage - spec.max_tokens)
+            if self._chars:
+                res.window_tokens += round(self._usage * self._window_chars / self._chars)
+        res.completed += 1
+
+
 def _address(spec: Spec) -> tuple[socket.AddressFamily, Any]:
     family, _, _, _, addr = socket.getaddrinfo(spec.host, spec.port, type=socket.SOCK_STREAM)[0]
     return family, addr
@@ -498,6 +554,9 @@ def connect_all(spec: Spec, clock: Callable[[], float]) -> tuple[list[socket.soc
     return connected, times
 
 
+_STREAMS: dict[str, type[_Stream]] = {"tools": _ToolStream, "count": _CountStream}
+
+
 class _Slot:
     """One of the C request loops: a keep-alive connection and its request in flight."""
 
@@ -522,7 +581,7 @@ class _Driver:
         self.res = res
         self.clock = clock
         self.request = build_request(spec)
-        self.stream_type: type[_Stream] = _ToolStream if spec.mode == "tools" else _Stream
+        self.stream_type: type[_Stream] = _STREAMS.get(spec.mode, _Stream)
         self.family, self.addr = _address(spec)
         self.poller = select.epoll()
         self.live: dict[int, _Slot] = {}

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
-from smgd.bench import report
-from smgd.bench.workload import Workload
+from smgd.bench import real, report
+from smgd.bench.workload import VOCABS, Workload
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -38,7 +38,16 @@ DEFAULT_TARGETS = ("smgd", "floor", "vllm")
 # smgd-tools: the tools workload (a reasoning block and a hermes call parsed into
 # reasoning_content and tool_calls): what parsing costs per token beside plain `smgd`;
 # smgd-tools-noparse: the same requests and reply on an engine without parsers (the control).
-TARGETS = (*DEFAULT_TARGETS, "smgd-flat", "smgd-tools", "smgd-tools-noparse")
+# sglang-real, vllm-real: smgd vs the engine's own server on a REAL engine (smgd.bench.real);
+# on request only: each starts two servers and two engines (minutes on this machine).
+TARGETS = (
+    *DEFAULT_TARGETS,
+    "smgd-flat",
+    "smgd-tools",
+    "smgd-tools-noparse",
+    "sglang-real",
+    "vllm-real",
+)
 DEFAULT_CONCURRENCY = "1,16,64,256,1024"
 # --quick: three small points of 3 s with short outputs, about 30 s with both start-ups.
 QUICK_CONCURRENCY = "1,16,64"
@@ -92,7 +101,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         type=_targets,
         default=list(DEFAULT_TARGETS),
         help="comma-separated subset of smgd,smgd-flat,smgd-tools,smgd-tools-noparse,floor,vllm, "
-        "plus smgd-wN (N = 2..8 workers)",
+        "sglang-real,vllm-real, plus smgd-wN (N = 2..8 workers)",
     )
     parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
     parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
@@ -107,6 +116,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         type=_count,
         default=1,
         help="run every target N times, alternating their order, and report medians (1)",
+    )
+    parser.add_argument(
+        "--vocab",
+        choices=VOCABS,
+        default="tiny",
+        help="tokenizer: the packaged 1k-token one (tiny), or a 128k-token byte-level BPE "
+        "built offline on first use (~20 s) with real multilingual text as the prompt",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
@@ -126,6 +142,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, list[int]]:
         prompt_tokens=args.prompt_tokens,
         max_tokens=max_tokens,
         duration_s=duration,
+        vocab=args.vocab,
     )
     return workload, conc
 
@@ -151,6 +168,18 @@ async def _guarded(
     return None
 
 
+async def _guarded_real(
+    work: Awaitable[dict[str, list[dict[str, Any]]]], name: str, failed: dict[str, str]
+) -> dict[str, list[dict[str, Any]]] | None:
+    """:func:`_guarded` for a real-engine target (its points come keyed by side)."""
+    try:
+        return await work
+    except* _FAILURES as group:
+        exc = _first_failure(group)
+        failed[name] = f"{type(exc).__name__}: {exc}"
+    return None
+
+
 async def run_all(
     workload: Workload, conc: list[int], targets: list[str], out: Path
 ) -> dict[str, Any]:
@@ -165,6 +194,15 @@ async def run_all(
     for name in targets:
         if name == "vllm" and (why := vllm_frontend.unavailable()) is not None:
             skipped[name] = why
+            continue
+        if name in real.ENGINES:
+            if (why := real.unavailable(real.ENGINES[name])) is not None:
+                skipped[name] = why
+                continue
+            print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
+            sides = await _guarded_real(real.run_real(name, workload, conc, log_dir), name, failed)
+            for side, measured in (sides or {}).items():
+                results[side] = [real.derive(p, workload) for p in measured]
             continue
         print(f"smgd bench: {name} …", file=sys.stderr, flush=True)
         if match := _WORKERS_TARGET.fullmatch(name):
@@ -199,7 +237,7 @@ def bench_main(args: argparse.Namespace) -> int:
         run = trio.run(
             run_all, workload, conc, order, out if rounds == 1 else out / f"round-{i + 1}"
         )
-        run["ratios"] = report.ratios(run["results"])
+        run["ratios"] = report.ratios(run["results"]) + real.ratios(run["results"])
         runs.append(run)
     first = runs[0]
     doc: dict[str, Any] = {
@@ -228,6 +266,9 @@ def bench_main(args: argparse.Namespace) -> int:
         print()
         print(report.ratio_table(run["ratios"]))
         print()
+        if memory := real.memory_table(run["results"]):
+            print(memory)
+            print()
     if rounds > 1:
         print(f"median (min-max) over {rounds} rounds")
         print(report.summary_table(doc["summary"]))

@@ -129,6 +129,7 @@ def smgd_config(
     ``offered`` column says so).
     """
     batch = workload.max_batch
+    model_dir = workload.model_dir() or TINY_MODEL_DIR
     lines = [
         f'run_dir = "{run_dir}"',
         "[server]",
@@ -144,7 +145,7 @@ def smgd_config(
             f'name = "mock{index}"',
             'wire = "mock"',
             f'models = ["{SMGD_MODEL}"]',
-            f'model_dir = "{TINY_MODEL_DIR}"',
+            f'model_dir = "{model_dir}"',
             *(
                 []
                 if script is None or not parsers
@@ -171,13 +172,16 @@ async def run_smgd(
     port = free_port()
     prompt: Prompt | ToolPrompt
     script = None
+    model_dir = workload.model_dir() or TINY_MODEL_DIR
     if tools:
-        prompt = build_tool_prompt(TINY_MODEL_DIR, workload.max_tokens, parsers=parsers)
+        prompt = build_tool_prompt(model_dir, workload.max_tokens, parsers=parsers)
         # The loadgen's request bounds follow the reply's length, not M.
         workload = dataclasses.replace(workload, max_tokens=prompt.reply_tokens)
         script = "replies.toml"
     else:
-        prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
+        prompt = build_prompt(
+            model_dir, workload.prompt_tokens, workload.max_tokens, workload.prompt_text()
+        )
     # A private run dir: other smgd instances on this machine use the default one.
     with tempfile.TemporaryDirectory(prefix="smgdb-", dir="/tmp") as run_dir:
         config = Path(run_dir) / "smgd.toml"
@@ -319,8 +323,11 @@ async def run_floor(
 ) -> list[dict[str, Any]]:
     from smgd.text.tokenizer import load_tokenizer
 
-    prompt = build_prompt(TINY_MODEL_DIR, workload.prompt_tokens, workload.max_tokens)
-    skip = ",".join(map(str, sorted(load_tokenizer(TINY_MODEL_DIR).special_ids)))
+    model_dir = workload.model_dir() or TINY_MODEL_DIR
+    prompt = build_prompt(
+        model_dir, workload.prompt_tokens, workload.max_tokens, workload.prompt_text()
+    )
+    skip = ",".join(map(str, sorted(load_tokenizer(model_dir).special_ids)))
     results = []
     for c in concurrencies:
         log.info("floor point C=%d", c)

@@ -111,8 +111,10 @@ async def run_vllm(
     from smgd.bench.targets import _points
     from smgd.text.tokenizer import load_tokenizer
 
-    python, model = os.environ["VLLM_PYTHON"], os.environ["VLLM_MODEL"]
-    prompt = build_prompt(model, workload.prompt_tokens, workload.max_tokens)
+    python = os.environ["VLLM_PYTHON"]
+    model = str(workload.model_dir() or os.environ["VLLM_MODEL"])
+    text = workload.prompt_text()
+    prompt = build_prompt(model, workload.prompt_tokens, workload.max_tokens, text)
     skip = ",".join(map(str, sorted(load_tokenizer(model).special_ids)))
     port, rpc_port = free_port(), free_port()
     server = await start(

@@ -1,9 +1,14 @@
 """What one benchmark run offers: the workload knobs and the exact prompt every stream sends.
 
-The prompt is ``P`` token ids of plain English from the model's own tokenizer, with no special
-ids, so the mock engine (which echoes the prompt cyclically, skipping special ids) produces a
-known output: :class:`Prompt` carries the expected ids, text and per-token prefix lengths
-that the lost/duplicated-token check compares against.
+The prompt is ``P`` token ids of text from the model's own tokenizer, with no special ids, so
+the mock engine (which echoes the prompt cyclically, skipping special ids) produces a known
+output: :class:`Prompt` carries the expected ids, text and per-token prefix lengths that the
+lost/duplicated-token check compares against.
+
+The vocabulary (``--vocab``): ``tiny``, the packaged 1k-token model with plain English (vLLM's
+front end reads ``VLLM_MODEL``'s); or ``128k``, a 128k-token byte-level BPE built offline
+(:mod:`smgd.assets.vocab128k`), the same for every target, with real text whose tokens are
+long, multi-byte, or end inside a character.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from smgd.bench.stats import prefix_lengths
 if TYPE_CHECKING:
     from pathlib import Path
 
+VOCABS = ("tiny", "128k")
+
 _TEXT = (
     "The quick brown fox jumps over the lazy dog while the early bird catches the worm, "
     "and a stitch in time saves nine when every cloud has a silver lining. "
 )
+_REPLACEMENT = "\ufffd"  # what decode() makes of an incomplete UTF-8 character
 # How long one request may take beyond its ideal time before the hard limit fires: generous,
 # because the point of the limit is to bound a hung run, not to judge latency.
 _TIME_LIMIT_SLACK = 3.0
@@ -34,6 +42,25 @@ class Workload:
     prompt_tokens: int = 64
     max_tokens: int = 128
     duration_s: float = 10.0
+    vocab: str = "tiny"  # one of VOCABS
+
+    def model_dir(self) -> Path | None:
+        """The model dir every target uses for this vocabulary (building the 128k one on first
+        use); None for ``tiny``, where each target keeps its own (smgd's packaged model,
+        vLLM's ``VLLM_MODEL``)."""
+        if self.vocab == "tiny":
+            return None
+        from smgd.assets import vocab128k
+
+        return vocab128k.model_dir()
+
+    def prompt_text(self) -> str:
+        """The text the prompt is cut from."""
+        if self.vocab == "tiny":
+            return _TEXT
+        from smgd.assets import vocab128k
+
+        return vocab128k.SAMPLE_TEXT
 
     def mock_args(self, skip_ids: str) -> list[str]:
         """The mock engine's flags for this workload (step time, batch, never-echoed ids)."""
@@ -70,30 +97,60 @@ class Prompt:
     prefix_lens: list[int]
 
 
-def build_prompt(model_dir: str | Path, prompt_tokens: int, max_tokens: int) -> Prompt:
-    """``prompt_tokens`` ids of plain text and the echo the mock engine will stream back."""
+def build_prompt(
+    model_dir: str | Path, prompt_tokens: int, max_tokens: int, text: str = _TEXT
+) -> Prompt:
+    """``prompt_tokens`` ids of ``text`` and the echo the mock engine will stream back.
+
+    A token may end inside a UTF-8 character; the window is placed so that the prompt and the
+    echo start and end on character boundaries (a stream never ends with a held-back byte),
+    and such a token's text piece is empty (the character comes with the token completing it).
+    """
     from smgd.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     specials = tok.special_ids
-    text = _TEXT
+    source = text
     ids: list[int] = []
-    while len(ids) < prompt_tokens:
-        ids = [t for t in tok.encode(text, add_special_tokens=False) if t not in specials]
-        text += _TEXT
-    ids = ids[:prompt_tokens]
-    expected = [ids[i % len(ids)] for i in range(max_tokens)]
+    while len(ids) < 2 * prompt_tokens:
+        ids = [t for t in tok.encode(source, add_special_tokens=False) if t not in specials]
+        source += text
+
+    def echo(start: int) -> list[int]:
+        window = ids[start : start + prompt_tokens]
+        return [window[i % len(window)] for i in range(max_tokens)]
+
+    start = next(
+        (
+            i
+            for i in range(len(ids) - prompt_tokens + 1)
+            if _REPLACEMENT not in tok.decode(ids[i : i + prompt_tokens])
+            and _REPLACEMENT not in tok.decode(echo(i))
+        ),
+        None,
+    )
+    if start is None:
+        raise ValueError("no window of the text starts and ends on character boundaries")
+    expected = echo(start)
     pieces: list[str] = []
-    prev = ""
+    emitted = ""
     for k in range(1, max_tokens + 1):
         cur = tok.decode(expected[:k])
-        pieces.append(cur[len(prev) :])
-        prev = cur
+        if cur.endswith(_REPLACEMENT):  # held back until the character is complete
+            pieces.append("")
+            continue
+        if not cur.startswith(emitted):
+            raise ValueError("prompt tokens do not decode to clean per-token text pieces")
+        pieces.append(cur[len(emitted) :])
+        emitted = cur
     full = tok.decode(expected)
-    if "".join(pieces) != full or any(not p for p in pieces):
+    if "".join(pieces) != full:
         raise ValueError("prompt tokens do not decode to clean per-token text pieces")
     return Prompt(
-        ids=ids, expected_ids=expected, expected_text=full, prefix_lens=prefix_lengths(pieces)
+        ids=ids[start : start + prompt_tokens],
+        expected_ids=expected,
+        expected_text=full,
+        prefix_lens=prefix_lengths(pieces),
     )
 
 

@@ -2,7 +2,9 @@
 :mod:`~smgd.engines.vllm`, :mod:`~smgd.engines.tokenspeed`) over :mod:`~smgd.engines.base`.
 
 :func:`smgd.supervise.build_engine_client` builds them from ``[[engines]]`` entries, with the
-launch flags :func:`launch_flags` derives from ``[engines.structured_output]`` and ``task``.
+launch flags :func:`launch_flags` derives: :func:`grammar_args` from
+``[engines.structured_output]`` (or :func:`task_args` from ``task = "embed"``) and
+:func:`scheduling_args` from ``scheduling``.
 """
 
 from __future__ import annotations
@@ -10,8 +12,19 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from smgd.config import SCHEDULING_FLAGS, is_mock
+
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
+
+
+def scheduling_args(engine: EngineConfig) -> list[str]:
+    """The launch flags for ``scheduling = "priority"`` ([] for "fcfs", the engines' default,
+    and for what smgd does not launch)."""
+    kind = "mock" if is_mock(engine) else engine.launch.kind if engine.launch else None
+    if engine.scheduling != "priority" or kind is None:
+        return []
+    return list(SCHEDULING_FLAGS.get(kind, ()))
 
 
 def grammar_args(engine: EngineConfig) -> list[str]:
@@ -54,6 +67,6 @@ def task_args(engine: EngineConfig) -> list[str]:
 
 def launch_flags(engine: EngineConfig) -> list[str]:
     """Every flag smgd derives from an engine's config, before ``launch.args``."""
-    if engine.task == "embed":
-        return task_args(engine)  # no grammar backend serves an embedding model
-    return grammar_args(engine)
+    # No grammar backend serves an embedding model.
+    first = task_args(engine) if engine.task == "embed" else grammar_args(engine)
+    return [*first, *scheduling_args(engine)]

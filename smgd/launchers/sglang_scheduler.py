@@ -10,16 +10,18 @@ smgd binds PUSH at ``--smgd-input`` (the scheduler's request socket) and PULL at
 the msgpack wire (``SGLANG_USE_PICKLE_IPC=0``, set before sglang is imported), follows the same
 start-up steps as SGLang's ``Engine`` (resolve args, ``_set_envs_and_config``, plugins,
 ``check_server_args``, ``publish``, ``PortArgs``) minus the tokenizer and detokenizer
-processes, and spawns ``run_scheduler_process``. smgd is the tokenizer and the detokenizer: both
-of the scheduler's output sockets point at ``--smgd-output``. The scheduler still loads the
-model's tokenizer for its grammar backend (structured output compiles against the vocabulary),
-unless ``--grammar-backend none`` (or ``--skip-tokenizer-init``) is given: then it runs with
-``--skip-tokenizer-init`` and has no grammar backend. When the scheduler reports
-ready it prints one line ``SMGD_READY {json}`` (max_total_num_tokens, max_req_input_len,
-context_length, scheduler_pid) on stdout and waits. When the scheduler exits, for any reason,
-the launcher exits too, with the scheduler's exit code (a signal N becomes 128+N); a clean exit
-after ``ShutdownReq`` is 0. SIGTERM/SIGINT to the launcher stop the scheduler first. When the
-launcher dies (smgd gone: see lifeline.py), the scheduler dies with it.
+processes, then runs SGLang's ``run_scheduler_process`` in this very process: the process smgd
+started IS the scheduler, with no launcher parent left holding torch and sglang. smgd is the
+tokenizer and the detokenizer: both of the scheduler's output sockets point at
+``--smgd-output``. The scheduler still loads the model's tokenizer for its grammar backend
+(structured output compiles against the vocabulary), unless ``--grammar-backend none`` (or
+``--skip-tokenizer-init``) is given: then it runs with ``--skip-tokenizer-init`` and has no
+grammar backend. When the scheduler is ready the launcher prints one line ``SMGD_READY
+{json}`` (max_total_num_tokens, max_req_input_len, context_length, scheduler_pid: this
+process) on stdout. Exit codes: 0 after a ``ShutdownReq``; 1 when the scheduler fails (SGLang
+signals "the parent" then; here that ends this process instead of reaching smgd); 128+N on
+SIGTERM/SIGINT (N the signal). The scheduler dies with smgd (see lifeline.py), and so does
+any process it starts.
 
 ``--cpu-shims`` (or ``SMGD_SGLANG_CPU_SHIMS=1``) puts ``cpu_shims/`` (import-only stand-ins
 for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and sets
@@ -40,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 SHIMS = Path(__file__).resolve().parent / "cpu_shims"
-# smgd started this process through lifeline.py: it dies with smgd. The scheduler it spawns
-# (and anything that forks) must die with it; the kernel's death signal does not reach them,
+# smgd started this process through lifeline.py: it dies with smgd. Any process the scheduler
+# starts (none on one CPU rank; helpers on others) must die with it; the kernel's death signal
+# does not reach them,
 # so they tie themselves when they import this file as __mp_main__ (as every multiprocessing
 # child does). lifeline.py is next to this file, on sys.path as the script's directory;
 # imported by name so smgd's type checker need not resolve it.
@@ -49,7 +52,7 @@ lifeline = importlib.import_module("lifeline")
 if __name__ == "__mp_main__":
     lifeline.hold_parent()
 lifeline.tie_children()
-TERM_GRACE_S = 10.0  # after SIGTERM, how long the scheduler gets to exit before SIGKILL
+EXIT_SCHEDULER_FAILED = 1  # the scheduler raised (or its watchdog fired): SGLang logged why
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -92,19 +95,72 @@ def _context_length(server_args: Any) -> int | None:
         return None
 
 
-def _exit_code(code: int | None) -> int:
-    if code is None:
-        return 1
-    return 128 - code if code < 0 else code  # -N (killed by signal N) -> 128+N like a shell
+class _ReadyReport:
+    """Where ``run_scheduler_process`` sends its init info: the ``SMGD_READY`` line on stdout.
+
+    SGLang hands the scheduler one end of a pipe to its parent; here the scheduler runs in
+    this process, so the report goes straight to smgd.
+    """
+
+    def __init__(self, context_length: int | None, started: float) -> None:
+        self.context_length = context_length
+        self.started = started
+
+    def send(self, info: dict[str, Any]) -> None:
+        ready = {
+            "max_total_num_tokens": info.get("max_total_num_tokens"),
+            "max_req_input_len": info.get("max_req_input_len"),
+            "context_length": self.context_length,
+            "scheduler_pid": os.getpid(),
+            "startup_s": round(time.monotonic() - self.started, 1),
+        }
+        print("SMGD_READY " + json.dumps(ready), flush=True)
+
+
+class _NoParent:
+    """Stands in for "the parent process" SGLang signals when the scheduler fails.
+
+    SGLang's scheduler (and its watchdog) send SIGQUIT to their parent on an error, expecting
+    a launcher that then tears the tree down. Here the parent is smgd itself, which must not
+    get it: the failure ends this process instead, with :data:`EXIT_SCHEDULER_FAILED`, and
+    smgd sees the engine die.
+    """
+
+    pid = 0
+
+    def send_signal(self, _sig: int) -> None:
+        print("[smgd-launcher] scheduler failed; exiting", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_SCHEDULER_FAILED)
+
+
+def _keep_signals_from_smgd(psutil: Any) -> None:
+    """Make ``psutil.Process().parent()`` of this process the :class:`_NoParent` stand-in."""
+    real_parent = psutil.Process.parent
+
+    def parent(self: Any) -> Any:
+        return _NoParent() if self.pid == os.getpid() else real_parent(self)
+
+    psutil.Process.parent = parent
+
+
+def _exit_on(signum: int, _frame: Any) -> None:
+    # The scheduler holds nothing that outlives it (smgd owns the sockets): stop at once,
+    # with the shell's code for the signal, as a launcher that waited on it would report.
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def main(argv: list[str]) -> int:
+    """Set up as SGLang's ``Engine`` does, then run the scheduler in THIS process.
+
+    No parent stays behind holding torch and sglang (~590 MiB before): the process smgd
+    started (through lifeline.py) is the scheduler, and its exit code is the scheduler's.
+    """
     args, sglang_argv = _parse(argv)
     os.environ["SGLANG_USE_PICKLE_IPC"] = "0"  # the msgpack wire; read at sglang import
     if args.cpu_shims or os.environ.get("SMGD_SGLANG_CPU_SHIMS") == "1":
         _use_shims()
-
-    import multiprocessing as mp
 
     # sglang lives only in the engine's venv; import by name so smgd's type checker need not
     # see it.
@@ -120,7 +176,7 @@ def main(argv: list[str]) -> int:
     server_args = sargs.prepare_server_args(sglang_argv)
     utils.configure_logger(server_args)
     server_args.resolve_once()
-    engine._set_envs_and_config(server_args)  # also: mp "spawn", SIGQUIT -> kill our tree
+    engine._set_envs_and_config(server_args)  # also: SIGQUIT -> kill this process's tree
     plugins.load_plugins()
     server_args.check_server_args()
     parsers.resolve_auto_parsers(server_args)
@@ -133,43 +189,15 @@ def main(argv: list[str]) -> int:
         # in the same BatchTokenIDOutput frames: smgd is the detokenizer too.
         detokenizer_ipc_name=args.smgd_output,
     )
-    reader, writer = mp.Pipe(duplex=False)
-    proc = mp.Process(
-        target=scheduler.run_scheduler_process,
-        args=(server_args, port_args, 0, 0, 0, None, writer),  # gpu, tp, pp rank 0; no DP
-    )
-    proc.start()
-    writer.close()  # so reader.recv() sees EOF if the scheduler dies during start-up
-
-    def stop(signum: int, _frame: Any) -> None:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(TERM_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
-        proc.join()
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-    try:
-        info = reader.recv()
-    except EOFError:
-        proc.join()
-        print(f"[smgd-launcher] scheduler died during start-up ({proc.exitcode})", file=sys.stderr)
-        return _exit_code(proc.exitcode) or 1
-    ready = {
-        "max_total_num_tokens": info.get("max_total_num_tokens"),
-        "max_req_input_len": info.get("max_req_input_len"),
-        "context_length": _context_length(server_args),
-        "scheduler_pid": proc.pid,
-        "startup_s": round(time.monotonic() - started, 1),
-    }
-    print("SMGD_READY " + json.dumps(ready), flush=True)
-    proc.join()
-    print(f"[smgd-launcher] scheduler exited with {proc.exitcode}", file=sys.stderr)
-    return _exit_code(proc.exitcode)
+    report = _ReadyReport(_context_length(server_args), started)
+    _keep_signals_from_smgd(importlib.import_module("psutil"))
+    signal.signal(signal.SIGTERM, _exit_on)
+    signal.signal(signal.SIGINT, _exit_on)
+    # gpu, tp, pp rank 0; no DP. Returns after a ShutdownReq (or after logging an exception
+    # that did not end the process through _NoParent).
+    scheduler.run_scheduler_process(server_args, port_args, 0, 0, 0, None, report)
+    print("[smgd-launcher] scheduler exited", file=sys.stderr, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

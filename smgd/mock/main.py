@@ -48,6 +48,11 @@ def add_mock_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fault-after-steps", type=int, default=0)
     parser.add_argument(
+        "--priority-scheduling",
+        action="store_true",
+        help="admit waiting requests lowest priority first ([[engines]] scheduling)",
+    )
+    parser.add_argument(
         "--script",
         default=None,
         help="TOML file of scripted replies ([engines.mock] script); needs --model-dir",
@@ -116,6 +121,7 @@ def mock_engine_main(args: argparse.Namespace) -> int:
         eos_ids=args.eos_token_ids,
         skip_ids=args.skip_ids,
         script=load_script(args),
+        priority_scheduling=args.priority_scheduling,
     )
     engine = MockEngine(
         build_wire(args),

@@ -10,8 +10,11 @@ test can compute every stream's exact expected output and the demo streams reada
 With a :class:`~smgd.mock.script.Script`, a prompt it has a reply for gets that reply's tokens
 then the first EOS id instead (cyclically too, so ``ignore_eos`` writes the reply again).
 A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens, equally
-predictable. An embedding request finishes in its first step with :func:`mock_embedding`, a
-vector that depends only on its token ids.
+predictable; one with ``prompt_logprobs`` set gets them for prompt tokens 1, 2, ... with its
+first output. Before ``min_tokens`` tokens, EOS and stop ids are skipped (a real engine masks
+them), so the echo goes on. With ``priority_scheduling``, waiting requests are admitted lowest
+``priority`` first (vLLM's order; arrival order among equals). An embedding request finishes in
+its first step with :func:`mock_embedding`, a vector that depends only on its token ids.
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ class MockRequest:
     ignore_eos: bool = False
     stream: bool = True
     logprobs: int | None = None  # None: none; k: sampled token plus top-k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's plus top-k
+    min_tokens: int = 0
+    priority: int = 0
     embed: bool = False  # an embedding request: one step, a vector, no tokens
     dimensions: int | None = None  # an embedding's Matryoshka truncation
     # Filled by the scheduler:
     source: list[int] = field(default_factory=list)
+    cursor: int = 0  # the next position in source
     generated: int = 0
     unsent: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -73,6 +80,8 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., first output only
+    prompt_first: int = 0  # the first prompt token (the one without a logprob)
     embedding: list[float] | None = None  # an embedding request's vector
 
 
@@ -90,6 +99,14 @@ def mock_embedding(prompt_ids: list[int], dimensions: int | None = None) -> list
     kept = raw[: dimensions or MOCK_EMBED_SIZE]
     norm = math.sqrt(sum(x * x for x in kept)) or 1.0
     return [struct.unpack("<f", struct.pack("<f", x / norm))[0] for x in kept]
+
+
+def mock_prompt_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
+    """The fake logprob of prompt token ``position`` (1-based: the first has none): as
+    :func:`mock_logprob`, one step lower, and the token's rank is 1."""
+    entry = mock_logprob(token_id, position, k)
+    top = [TopLogprob(t.token_id, t.logprob - 1) for t in entry.top] if entry.top else None
+    return TokenLogprob(token_id=token_id, logprob=entry.logprob - 1, top=top, rank=1)
 
 
 def mock_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
@@ -115,6 +132,7 @@ class MockScheduler:
         # (SGLANG_FORCE_STREAM_INTERVAL), so partial frames get exercised.
         nonstream_interval: int = 50,
         script: Script | None = None,
+        priority_scheduling: bool = False,
     ) -> None:
         self.max_batch = max_batch
         eos_ids = list(eos_ids)
@@ -124,6 +142,7 @@ class MockScheduler:
         self.script = script
         self.skip_ids = frozenset(skip_ids) | self.eos_ids
         self.nonstream_interval = nonstream_interval
+        self.priority_scheduling = priority_scheduling
         self.waiting: deque[MockRequest] = deque()
         self.running: dict[str, MockRequest] = {}
         self.aborted_queued: list[str] = []
@@ -169,7 +188,11 @@ class MockScheduler:
     def step(self) -> list[StepOutput]:
         """Admit waiting requests, produce one token per running request."""
         while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting.popleft()
+            if self.priority_scheduling:
+                req = min(self.waiting, key=lambda r: r.priority)  # the first of the lowest
+                self.waiting.remove(req)
+            else:
+                req = self.waiting.popleft()
             self.running[req.rid] = req
         outputs: list[StepOutput] = []
         finished: list[str] = []
@@ -183,7 +206,7 @@ class MockScheduler:
             if req.aborted:
                 finish = MockFinish.ABORT
             else:
-                token = req.source[req.generated % len(req.source)]
+                token = self._next_token(req)
                 if req.logprobs is not None:
                     entry = mock_logprob(token, req.generated, req.logprobs)
                     req.unsent_logprobs.append(entry)
@@ -206,6 +229,8 @@ class MockScheduler:
                         completion_tokens=req.generated,
                         cached_tokens=cached,
                         logprobs=req.unsent_logprobs if req.logprobs is not None else None,
+                        prompt_logprobs=self._prompt_logprobs(req),
+                        prompt_first=req.prompt_ids[0] if req.prompt_ids else 0,
                     )
                 )
                 req.unsent = []
@@ -229,6 +254,27 @@ class MockScheduler:
             cached_tokens=self._cached(req.prompt_ids),
             embedding=None if aborted else mock_embedding(req.prompt_ids, req.dimensions),
         )
+
+    def _next_token(self, req: MockRequest) -> int:
+        """The next echoed token; before ``min_tokens``, EOS and stop ids are passed over (a
+        source of nothing else still yields its token after one lap)."""
+        source = req.source
+        for _ in range(len(source)):
+            token = source[req.cursor % len(source)]
+            req.cursor += 1
+            stops = token in req.stop_token_ids or (token in self.eos_ids and not req.ignore_eos)
+            if not stops or req.generated >= req.min_tokens:
+                return token
+        return token
+
+    @staticmethod
+    def _prompt_logprobs(req: MockRequest) -> list[TokenLogprob] | None:
+        """Prompt logprobs go out once, with the request's first output."""
+        k = req.prompt_logprobs
+        if k is None or req.generated > len(req.unsent):
+            return None
+        ids = req.prompt_ids
+        return [mock_prompt_logprob(ids[p], p, k) for p in range(1, len(ids))]
 
     def take_aborted_queued(self) -> list[str]:
         rids, self.aborted_queued = self.aborted_queued, []

@@ -99,6 +99,13 @@ class SglangMockWire:
                 ignore_eos=sp.ignore_eos,
                 stream=msg.stream,
                 logprobs=msg.top_logprobs_num if msg.return_logprob else None,
+                prompt_logprobs=(
+                    msg.top_logprobs_num
+                    if msg.return_logprob and msg.logprob_start_len == 0
+                    else None
+                ),
+                min_tokens=sp.min_new_tokens,
+                priority=msg.priority or 0,
             )
         )
 
@@ -143,6 +150,7 @@ class SglangMockWire:
                     o.completion_tokens,
                     o.cached_tokens,
                     o.logprobs,
+                    None if o.prompt_logprobs is None else (o.prompt_first, o.prompt_logprobs),
                 )
                 for o in outputs
             ]

@@ -31,6 +31,7 @@ from smgd.wire.vllm.engine_side import (
     encode_ready,
     encode_ready_response,
     logprobs_lists,
+    prompt_logprobs_tensors,
 )
 from smgd.wire.vllm.structs import (
     AbortRequest,
@@ -181,6 +182,9 @@ class VllmMockWire:
         self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
         if sp.logprobs is not None:
             self._logprobs[req.request_id] = sp.logprobs
+        # vLLM's min_tokens masks _all_stop_token_ids: without them (a front end that sent
+        # none) EOS is not held back.
+        min_tokens = sp.min_tokens if sp._all_stop_token_ids else 0
         stops = set(sp.stop_token_ids or ())
         if eos is not None:
             stops.add(eos)  # the engine stops on EOS only because the front end sent it
@@ -190,6 +194,9 @@ class VllmMockWire:
                 prompt_ids=list(req.prompt_token_ids or ()),
                 max_tokens=sp.max_tokens if sp.max_tokens is not None else 16,
                 stop_token_ids=frozenset(stops),
+                prompt_logprobs=sp.prompt_logprobs,
+                min_tokens=min_tokens,
+                priority=req.priority,
             )
         )
         return []
@@ -222,6 +229,8 @@ class VllmMockWire:
             rows = [[t, *(t + j for j in range(1, k + 1))] for t in o.new_ids]
             vals = [[-0.5 * (j + 1) for j in range(k + 1)] for _ in o.new_ids]
             out.new_logprobs = logprobs_lists(rows, vals, [1] * len(rows))
+        if o.prompt_logprobs:
+            out.new_prompt_logprobs_tensors = prompt_logprobs_tensors(o.prompt_logprobs)
         return out
 
     def encode_step(

@@ -130,6 +130,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; k: plus top-k
+    # The prompt's logprobs (vLLM's prompt_logprobs, SGLang's logprob_start_len 0): None for
+    # none; k: each prompt token's logprob plus its top-k alternatives.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured: Structured | None = None  # a structured-output constraint, if any
 
@@ -145,6 +148,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_ids: list[int]
     sampling: SamplingParams
     stream: bool = True
+    # The engine's scheduling priority (lower runs first; None: the engine's default). Only
+    # for engines started with priority scheduling (``[[engines]] scheduling``).
+    priority: int | None = None
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,6 +193,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
     token_id: int
     logprob: float
     top: list[TopLogprob] | None = None
+    rank: int | None = None  # the token's rank in the vocabulary (1: most likely), if known
 
 
 class TokenDelta(msgspec.Struct, kw_only=True):
@@ -199,6 +206,9 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     rid: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # Logprobs of prompt tokens 1, 2, ... (the first token has none), in order; a request's
+    # deltas carry them once, in one or more pieces, before or with its first output.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish: Finish | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -212,6 +222,10 @@ class TokenDelta(msgspec.Struct, kw_only=True):
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(later.logprobs)
+        if later.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(later.prompt_logprobs)
         if later.finish is not None:
             self.finish = later.finish
         if later.prompt_tokens is not None:

@@ -62,14 +62,20 @@ def add(name: str, obj: object, direction: str, **extra: object) -> None:
     )
 
 
+class _LoadedTokenizer:
+    """Stands for the tokenizer of a TokenizerManager that has one: normalize() reads it only
+    to encode stop strings, and these requests have none."""
+
+
 def tokenized(
-    rid: str, ids: list[int], sampling: dict, **kw: object
+    rid: str, ids: list[int], sampling: dict, *, with_tokenizer: bool = False, **kw: object
 ) -> io.TokenizedGenerateReqInput:
     """What TokenizerManager._create_tokenized_object builds for GenerateReqInput(**kw)."""
     obj = io.GenerateReqInput(rid=rid, input_ids=ids, sampling_params=sampling, **kw)
     obj.normalize_batch_and_arguments()
     sp = SamplingParams(**dict(obj.sampling_params))
-    sp.normalize(None)  # skip-tokenizer-init: no tokenizer
+    # skip-tokenizer-init: no tokenizer (min_new_tokens needs one)
+    sp.normalize(_LoadedTokenizer() if with_tokenizer else None)
     sp.verify(VOCAB)
     return io.TokenizedGenerateReqInput(
         input_text=None,
@@ -117,8 +123,13 @@ def tokenized(
     )
 
 
-def smgd_request(rid: str, ids: list[int], stream: bool, **sampling: object) -> dict:
-    return {"rid": rid, "prompt_ids": ids, "stream": stream, "sampling": sampling}
+def smgd_request(
+    rid: str, ids: list[int], stream: bool, *, priority: int | None = None, **sampling: object
+) -> dict:
+    out = {"rid": rid, "prompt_ids": ids, "stream": stream, "sampling": sampling}
+    if priority is not None:
+        out["priority"] = priority
+    return out
 
 
 def structured() -> None:
@@ -159,6 +170,33 @@ def structured() -> None:
 
 def requests() -> None:
     prompt = [1, 385, 600, 436, 943, 14, 10, 385]
+    # Prompt logprobs (from the first token, top-2; the output's top-1 rides on the same
+    # count), a priority, and min_new_tokens as a TokenizerManager with its tokenizer sends it.
+    add(
+        "tgri_prompt_logprobs_priority_min_new_tokens",
+        tokenized(
+            RID,
+            prompt,
+            {"max_new_tokens": 8, "min_new_tokens": 3, "temperature": 0.0},
+            with_tokenizer=True,
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=2,
+            priority=-4,
+        ),
+        "router_to_scheduler",
+        smgd_request=smgd_request(
+            RID,
+            prompt,
+            False,
+            priority=-4,
+            max_tokens=8,
+            min_tokens=3,
+            temperature=0.0,
+            logprobs=1,
+            prompt_logprobs=2,
+        ),
+    )
     add(
         "tgri_greedy_stream",
         tokenized(RID, prompt, {"max_new_tokens": 8, "temperature": 0.0}, stream=True),

@@ -84,6 +84,7 @@ class Choice:
         "matched",
         "output_ids",
         "parts",
+        "prompt_logprobs",
         "prompt_tokens",
         "reported_finish",
         "rid",
@@ -107,6 +108,7 @@ class Choice:
         engine: str = "",
         keep_ids: bool = False,
         logprobs: LogprobTrack | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.index = index
         self.rid = rid
@@ -124,6 +126,8 @@ class Choice:
         self.output_ids: list[int] | None = [] if keep_ids else None
         self.logprobs = logprobs  # set when the request asked for logprobs
         self.t_first: float | None = None  # time of this choice's first output event
+        # Prompt tokens 1, 2, ...'s logprobs as the engine sent them, when the request asked.
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if prompt_logprobs else None
         self.t_last: float | None = None  # time of this choice's last output event
         self.stream: RequestStream | None = None  # its engine request's, once sent
         # The finish reason the client was sent when a renderer changed it (``tool_calls``).
@@ -147,6 +151,8 @@ class Choice:
         """
         if self.finish_reason is not None:
             return ""
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(delta.prompt_logprobs)
         ids = delta.token_ids
         counted = self.completion_tokens
         self.completion_tokens += len(ids)

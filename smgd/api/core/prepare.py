@@ -25,6 +25,7 @@ import trio
 from smgd.api.core.execute import Cutoff, Job
 from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.api.core.sse import encode_json
+from smgd.config import is_mock, sglang_has_tokenizer
 from smgd.errors import EngineNotReady, InvalidRequest
 from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
@@ -45,11 +46,14 @@ if TYPE_CHECKING:
 __all__ = [
     "JSON_HEADERS",
     "MAX_CHOICES",
+    "OPENAI_NAMES",
     "ApiContext",
     "Call",
     "Handler",
+    "ParamNames",
     "Recorder",
     "Reply",
+    "check_engine",
     "context_len",
     "decode_body",
     "encode",
@@ -245,6 +249,18 @@ async def encode(
     return ids[0]
 
 
+@dataclass(frozen=True, slots=True)
+class ParamNames:
+    """An endpoint's request keys for what :func:`check_engine` may refuse."""
+
+    min_tokens: str = "min_tokens"
+    prompt_logprobs: str = "prompt_logprobs"
+    priority: str = "priority"
+
+
+OPENAI_NAMES = ParamNames()
+
+
 SamplingFor = Callable[[int, int], "tuple[SamplingParams, TextOptions]"]
 
 
@@ -259,11 +275,13 @@ def plan_jobs(
     keep_ids: bool = False,
     top_logprobs_param: str = "top_logprobs",
     align_logprobs: bool = True,
+    names: ParamNames = OPENAI_NAMES,
 ) -> tuple[list[Job], TextOptions]:
     """Pick an engine per choice, normalize sampling, validate; (prompts x n) jobs.
 
     ``top_logprobs_param`` names the request key of the top-k count in a 400 when an engine
-    cannot return top-k logprobs; ``align_logprobs`` is :class:`LogprobTrack`'s ``aligned``.
+    cannot return top-k logprobs; ``align_logprobs`` is :class:`LogprobTrack`'s ``aligned``;
+    ``names`` are the endpoint's names of what an engine may refuse (:func:`check_engine`).
     """
     if not prompts:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -282,7 +300,10 @@ def plan_jobs(
         for j in range(n):
             engine = first if j == 0 else gateway.router.pick(model, ids)
             req = GenerateRequest(
-                rid=new_engine_rid(), prompt_ids=ids, sampling=for_choice(params, j)
+                rid=new_engine_rid(),
+                prompt_ids=ids,
+                sampling=for_choice(params, j),
+                priority=check_engine(engine, params, options.priority, names),
             )
             engine.validate(req)
             _check_top_logprobs(engine, params.logprobs, top_logprobs_param)
@@ -304,6 +325,7 @@ def plan_jobs(
                 logprobs=(
                     None if params.logprobs is None else LogprobTrack(aligned=align_logprobs)
                 ),
+                prompt_logprobs=params.prompt_logprobs is not None,
             )
             jobs.append(Job(engine, req, choice, gateway.router))
             state.choices.append(choice)
@@ -311,6 +333,52 @@ def plan_jobs(
     if options.ignored:
         log.debug("%s: ignored request keys %s", state.request_id, ", ".join(options.ignored))
     return jobs, options
+
+
+def check_engine(
+    engine: EngineClient, params: SamplingParams, priority: int | None, names: ParamNames
+) -> int | None:
+    """Refuse what ``engine`` cannot do (400 naming the request key); the priority to send.
+
+    - ``min_tokens`` on an SGLang scheduler without the model's tokenizer: 0.5.23's reads the
+      min-new-tokens stop ids from the tokenizer object, which ``--skip-tokenizer-init`` leaves
+      out (its own front end refuses it in that mode; the scheduler would crash). Schedulers
+      smgd launches load it unless grammar backend "none" (:func:`sglang_has_tokenizer`); for
+      one smgd does not launch, smgd cannot tell, so it refuses.
+    - Prompt logprobs on TokenSpeed: its engine refuses any ``logprob_start_len`` but -1.
+    - A non-zero ``priority`` where the engine does not schedule by priority (``[[engines]]
+      scheduling``); vLLM refuses it then, SGLang would ignore it. An engine that does gets
+      0 for a request without one: SGLang would otherwise run such requests last.
+    """
+    wire = engine.wire
+    config = engine.config
+    if (
+        params.min_tokens
+        and wire == "sglang"
+        and not is_mock(config)
+        and not sglang_has_tokenizer(config)
+    ):
+        raise InvalidRequest(
+            f"`{names.min_tokens}` is not available on engine {engine.name}: an SGLang "
+            "scheduler without its tokenizer (--skip-tokenizer-init, grammar backend none, or "
+            "not launched by smgd) cannot apply it",
+            param=names.min_tokens,
+        )
+    if params.prompt_logprobs is not None and wire == "tokenspeed":
+        raise InvalidRequest(
+            f"`{names.prompt_logprobs}`: engine {engine.name} (tokenspeed) returns no prompt "
+            "logprobs",
+            param=names.prompt_logprobs,
+        )
+    if config.scheduling != "priority":
+        if priority:
+            raise InvalidRequest(
+                f"`{names.priority}`: engine {engine.name} does not schedule by priority "
+                '(its [[engines]] scheduling is not "priority")',
+                param=names.priority,
+            )
+        return None
+    return priority or 0
 
 
 def _check_top_logprobs(engine: EngineClient, k: int | None, param: str) -> None:

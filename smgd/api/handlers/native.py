@@ -3,16 +3,20 @@
 Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new_tokens``,
 ``stop``, ``no_stop_trim``...), ``stream``, ``rid``. Response: ``{"text", "output_ids",
 "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-"e2e_latency"}}``; a list of those when ``n > 1``. Streamed events carry the *cumulative*
-``text`` and ``output_ids`` so far (SGLang's default), ending with ``data: [DONE]``.
+"e2e_latency"}}``; a list of those when ``n > 1``. A top-level ``priority`` goes to engines
+that schedule by it (``[[engines]] scheduling``; a 400 elsewhere unless 0). Streamed events
+carry the *cumulative* ``text`` and ``output_ids`` so far (SGLang's default), ending with
+``data: [DONE]``.
 ``finish_reason`` is ``{"type": "stop", "matched": <token id or stop string>}`` or
 ``{"type": "length", "length": <max_new_tokens>}``.
 
 Logprobs (``return_logprob``, ``top_logprobs_num``, ``return_text_in_logprobs``) are SGLang's:
 ``meta_info.output_token_logprobs`` is one ``[logprob, token_id, text or null]`` per id of
 ``output_ids``, and ``output_top_logprobs`` (when ``top_logprobs_num > 0``) one list of those
-per id; streamed events carry them cumulatively, like the text. No prompt logprobs:
-``logprob_start_len`` other than -1 and ``token_ids_logprob`` are rejected.
+per id; streamed events carry them cumulatively, like the text. ``logprob_start_len: 0`` adds
+the prompt's, as SGLang writes them: ``input_token_logprobs`` one item per prompt token, the
+first ``[null, id, text or null]``, and ``input_top_logprobs`` (``null`` for the first token).
+Other starts than -1 and 0, and ``token_ids_logprob``, are rejected.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from smgd.api.core.execute import collect, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, check_request_id
 from smgd.api.core.prepare import (
     JSON_HEADERS,
+    ParamNames,
     Reply,
     context_len,
     encode,
@@ -35,17 +40,21 @@ from smgd.api.core.prepare import (
 from smgd.api.core.sse import DONE, SSE_HEADERS, encode_json, event
 from smgd.api.handlers.openai import TokenText
 from smgd.errors import InvalidRequest, SmgdError
-from smgd.sampling import from_native
+from smgd.sampling import from_native, read_priority
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
     from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState
     from smgd.api.core.prepare import Call
     from smgd.sampling import TextOptions
-    from smgd.wire.common import SamplingParams
+    from smgd.wire.common import SamplingParams, TokenLogprob
 
 __all__ = ["NativeRenderer", "generate_reply"]
 
+# What an engine may refuse, by /generate's names.
+_NAMES = ParamNames(
+    min_tokens="sampling_params.min_new_tokens", prompt_logprobs="logprob_start_len"
+)
 # SGLang request keys for features no engine path here implements; rejected by name.
 _UNSUPPORTED = (
     "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
@@ -83,9 +92,30 @@ class NativeLogprobs:
             ]
         return out
 
+    def prompt_fields(self, prompt_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
+        """``logprob_start_len: 0``: the first prompt token has no logprob (SGLang's null)."""
+        first = prompt_ids[0] if prompt_ids else None
+        text = self.tokens.get(first)[0] if self.with_text and first is not None else None
+        out: dict[str, Any] = {
+            "input_token_logprobs": [
+                [None, first, text],
+                *(self._item(e.logprob, e.token_id) for e in entries),
+            ]
+        }
+        if self.top:
+            out["input_top_logprobs"] = [
+                None,
+                *([self._item(t.logprob, t.token_id) for t in e.top or ()] for e in entries),
+            ]
+        return out
+
 
 def _meta(
-    state: RequestState, choice: Choice, max_tokens: int, logprobs: NativeLogprobs | None
+    state: RequestState,
+    choice: Choice,
+    max_tokens: int,
+    logprobs: NativeLogprobs | None,
+    prompt_ids: list[int],
 ) -> dict[str, Any]:
     meta = {
         "id": state.request_id,
@@ -96,6 +126,8 @@ def _meta(
         "e2e_latency": round(trio.current_time() - state.t_start, 6),
     }
     if logprobs is not None and choice.logprobs is not None:
+        if choice.prompt_logprobs is not None:
+            meta.update(logprobs.prompt_fields(prompt_ids, choice.prompt_logprobs))
         meta.update(logprobs.fields(choice.logprobs))
     return meta
 
@@ -108,11 +140,13 @@ class NativeRenderer:
         *,
         indexed: bool,
         logprobs: NativeLogprobs | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.state = state
         self.max_tokens = max_tokens
         self.indexed = indexed
         self.logprobs = logprobs
+        self.prompt_ids = prompt_ids or []
 
     def delta(self, choice: Choice, text: str) -> bytes:
         if text:
@@ -122,7 +156,7 @@ class NativeRenderer:
         out: dict[str, Any] = {
             "text": "".join(choice.parts),
             "output_ids": choice.output_ids,
-            "meta_info": _meta(self.state, choice, self.max_tokens, self.logprobs),
+            "meta_info": _meta(self.state, choice, self.max_tokens, self.logprobs, self.prompt_ids),
         }
         if self.indexed:
             out["index"] = choice.index
@@ -181,9 +215,11 @@ async def generate_reply(call: Call) -> Reply:
                 param="input_ids",
             )
         ids = input_ids
-    logprobs, with_text = _logprob_options(body)
+    logprobs, with_text, prompt_logprobs = _logprob_options(body)
     sampling_params = body.get("sampling_params")
     vocab, eos = text.vocab_size, text.tokenizer.eos_token_ids
+
+    priority = read_priority(body)
 
     def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
         return from_native(
@@ -193,19 +229,24 @@ async def generate_reply(call: Call) -> Reply:
             vocab_size=vocab,
             eos_token_ids=eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            priority=priority,
         )
 
     state = call.new_state("generate", model)
     jobs, options = plan_jobs(
         call.ctx.gateway, model, text, [ids], sampling_for, state,
         keep_ids=True, top_logprobs_param="top_logprobs_num", align_logprobs=False,
+        names=_NAMES,
     )  # fmt: skip
     max_tokens = jobs[0].request.sampling.max_tokens
     lp = None
     if logprobs is not None:
         lp = NativeLogprobs(TokenText(text.tokenizer), top=logprobs > 0, with_text=with_text)
     if streaming:
-        render = NativeRenderer(state, max_tokens, indexed=options.n > 1, logprobs=lp)
+        render = NativeRenderer(
+            state, max_tokens, indexed=options.n > 1, logprobs=lp, prompt_ids=ids
+        )
         body_iter = stream(
             jobs,
             state,
@@ -218,31 +259,37 @@ async def generate_reply(call: Call) -> Reply:
         )
         return Reply(body_iter, SSE_HEADERS)
     await collect(jobs, state, call.ctx.cutoff)
-    outs = [_final(state, job, max_tokens, lp) for job in jobs]
+    outs = [_final(state, job, max_tokens, lp, ids) for job in jobs]
     payload: Any = outs[0] if len(outs) == 1 else outs
     return Reply(encode_json(payload), JSON_HEADERS)
 
 
 def _final(
-    state: RequestState, job: Job, max_tokens: int, logprobs: NativeLogprobs | None
+    state: RequestState,
+    job: Job,
+    max_tokens: int,
+    logprobs: NativeLogprobs | None,
+    prompt_ids: list[int],
 ) -> dict[str, Any]:
     choice = job.choice
     return {
         "text": "".join(choice.parts),
         "output_ids": choice.output_ids,
-        "meta_info": _meta(state, choice, max_tokens, logprobs),
+        "meta_info": _meta(state, choice, max_tokens, logprobs, prompt_ids),
     }
 
 
-def _logprob_options(body: dict[str, Any]) -> tuple[int | None, bool]:
-    """(top-k count or None when no logprobs, return_text_in_logprobs) of a /generate body."""
+def _logprob_options(body: dict[str, Any]) -> tuple[int | None, bool, bool]:
+    """(top-k count or None when no logprobs, return_text_in_logprobs, prompt logprobs) of a
+    /generate body."""
     for key in ("return_logprob", "return_text_in_logprobs"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise InvalidRequest(f"`{key}` must be a boolean", param=key)
     start = body.get("logprob_start_len")
-    if start is not None and start != -1:
+    if start is not None and start not in (-1, 0):
         raise InvalidRequest(
-            "`logprob_start_len` is not supported by smgd (no prompt logprobs)",
+            "`logprob_start_len` must be -1 (no prompt logprobs) or 0 (from the first prompt "
+            "token): smgd returns no partial prompt logprobs",
             param="logprob_start_len",
         )
     if body.get("token_ids_logprob") is not None:
@@ -253,5 +300,5 @@ def _logprob_options(body: dict[str, Any]) -> tuple[int | None, bool]:
     if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
         raise InvalidRequest("`top_logprobs_num` must be an integer", param="top_logprobs_num")
     if not body.get("return_logprob"):
-        return None, False
-    return top or 0, bool(body.get("return_text_in_logprobs"))
+        return None, False, False
+    return top or 0, bool(body.get("return_text_in_logprobs")), start == 0

@@ -31,6 +31,8 @@ from smgd.api.core.execute import collect, log_request, stream
 from smgd.api.core.pipeline import MIN_LOGPROB, RequestState
 from smgd.api.core.prepare import (
     JSON_HEADERS,
+    OPENAI_NAMES,
+    ParamNames,
     Reply,
     context_len,
     encode,
@@ -170,6 +172,84 @@ def completion_logprobs(
     }
 
 
+def echo_logprobs(
+    tt: TokenText, prompt_ids: list[int], entries: list[TokenLogprob]
+) -> dict[str, Any]:
+    """Completions ``echo`` + ``logprobs``: the prompt tokens' part of ``choices[i].logprobs``,
+    as vLLM writes it: the first token has no logprob (``null``), each token's text is its
+    own, and ``text_offset`` counts those texts from 0. ``entries`` are tokens 1, 2, ...'s."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    at = 0
+    for i, token_id in enumerate(prompt_ids):
+        token = tt.get(token_id)[0]
+        entry = entries[i - 1] if 0 < i <= len(entries) else None
+        tokens.append(token)
+        offsets.append(at)
+        at += len(token)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top = {tt.get(entry.token_id)[0]: _lp(entry.logprob)}
+        for t in entry.top or ():
+            top.setdefault(tt.get(t.token_id)[0], _lp(t.logprob))
+        values.append(_lp(entry.logprob))
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Echoed prompt logprobs followed by the generated ones (offsets moved past the head)."""
+    if tail is None:
+        return head
+    shift = sum(len(t) for t in head["tokens"])
+    return {
+        "tokens": head["tokens"] + tail["tokens"],
+        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+        "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+        "text_offset": head["text_offset"] + [shift + o for o in tail["text_offset"]],
+    }
+
+
+def prompt_logprobs_field(
+    tt: TokenText, entries: list[TokenLogprob] | None
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: ``null`` for the first prompt token, then one
+    ``{token id: {logprob, rank, decoded_token}}`` per token: the prompt token first, then its
+    top-k alternatives (ranks 1..k)."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries:
+        row = {str(e.token_id): _prompt_entry(tt, e.token_id, e.logprob, _rank(e))}
+        for j, t in enumerate(e.top or (), start=1):
+            row.setdefault(str(t.token_id), _prompt_entry(tt, t.token_id, t.logprob, j))
+        out.append(row)
+    return out
+
+
+def _rank(e: TokenLogprob) -> int | None:
+    """The engine's rank of the prompt token, or its place among the top-k (None if absent)."""
+    if e.rank is not None:
+        return e.rank
+    for j, t in enumerate(e.top or (), start=1):
+        if t.token_id == e.token_id:
+            return j
+    return None
+
+
+def _prompt_entry(tt: TokenText, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+    return {"logprob": _lp(logprob), "rank": rank, "decoded_token": tt.get(token_id)[0]}
+
+
 def stop_reason(choice: Choice, sampling: SamplingParams) -> int | str | None:
     """vLLM's ``stop_reason``: the stop string, or the id of the client's ``stop_token_ids``,
     that ended the choice; None for EOS and length. (Engines name the EOS id a finish hit,
@@ -199,12 +279,14 @@ class OpenAIRenderer:
         include_usage: bool,
         echo: dict[int, str] | None = None,
         tokens: TokenText | None = None,
+        echo_ids: dict[int, list[int]] | None = None,
     ) -> None:
         self.fmt = fmt
         self.state = state
         self.include_usage = include_usage
         self.echo = echo
         self.tokens = tokens  # set when the request asked for logprobs
+        self.echo_ids = echo_ids  # echo with logprobs: each choice's prompt ids
 
     def delta(self, choice: Choice, text: str) -> bytes:
         if choice.sent_role and choice.finish_reason is None and self.tokens is None:
@@ -217,7 +299,7 @@ class OpenAIRenderer:
         if not text and not choice.done and not (first and self.fmt.chat):
             return b""
         choice.sent_role = True
-        logprobs = self._unsent_logprobs(choice)
+        logprobs = self._unsent_logprobs(choice, first=first)
         return self.fmt.chunk(
             choice.index,
             text,
@@ -226,12 +308,19 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
-    def _unsent_logprobs(self, choice: Choice) -> bytes:
+    def _unsent_logprobs(self, choice: Choice, *, first: bool = False) -> bytes:
+        """The logprobs of the chunk (``null`` if none); a completions ``echo`` puts the
+        prompt's before the output's in a choice's ``first`` chunk."""
+        found: dict[str, Any] | None = None
         if self.tokens is not None and choice.logprobs is not None:
             entries, offsets, texts = choice.logprobs.unsent()
             if entries:
-                return encode_json(self._logprobs(entries, offsets, texts))
-        return b"null"
+                found = self._logprobs(entries, offsets, texts)
+            if first and self.echo_ids is not None:
+                prompt = self.echo_ids[choice.index]
+                head = echo_logprobs(self.tokens, prompt, choice.prompt_logprobs or [])
+                found = join_logprobs(head, found)
+        return b"null" if found is None else encode_json(found)
 
     def _logprobs(
         self, entries: list[TokenLogprob], offsets: list[int], texts: list[str]
@@ -341,10 +430,20 @@ async def _respond(
     echo: dict[int, str] | None,
     tokenizer: Tokenizer,
     parsers: dict[int, ChoiceParser] | None = None,
+    echo_only: bool = False,
 ) -> Reply:
+    """``echo``: each choice's prompt text, to put before its output; with logprobs, the
+    prompt's logprobs go before the output's too. ``echo_only``: ``max_tokens: 0``, the reply
+    is the prompt alone (its one engine token is counted in usage, as vLLM counts it)."""
     prefix = "chatcmpl-" if chat else "cmpl-"
-    wants_logprobs = jobs[0].request.sampling.logprobs is not None
-    tokens = TokenText(tokenizer) if wants_logprobs else None
+    sampling = jobs[0].request.sampling
+    wants_logprobs = sampling.logprobs is not None
+    tokens = (
+        TokenText(tokenizer) if wants_logprobs or sampling.prompt_logprobs is not None else None
+    )
+    echo_ids = None
+    if echo is not None and wants_logprobs:
+        echo_ids = {job.choice.index: job.request.prompt_ids for job in jobs}
     response_id = prefix + state.request_id
     if streaming:
         fmt = ChunkFormat(
@@ -359,7 +458,12 @@ async def _respond(
             render = ParsedRenderer(fmt, state, parsers, include_usage=include_usage, tokens=tokens)
         else:
             render = OpenAIRenderer(
-                fmt, state, include_usage=include_usage, echo=echo, tokens=tokens
+                fmt,
+                state,
+                include_usage=include_usage,
+                echo=echo,
+                tokens=tokens if wants_logprobs else None,
+                echo_ids=echo_ids,
             )
         body = stream(
             jobs,
@@ -376,7 +480,7 @@ async def _respond(
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
-        text = "".join(choice.parts)
+        text = "" if echo_only else "".join(choice.parts)
         if echo is not None:
             text = echo[choice.index] + text
         entry: dict[str, Any] = {"index": choice.index}
@@ -400,11 +504,16 @@ async def _respond(
                 if chat
                 else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
+            if echo_ids is not None:
+                head = echo_logprobs(tokens, echo_ids[choice.index], choice.prompt_logprobs or [])
+                entry["logprobs"] = join_logprobs(head, None if echo_only else entry["logprobs"])
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
+        if not chat and tokens is not None and sampling.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = prompt_logprobs_field(tokens, choice.prompt_logprobs)
         choices.append(entry)
     log_request(state)  # now that the finish reasons the client gets are known
-    payload = {
+    payload: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": state.created,
@@ -412,6 +521,9 @@ async def _respond(
         "choices": choices,
         "usage": state.usage(),
     }
+    if chat and sampling.prompt_logprobs is not None and tokens is not None:
+        # vLLM puts chat's at the top level (one prompt for every choice).
+        payload["prompt_logprobs"] = prompt_logprobs_field(tokens, jobs[0].choice.prompt_logprobs)
     return Reply(encode_json(payload), JSON_HEADERS)
 
 
@@ -501,6 +613,7 @@ async def chat_reply(call: Call) -> Reply:
     )  # fmt: skip
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
+    _no_streamed_prompt_logprobs(body, streaming)
     spec = ParseSpec(tools, thinking=kwargs.get("enable_thinking") is not False)
     parsers: dict[int, ChoiceParser] = {}
     for job in jobs:
@@ -567,14 +680,19 @@ async def completion_reply(call: Call) -> Reply:
         else:
             prompts.append(list(item))
     state = call.new_state("completion", model)
+    # Prompt logprobs the client did not name come from `echo` (with `logprobs`).
+    implied = body.get("prompt_logprobs") is None
     jobs, options = plan_jobs(
         call.ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
         top_logprobs_param="logprobs",
+        names=ParamNames(prompt_logprobs="echo") if implied else OPENAI_NAMES,
     )  # fmt: skip
+    _no_streamed_prompt_logprobs(body, streaming)
+    if options.echo_only and streaming:
+        raise InvalidRequest(
+            "`max_tokens: 0` (echo without generation) needs `stream: false`", param="max_tokens"
+        )
     echo: dict[int, str] | None = None
-    if options.echo and jobs[0].request.sampling.logprobs is not None:
-        # OpenAI then returns the prompt's logprobs too, which smgd does not compute.
-        raise InvalidRequest("`echo` with `logprobs` is not supported by smgd", param="echo")
     if options.echo:
         echo = {}
         for job in jobs:
@@ -584,5 +702,14 @@ async def completion_reply(call: Call) -> Reply:
             )
     return await _respond(
         call, jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
-        tokenizer=text.tokenizer,
+        tokenizer=text.tokenizer, echo_only=options.echo_only,
     )  # fmt: skip
+
+
+def _no_streamed_prompt_logprobs(body: dict[str, Any], streaming: bool) -> None:
+    """vLLM's rule: an explicit ``prompt_logprobs`` needs a non-streamed reply (completions'
+    ``echo`` with ``logprobs`` streams them in its first chunk)."""
+    if streaming and body.get("prompt_logprobs") is not None:
+        raise InvalidRequest(
+            "`prompt_logprobs` are not available when `stream=True`", param="prompt_logprobs"
+        )

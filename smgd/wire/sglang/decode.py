@@ -62,12 +62,12 @@ class _OutputHead(
     reasoning_tokens: Raw
     completion_tokens: list[int]
     cached_tokens: list[int]
-    input_token_logprobs_val: Raw
-    input_token_logprobs_idx: Raw
+    input_token_logprobs_val: list[list[Any] | None] | None
+    input_token_logprobs_idx: list[list[Any] | None] | None
     output_token_logprobs_val: list[list[Any] | None] | None
     output_token_logprobs_idx: list[list[Any] | None] | None
-    input_top_logprobs_val: Raw
-    input_top_logprobs_idx: Raw
+    input_top_logprobs_val: list[list[Any] | None] | None
+    input_top_logprobs_idx: list[list[Any] | None] | None
     output_top_logprobs_val: list[list[Any] | None] | None
     output_top_logprobs_idx: list[list[Any] | None] | None
 
@@ -201,6 +201,36 @@ def _logprobs(head: _OutputHead, i: int, n: int) -> list[TokenLogprob] | None:
     return out
 
 
+def _prompt_logprobs(head: _OutputHead, i: int, n: int) -> list[TokenLogprob] | None:
+    """Request i's prompt logprobs (sent once, with ``logprob_start_len`` 0): SGLang's rows
+    start with the first prompt token's ``None``, which is dropped; top-k rows likewise."""
+    vals = _row(head.input_token_logprobs_val, i, n, "input_token_logprobs_val")
+    idxs = _row(head.input_token_logprobs_idx, i, n, "input_token_logprobs_idx")
+    if not vals and not idxs:
+        return None
+    rid = head.rids[i]  # type: ignore[index]
+    if vals is None or idxs is None or len(vals) != len(idxs):
+        raise WireError(f"ragged prompt logprob columns for rid {rid!r}")
+    top_vals = _row(head.input_top_logprobs_val, i, n, "input_top_logprobs_val") or []
+    top_idxs = _row(head.input_top_logprobs_idx, i, n, "input_top_logprobs_idx") or []
+    if len(top_vals) != len(top_idxs) or (top_vals and len(top_vals) != len(vals)):
+        raise WireError(f"ragged prompt top-logprob columns for rid {rid!r}")
+    out = []
+    for k, (value, token_id) in enumerate(zip(vals, idxs, strict=True)):
+        if value is None and k == 0:
+            continue
+        if type(token_id) is not int or not isinstance(value, int | float):
+            raise WireError(f"prompt logprob entry {k} of rid {rid!r} is incomplete")
+        top = None
+        if top_vals:
+            tv, ti = top_vals[k] or [], top_idxs[k] or []
+            if len(tv) != len(ti):
+                raise WireError(f"ragged prompt top-logprob entry {k} for rid {rid!r}")
+            top = [TopLogprob(t, float(v)) for v, t in zip(tv, ti, strict=True)] or None
+        out.append(TokenLogprob(token_id=token_id, logprob=float(value), top=top))
+    return out
+
+
 def _deltas(head: _OutputHead) -> list[TokenDelta]:
     rids = head.rids or []
     n = len(rids)
@@ -214,11 +244,13 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
     want_logprobs = head.output_token_logprobs_val is not None or (
         head.output_token_logprobs_idx is not None
     )
+    want_prompt = bool(head.input_token_logprobs_val) or bool(head.input_token_logprobs_idx)
     return [
         TokenDelta(
             rid=rid,
             token_ids=ext_to_ids(outs[i]) if outs is not None else [],
             logprobs=_logprobs(head, i, n) if want_logprobs else None,
+            prompt_logprobs=_prompt_logprobs(head, i, n) if want_prompt else None,
             finish=finish_from_wire(reasons[i]),
             prompt_tokens=prompt[i],
             completion_tokens=completion[i],

@@ -71,16 +71,15 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
 
     Greedy becomes temperature 1 + top_k 1, top_k -1 becomes 1<<30, stop strings/regexes are
     empty lists (smgd matches stop strings itself), ``is_normalized`` is True. EOS ids are not
-    sent: SGLang reads them from the model config. ``min_tokens`` and ``ignore_eos`` together
-    with stop token ids cannot be expressed on this wire and are refused. A structured-output
-    constraint goes in its grammar field (:func:`grammar_fields`).
+    sent: SGLang reads them from the model config. ``ignore_eos`` together with stop token ids
+    cannot be expressed on this wire and is refused. A structured-output constraint goes in its
+    grammar field (:func:`grammar_fields`).
+
+    ``min_tokens`` goes in ``min_new_tokens`` as TokenizerManager sends it; SGLang 0.5.23's
+    scheduler cannot apply it when started with ``--skip-tokenizer-init`` (its penalizer reads
+    stop ids from the tokenizer object it then does not have, and crashes): smgd refuses it for
+    such engines before anything is sent (``smgd.api.core.prepare.check_engine``).
     """
-    if s.min_tokens > 0:
-        # SGLang's min-new-tokens penalizer reads the tokenizer's EOS, which a
-        # --skip-tokenizer-init scheduler does not have: it would crash.
-        raise InvalidRequest(
-            "min_tokens is not supported by the SGLang backend", param="min_tokens"
-        )
     if s.ignore_eos and s.stop_token_ids:
         # SGLang's ignore_eos also disables stop_token_ids (_check_token_based_finish).
         raise InvalidRequest(
@@ -98,6 +97,7 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
     json_schema, regex, ebnf = grammar_fields(s.structured)
     sp = SamplingParams(
         max_new_tokens=s.max_tokens,
+        min_new_tokens=s.min_tokens,
         stop_token_ids=stop_ids,
         temperature=temperature,
         top_p=float(s.top_p),
@@ -121,8 +121,18 @@ def to_sglang_sampling(s: CommonSampling) -> SamplingParams:
 
 
 def _tgri(
-    rid: str, ids: Sequence[int], sp: SamplingParams, stream: bool, logprobs: int | None
+    rid: str,
+    ids: Sequence[int],
+    sp: SamplingParams,
+    stream: bool,
+    logprobs: int | None,
+    *,
+    prompt_logprobs: int | None = None,
+    priority: int | None = None,
 ) -> TokenizedGenerateReqInput:
+    # One top-k count serves the prompt and the output on this wire: the larger one (smgd
+    # trims each side to what was asked for).
+    top = max(logprobs or 0, prompt_logprobs or 0)
     return TokenizedGenerateReqInput(
         rid=rid,
         input_text=None,
@@ -131,11 +141,13 @@ def _tgri(
         mm_inputs=None,
         token_type_ids=None,
         sampling_params=sp,
-        return_logprob=logprobs is not None,
-        logprob_start_len=-1,  # GenerateReqInput's default: no prompt logprobs
-        top_logprobs_num=logprobs or 0,
+        return_logprob=logprobs is not None or prompt_logprobs is not None,
+        # -1 (GenerateReqInput's default): no prompt logprobs; 0: from the first token on.
+        logprob_start_len=-1 if prompt_logprobs is None else 0,
+        top_logprobs_num=top,
         token_ids_logprob=None,
         stream=stream,
+        priority=priority,
     )
 
 
@@ -144,7 +156,16 @@ def encode_generate(req: GenerateRequest) -> bytes:
     if not req.rid:
         raise ValueError("a generate request needs a non-empty rid")
     sp = to_sglang_sampling(req.sampling)
-    return _encoder.encode(_tgri(req.rid, req.prompt_ids, sp, req.stream, req.sampling.logprobs))
+    msg = _tgri(
+        req.rid,
+        req.prompt_ids,
+        sp,
+        req.stream,
+        req.sampling.logprobs,
+        prompt_logprobs=req.sampling.prompt_logprobs,
+        priority=req.priority,
+    )
+    return _encoder.encode(msg)
 
 
 def new_health_check_rid() -> str:

@@ -54,6 +54,31 @@ class OutputItem(NamedTuple):
     completion_tokens: int  # cumulative
     cached_tokens: int
     logprobs: Sequence[TokenLogprob] | None = None
+    # (first prompt token id, logprobs of prompt tokens 1..), sent once (logprob_start_len 0)
+    prompt_logprobs: tuple[int, Sequence[TokenLogprob]] | None = None
+
+
+def _prompt_columns(items: Sequence[OutputItem], top: bool) -> tuple[Any, Any, Any, Any]:
+    """SGLang's input logprob columns: each row starts with the first token's None."""
+    vals: list[list[Any]] = []
+    idxs: list[list[Any]] = []
+    top_vals: list[list[Any]] = []
+    top_idxs: list[list[Any]] = []
+    for it in items:
+        if it.prompt_logprobs is None:
+            for col in (vals, idxs, top_vals, top_idxs):
+                col.append([])
+            continue
+        first, rows = it.prompt_logprobs
+        vals.append([None, *(lp.logprob for lp in rows)])
+        idxs.append([first, *(lp.token_id for lp in rows)])
+        if top:
+            top_vals.append([None, *([t.logprob for t in lp.top or ()] for lp in rows)])
+            top_idxs.append([None, *([t.token_id for t in lp.top or ()] for lp in rows)])
+        else:
+            top_vals.append([])
+            top_idxs.append([])
+    return vals, idxs, top_vals, top_idxs
 
 
 def _logprob_columns(items: Sequence[OutputItem]) -> tuple[Any, Any, Any, Any]:
@@ -80,6 +105,10 @@ def build_batch_output(items: Sequence[OutputItem | tuple[Any, ...]]) -> BatchTo
     ids = [ids_to_ext(it.token_ids) for it in its]
     vals, idxs, top_vals, top_idxs = _logprob_columns(its)
     empty: list[list[Any]] | None = None if vals is None else [[] for _ in its]
+    in_vals, in_idxs, in_top_vals, in_top_idxs = empty, empty, empty, empty
+    if vals is not None and any(it.prompt_logprobs is not None for it in its):
+        top = any(lp.top for it in its for lp in (it.prompt_logprobs or (0, ()))[1])
+        in_vals, in_idxs, in_top_vals, in_top_idxs = _prompt_columns(its, top)
     finished = any(it.finish is not None for it in its)
     return BatchTokenIDOutput(
         rids=[it.rid for it in its],
@@ -96,12 +125,12 @@ def build_batch_output(items: Sequence[OutputItem | tuple[Any, ...]]) -> BatchTo
         reasoning_tokens=[0] * n,
         completion_tokens=[it.completion_tokens for it in its],
         cached_tokens=[it.cached_tokens for it in its],
-        input_token_logprobs_val=empty,
-        input_token_logprobs_idx=empty,
+        input_token_logprobs_val=in_vals,
+        input_token_logprobs_idx=in_idxs,
         output_token_logprobs_val=vals,
         output_token_logprobs_idx=idxs,
-        input_top_logprobs_val=empty,
-        input_top_logprobs_idx=empty,
+        input_top_logprobs_val=in_top_vals,
+        input_top_logprobs_idx=in_top_idxs,
         output_top_logprobs_val=top_vals,
         output_top_logprobs_idx=top_idxs,
         input_token_ids_logprobs_val=empty,

@@ -256,20 +256,28 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
     queue_times: dict[str, float] | None = None
 
 
-def _logprob_rows(lp: _HotLogprobs, frames: Sequence[Frame], k: int | None) -> list[TokenLogprob]:
+def _logprob_rows(
+    lp: _HotLogprobs, frames: Sequence[Frame], k: int | None, *, ranks: bool = False
+) -> list[TokenLogprob]:
+    """Rows of a LogprobsTensors; ``ranks``: with each row's token rank (prompt rows)."""
     if len(lp.logprob_token_ids.shape) != 2 or lp.logprob_token_ids.shape != lp.logprobs.shape:
         raise WireError("vllm: logprob token ids and values must be 2-D of the same shape")
     ids = tensor_values(lp.logprob_token_ids, frames)
     vals = tensor_values(lp.logprobs, frames)
     if len(ids) != len(vals) or any(len(a) != len(b) for a, b in zip(ids, vals, strict=False)):
         raise WireError("vllm: logprob token ids and values have different shapes")
+    rank_of: list[Any] = [None] * len(ids)
+    if ranks:
+        rank_of = tensor_values(lp.ranks, frames)
+        if len(rank_of) != len(ids):
+            raise WireError("vllm: prompt logprob ranks do not match its rows")
     rows: list[TokenLogprob] = []
-    for id_row, val_row in zip(ids, vals, strict=True):
-        # Column 0 is the sampled token; 1..K are the batch-wide top-K, so slice to the
-        # request's own K.
+    for id_row, val_row, rank in zip(ids, vals, rank_of, strict=True):
+        # Column 0 is the sampled (or prompt) token; 1..K are the batch-wide top-K, so slice
+        # to the request's own K.
         n = len(id_row) - 1 if k is None else min(k, len(id_row) - 1)
         top = [TopLogprob(id_row[j], val_row[j]) for j in range(1, n + 1)] if n > 0 else None
-        rows.append(TokenLogprob(token_id=id_row[0], logprob=val_row[0], top=top))
+        rows.append(TokenLogprob(token_id=id_row[0], logprob=val_row[0], top=top, rank=rank))
     return rows
 
 
@@ -339,7 +347,8 @@ def decode_outputs(
         if out.new_prompt_logprobs_tensors is not None:
             if prompt_lp is None:
                 prompt_lp = {}
-            prompt_lp[rid] = _logprob_rows(out.new_prompt_logprobs_tensors, frames, None)
+            rows = _logprob_rows(out.new_prompt_logprobs_tensors, frames, None, ranks=True)
+            prompt_lp[rid] = delta.prompt_logprobs = rows
         if out.events is not None and (waited := _queue_time(out.events)) is not None:
             if queue_times is None:
                 queue_times = {}

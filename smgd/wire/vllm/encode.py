@@ -159,6 +159,7 @@ def to_vllm_sampling(sp: CommonSampling, *, structured_backend: str = "auto") ->
         "max_tokens": sp.max_tokens,
         "min_tokens": sp.min_tokens,
         "logprobs": sp.logprobs,
+        "prompt_logprobs": sp.prompt_logprobs,
         "logit_bias": dict(sp.logit_bias) if sp.logit_bias else None,
         "structured_outputs": (
             None if sp.structured is None else structured_outputs(sp.structured, structured_backend)
@@ -188,7 +189,6 @@ def encode_add(
     client_index: int = 0,
     arrival_time: float | None = None,
     cache_salt: str | None = None,
-    priority: int = 0,
     structured_backend: str = "auto",
 ) -> list[bytes]:
     """ADD frames (type byte + EngineCoreRequest) for one engine request.
@@ -197,7 +197,8 @@ def encode_add(
     the vocab size and ``len(prompt) + max_tokens <= max_model_len``; either mistake kills the
     engine. ``client_index`` picks the output socket (``outputs[client_index]`` of INIT).
     ``structured_backend`` is the engine's structured-output backend (see
-    :func:`structured_outputs`).
+    :func:`structured_outputs`). ``req.priority`` is vLLM's (lower runs first; the engine
+    refuses a non-zero one unless started with ``--scheduling-policy priority``).
     """
     core = EngineCoreRequest(
         request_id=req.rid,
@@ -210,7 +211,7 @@ def encode_add(
         cache_salt=cache_salt,
         data_parallel_rank=None,
         client_index=client_index,
-        priority=priority,
+        priority=req.priority or 0,
     )
     return encode_engine_request(core)
 

@@ -13,6 +13,7 @@ from smgd.wire.vllm.structs import (
     EngineCoreOutputs,
     HandshakeStatus,
     LogprobsLists,
+    LogprobsTensors,
     ReadyResponse,
     Tensor,
 )
@@ -20,6 +21,8 @@ from smgd.wire.vllm.tensors import make_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from smgd.wire.common import TokenLogprob
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
@@ -96,4 +99,17 @@ def logprobs_lists(
         make_tensor("<i4", [rows, cols], token_ids),
         make_tensor("<f4", [rows, cols], logprobs),
         make_tensor("<i8", [rows], ranks),
+    )
+
+
+def prompt_logprobs_tensors(rows: Sequence[TokenLogprob]) -> LogprobsTensors:
+    """Prompt logprobs of tokens 1.. as vLLM's engine sends them (for the mock): ``[P-1, K+1]``
+    ids and values, column 0 the prompt token, and its ranks."""
+    ids = [[r.token_id, *(t.token_id for t in r.top or ())] for r in rows]
+    vals = [[r.logprob, *(t.logprob for t in r.top or ())] for r in rows]
+    cols = len(ids[0]) if ids else 0
+    return LogprobsTensors(
+        make_tensor("<i4", [len(ids), cols], ids),
+        make_tensor("<f4", [len(ids), cols], vals),
+        make_tensor("<i8", [len(ids)], [r.rank if r.rank is not None else 1 for r in rows]),
     )
