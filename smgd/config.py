@@ -228,6 +228,42 @@ class StructuredOutputConfig(_Section):
     disable_any_whitespace: bool = False
 
 
+# The most adapters one batch may hold (vLLM --max-loras, SGLang --max-loras-per-batch): each
+# slot reserves max_lora_rank-wide weights for every targeted layer on the device; past 256
+# the reservation dwarfs any deployment's adapters.
+MAX_LORAS = 256
+# vLLM's largest --max-lora-rank.
+MAX_LORA_RANK = 512
+# What an adapter may be called: it is a model name in requests and /v1/models. No ':' (the
+# `base:adapter` form splits on it) and no ',' (smgd_lora_requests_info lists names with it).
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}")
+# The launch flags smgd sets from [engines.lora], per launch kind (config.validate refuses them
+# in launch.args as well).
+LORA_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "vllm": ("--enable-lora", "--max-loras", "--max-lora-rank"),
+    "sglang": ("--enable-lora", "--lora-paths", "--max-loras-per-batch", "--max-lora-rank"),
+}
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on this engine's base model (docs/how-to/lora.md). Its presence launches
+    the engine with LoRA enabled."""
+
+    # Adapters served from the start: name (a model name in requests) = adapter directory
+    # (adapter_config.json + weights).
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    # Adapters one batch may mix. 4 lets a few adapters share a batch without reserving much
+    # device memory (vLLM's default is 1, SGLang's 8).
+    max_loras: Annotated[int, msgspec.Meta(ge=1, le=MAX_LORAS)] = 4
+    # The largest adapter rank the engine reserves room for; unset: the engine's default
+    # (vLLM 16; SGLang the largest of the start-up adapters).
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1, le=MAX_LORA_RANK)] | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter for this engine (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, as a client could load any directory
+    # on this host the engine can read.
+    allow_runtime_updates: bool = False
+
+
 class TimeoutsConfig(_Section):
     # SGLang needs ~30-40 s to import and load even a tiny model on this CPU; real models more.
     ready_s: PositiveSeconds = 600.0
@@ -258,6 +294,7 @@ class EngineConfig(_Section):
     structured_output: StructuredOutputConfig = msgspec.field(
         default_factory=StructuredOutputConfig
     )
+    lora: LoraConfig | None = None
     max_model_len: ContextLen | None = None  # override what the engine / config.json says
     chat_template: str | None = None  # path to a template file, overrides the tokenizer's
     # How this model writes tool calls and reasoning in its output (vLLM's parser names,
@@ -676,6 +713,73 @@ def _check_structured_output(engine: EngineConfig, at: str) -> None:
                 )
 
 
+def _check_lora(config: Config, served: Mapping[str, str], *, check_paths: bool) -> None:
+    """Adapter names: well formed, not a served model's, one meaning across engines; adapter
+    directories exist; the engine can serve adapters; the flags are set in one place."""
+    owners: dict[str, tuple[int, str, frozenset[str]]] = {}
+    for i, engine in enumerate(config.engines):
+        lora = engine.lora
+        if lora is None:
+            continue
+        at = f"$.engines[{i}].lora"
+        if engine.wire is WireFamily.TOKENSPEED:
+            raise ConfigError(
+                "smgd serves no LoRA adapters on the tokenspeed wire",
+                path=at,
+                hint="remove [engines.lora]",
+            )
+        launch = engine.launch
+        flags = LORA_FLAGS.get(launch.kind, ()) if launch is not None else ()
+        for arg in launch.args if launch is not None else ():
+            if arg.split("=")[0] in flags:
+                raise ConfigError(
+                    f"launch.args sets {arg.split('=')[0]} and [engines.lora] is set too",
+                    path=f"$.engines[{i}].launch.args",
+                    hint="set LoRA in [engines.lora] alone",
+                )
+        for name, value in lora.adapters.items():
+            key = f"{at}.adapters.{name}"
+            if not LORA_NAME.fullmatch(name):
+                raise ConfigError(
+                    f"adapter name {name!r} must be 1-128 of [A-Za-z0-9_.-/] (no ':' or ',')",
+                    path=key,
+                )
+            if name in served:
+                raise ConfigError(
+                    f"adapter name {name!r} is a model name (engine {served[name]})",
+                    path=key,
+                    hint="an adapter is addressed as a model: give it a name of its own",
+                )
+            path = str(resolve_path(config, value))
+            models = frozenset(engine.models)
+            known = owners.setdefault(name, (i, path, models))
+            if known[2] != models:
+                raise ConfigError(
+                    f"adapter {name!r} is on engines[{known[0]}] too, which serves other "
+                    "models: a request for it could not tell which base model to run",
+                    path=key,
+                )
+            if check_paths and not (Path(path) / "adapter_config.json").is_file():
+                raise ConfigError(
+                    f"adapter {name!r}: {path} has no adapter_config.json",
+                    path=key,
+                    hint="point it at a PEFT adapter directory",
+                )
+    count = config.server.workers
+    for name, (i, _, _) in owners.items() if count > 1 else ():
+        holders = {
+            j % count for j, e in enumerate(config.engines) if e.lora and name in e.lora.adapters
+        }
+        missing = sorted(set(range(count)) - holders)
+        if missing:
+            raise ConfigError(
+                f"workers = {count}, but adapter {name!r} is on no engine of worker "
+                f"{missing[0]} (worker k runs engines[i] with i % {count} == k)",
+                path=f"$.engines[{i}].lora.adapters.{name}",
+                hint="name it on an engine of every worker",
+            )
+
+
 def _check_scheduling(engine: EngineConfig, at: str) -> None:
     wire = engine.mock.wire if engine.wire is WireFamily.MOCK else engine.wire.value
     if engine.scheduling == "priority" and wire == "tokenspeed":
@@ -763,6 +867,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             )
         _check_structured_output(engine, at)
         _check_scheduling(engine, at)
+    _check_lora(config, served, check_paths=check_paths)
     _check_workers(config, served)
     _check_cors(config.server)
     _check_socket_paths(config)

@@ -30,6 +30,7 @@ from prometheus_client.core import (
 )
 
 from smgd import __version__
+from smgd.engines.lora_metrics import LoraInfoCollector
 from smgd.errors import (
     ClientError,
     Draining,
@@ -509,5 +510,6 @@ def build_registry(gateway: Gateway, requests: RequestMetrics) -> CollectorRegis
     registry = CollectorRegistry(auto_describe=False)
     registry.register(requests)
     registry.register(GatewayCollector(gateway))
+    registry.register(LoraInfoCollector(gateway.router.engines))
     ProcessCollector(registry=registry)
     return registry

@@ -4,6 +4,10 @@ Policies (per model in ``[routing]``): ``round_robin``; ``least_outstanding`` (f
 requests, ties broken by the engine's own reported waiting queue); ``prefix_affinity`` (a hash
 of the first ``prefix_tokens`` prompt tokens picks a home engine so the engine's prefix cache
 hits, unless that engine is overloaded compared with the least loaded one).
+
+A model name may also name a LoRA adapter an engine serves (:attr:`EngineClient.lora`), by
+its own name or as ``base:adapter``: such a request goes to the engines of the base model
+that hold the adapter (:meth:`Router.adapter_of`).
 """
 
 from __future__ import annotations
@@ -54,8 +58,24 @@ class Router:
     def policy_for(self, model: str) -> RoutingPolicy:
         return self.routing.models.get(model, self.routing.policy)
 
+    def adapter_of(self, model: str) -> tuple[str, str] | None:
+        """(base model, adapter) when ``model`` names a LoRA adapter rather than a served
+        model: the adapter's own name, or ``base:adapter``; None otherwise."""
+        engines = self._engines.values()
+        if any(model in e.models for e in engines):
+            return None
+        for engine in engines:
+            if model in engine.lora:
+                return engine.models[0], model
+        base, sep, adapter = model.rpartition(":")
+        if sep:
+            for engine in engines:
+                if base in engine.models and adapter in engine.lora:
+                    return base, adapter
+        return None
+
     def candidates(self, model: str) -> list[EngineClient]:
-        engines = [e for e in self._engines.values() if model in e.models]
+        engines = [e for e in self._engines.values() if _serves(e, model)]
         if not engines:
             raise ModelNotFound(
                 f"The model `{model}` does not exist.", param="model", code="model_not_found"
@@ -83,6 +103,15 @@ class Router:
             if home.in_flight - least.in_flight < AFFINITY_OVERLOAD_MARGIN:
                 return home
         return least
+
+
+def _serves(engine: EngineClient, model: str) -> bool:
+    """Whether ``engine`` runs requests for ``model``: a name it serves, an adapter it holds,
+    or ``base:adapter`` of both."""
+    if model in engine.models or model in engine.lora:
+        return True
+    base, sep, adapter = model.rpartition(":")
+    return bool(sep) and base in engine.models and adapter in engine.lora
 
 
 def _load_key(engine: EngineClient) -> tuple[int, int, str]:

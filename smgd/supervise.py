@@ -38,6 +38,7 @@ import trio
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
 from smgd.engines import grammar_args, launch_flags, scheduling_args
 from smgd.engines.base import EngineState
+from smgd.engines.lora import lora_args, static_adapters
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient, tokenspeed_argv
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
@@ -143,6 +144,7 @@ def build_engine_client(
                 "--model-path",
                 str(text.model_dir),
                 *launch_flags(engine),
+                *lora_args(config, engine),
                 *launch.args,
             ]
         elif launch.kind == "tokenspeed":
@@ -156,12 +158,13 @@ def build_engine_client(
                 python=launch.python or "python3",
                 launcher=launcher_script("vllm_engine.py"),
                 model=str(text.model_dir),
-                args=[*launch_flags(engine), *launch.args],
+                args=[*launch_flags(engine), *lora_args(config, engine), *launch.args],
             )
     if wire == "vllm":
         return VllmEngineClient(
             engine,
             fallback_info=fallback,
+            adapters=static_adapters(config, engine),
             input_path=input_path,
             output_path=output_path,
             handshake=engine.addresses.handshake or f"ipc://{ipc_dir / 'hs.sock'}",
@@ -188,6 +191,7 @@ def build_engine_client(
         return SglangEngineClient(
             engine,
             fallback_info=fallback,
+            adapters=static_adapters(config, engine),
             input_path=input_path,
             output_path=output_path,
             launch_argv=argv,

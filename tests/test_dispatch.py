@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ import trio.testing
 
 from smgd.api.core.prepare import Reply, json_reply
 from smgd.api.http.app import create_app
-from smgd.api.http.dispatch import BODY_TIMEOUT_S, Route, read_body
+from smgd.api.http.dispatch import BODY_TIMEOUT_S, Route, origin_path, read_body
 from smgd.config import ServerConfig
 
 from .asgi_client import connect, http_scope, lifespan, request
@@ -254,3 +256,75 @@ async def test_a_connection_serves_requests_one_after_another() -> None:
         with trio.fail_after(5):
             await fake.wait_abort(second.rid)
         assert first.rid not in fake.aborts
+
+
+# --------------------------------------------------------------------------- absolute form
+
+
+async def _exchange(port: int, request: bytes) -> tuple[int, bytes]:
+    """One request on a new connection: the response's status and whole body."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        data = b""
+        with trio.fail_after(5):
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length: *(\d+)", head)
+            assert length is not None, head
+            while len(body) < int(length.group(1)):
+                body += await stream.receive_some(65536)
+    return int(head.split(b" ", 2)[1]), body
+
+
+def _get_bytes(target: str, headers: str = "") -> bytes:
+    return f"GET {target} HTTP/1.1\r\nhost: x\r\n{headers}\r\n".encode()
+
+
+async def test_an_absolute_form_target_is_routed_by_its_path() -> None:
+    """RFC 9112 §3.2.2: a server accepts ``GET http://host/path`` (what a client talking to
+    smgd as a proxy sends); hypercorn hands the whole URL on as the ASGI path."""
+    async with serving(FakeEngine()) as port:
+        origin = f"http://127.0.0.1:{port}"
+        listed = await _exchange(port, _get_bytes(origin + "/v1/models"))
+        upper = await _exchange(port, _get_bytes(f"HTTPS://example.com/v1/models/{MODEL}"))
+        whole = {**STREAM, "stream": False}
+        posted = await _exchange(port, _post_bytes(origin + "/v1/completions", whole))
+        unknown = await _exchange(port, _get_bytes(origin + "/nope"))
+        bare = await _exchange(port, _get_bytes(origin))
+    assert listed[0] == 200
+    assert [m["id"] for m in json.loads(listed[1])["data"]] == [MODEL]
+    assert upper[0] == 200 and json.loads(upper[1])["id"] == MODEL
+    assert posted[0] == 200 and json.loads(posted[1])["object"] == "text_completion"
+    # what does not route is quoted by its path, as an origin-form target is
+    assert unknown[0] == 404
+    assert json.loads(unknown[1])["error"]["message"] == "Invalid URL (GET /nope)"
+    assert bare[0] == 404
+    assert json.loads(bare[1])["error"]["message"] == "Invalid URL (GET /)"
+
+
+async def test_an_absolute_form_target_needs_the_key_its_path_needs(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    async with serving(FakeEngine(), server=ServerConfig(api_keys_file=str(keys))) as port:
+        target = f"http://127.0.0.1:{port}/v1/models"
+        without = await _exchange(port, _get_bytes(target))
+        wrong = await _exchange(port, _get_bytes(target, "authorization: Bearer k2\r\n"))
+        right = await _exchange(port, _get_bytes(target, "authorization: Bearer k1\r\n"))
+    assert (without[0], wrong[0], right[0]) == (401, 401, 200)
+
+
+@pytest.mark.parametrize(
+    ("target", "path"),
+    [
+        ("http://127.0.0.1:8080/v1/models", "/v1/models"),
+        ("Http://[::1]:8080/v1/models/org/m", "/v1/models/org/m"),
+        ("https://example.com", "/"),
+        ("/v1/models", "/v1/models"),
+        ("*", "*"),
+        ("ftp://example.com/v1/models", "ftp://example.com/v1/models"),
+        ("http:/v1/models", "http:/v1/models"),
+    ],
+)
+def test_origin_path_reduces_only_http_absolute_form(target: str, path: str) -> None:
+    assert origin_path(target) == path

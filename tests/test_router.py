@@ -10,6 +10,7 @@ import pytest
 
 from smgd.config import RoutingConfig, RoutingPolicy
 from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.lora import LoraTable
 from smgd.errors import EngineNotReady, ModelNotFound
 from smgd.router import AFFINITY_OVERLOAD_MARGIN, Router
 
@@ -22,6 +23,7 @@ class Fake:
     state: EngineState = EngineState.READY
     load: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lora: LoraTable = field(default_factory=lambda: LoraTable(None, []))  # no adapters
 
     @property
     def ready(self) -> bool:

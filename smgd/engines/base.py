@@ -37,8 +37,16 @@ import trio
 
 from smgd.admission import Admission
 from smgd.config import has_grammar
+from smgd.engines.lora import LoraTable
 from smgd.engines.stream import RequestStream, StreamState, fail_all
-from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, TransportError, WireError
+from smgd.errors import (
+    EngineDead,
+    EngineNotReady,
+    InvalidRequest,
+    ModelNotFound,
+    TransportError,
+    WireError,
+)
 from smgd.wire.common import (
     EmbedRequest,
     EngineInfo,
@@ -51,9 +59,10 @@ from smgd.wire.common import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from smgd.config import EngineConfig
+    from smgd.wire.common import LoraAdapter
     from smgd.zmq_trio import TrioSocket
 
 log = logging.getLogger("smgd.engine")
@@ -117,10 +126,19 @@ class EngineClient:
     # sent: an encoder refusing it at send time would be after a stream's 200 went out.
     max_top_logprobs: int | None = None
 
-    def __init__(self, config: EngineConfig, *, fallback_info: EngineInfo | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        fallback_info: EngineInfo | None,
+        adapters: Sequence[LoraAdapter] = (),
+    ) -> None:
         self.config = config
         self.name = config.name
         self.models = tuple(config.models)
+        # LoRA adapters served on this engine (smgd.engines.lora): the start-up ones now,
+        # run-time ones as load_adapter() adds them.
+        self.lora = LoraTable(config.lora, list(adapters))
         self.state = EngineState.STARTING
         self.info: EngineInfo | None = None
         self.load: EngineLoad | None = None
@@ -266,6 +284,10 @@ class EngineClient:
             )
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
+        if req.lora is not None and req.lora not in self.lora:
+            raise ModelNotFound(  # unloaded since the router picked this engine
+                f"The model `{req.lora}` does not exist.", param="model", code="model_not_found"
+            )
         structured = req.sampling.structured
         if structured is not None and not has_grammar(self.config):
             raise InvalidRequest(
@@ -307,6 +329,20 @@ class EngineClient:
     async def open_stream(self, req: EngineRequest) -> AsyncIterator[RequestStream]:
         """Submit a request; yield its output stream; abort it on the engine if it is left early.
 
+        A request with a LoRA adapter counts as waiting for it until sent, then running
+        (:class:`~smgd.engines.lora.LoraTable`), until the block is left.
+        """
+        lora = req.lora if isinstance(req, GenerateRequest) else None  # embeddings: no adapter
+        with self.lora.counting(lora) as sent:
+            async with self._open_stream(req, sent) as stream:
+                yield stream
+
+    @asynccontextmanager
+    async def _open_stream(
+        self, req: EngineRequest, sent: Callable[[], None]
+    ) -> AsyncIterator[RequestStream]:
+        """:meth:`open_stream`; ``sent`` is called once the request is in the outbox.
+
         Leaving the block before the stream finished (client gone, stop string hit, error)
         sends an abort from ``finally`` and closes the stream locally at once: vLLM and
         TokenSpeed never answer an abort, and SGLang's late answer is simply dropped. The
@@ -327,6 +363,7 @@ class EngineClient:
                 self._constrained[req.rid] = req.sampling.structured.param
             self._requests_total += 1
             self._outbox_send.send_nowait(frames)
+            sent()
             try:
                 yield stream
             finally:
@@ -472,6 +509,25 @@ class EngineClient:
                 continue  # new settings: start over with the new interval
             if not self._streams and self.state is EngineState.READY:
                 await self.probe_health(self.config.timeouts.health_timeout_s)
+
+    async def load_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False
+    ) -> LoraAdapter:
+        """Load the LoRA adapter at ``path`` as ``name`` and serve it (``load_inplace``: load
+        its weights again although that name is loaded). Raises a :class:`ClientError` where
+        the wire cannot, or the engine refused it. Default: this wire loads none at run time."""
+        await trio.lowlevel.checkpoint()
+        raise InvalidRequest(
+            f"engine {self.name} ({self.wire} wire) cannot load LoRA adapters at run time; "
+            "name them in [engines.lora] adapters",
+            param="lora_name",
+        )
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (requests in flight with it finish). Default: forget
+        it; the engine keeps its weights cached until it needs the room."""
+        await trio.lowlevel.checkpoint()
+        self.lora.remove(name)
 
     async def probe_health(self, limit_s: float) -> None:
         """Check the engine answers; call :meth:`die` if not. Default: no probe on this wire."""

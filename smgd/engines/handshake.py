@@ -53,9 +53,10 @@ from smgd.wire.common import EngineInfo, EngineLoad, EngineRequest, TokenDelta
 from smgd.zmq_trio import TrioSocket, open_monitor
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from smgd.config import EngineConfig
+    from smgd.wire.common import LoraAdapter
 
 log = logging.getLogger("smgd.engine.handshake")
 
@@ -343,8 +344,9 @@ class HandshakeEngineClient(EngineClient):
         launch_env: dict[str, str] | None = None,
         ranks: int = 1,
         state_path: str | None = None,
+        adapters: Sequence[LoraAdapter] = (),
     ) -> None:
-        super().__init__(config, fallback_info=fallback_info)
+        super().__init__(config, fallback_info=fallback_info, adapters=adapters)
         self.input_endpoint = config.addresses.input or f"ipc://{input_path}"
         self.output_endpoint = config.addresses.output or f"ipc://{output_path}"
         self.handshake_endpoint = handshake

@@ -40,7 +40,10 @@ from smgd.wire.sglang.structs import HealthCheckOutput
 from smgd.zmq_trio import TrioSocket, open_monitor
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from smgd.config import EngineConfig
+    from smgd.wire.common import LoraAdapter
 
 log = logging.getLogger("smgd.engine.sglang")
 
@@ -65,8 +68,9 @@ class SglangEngineClient(EngineClient):
         output_path: str,
         launch_argv: list[str] | None = None,
         launch_env: dict[str, str] | None = None,
+        adapters: Sequence[LoraAdapter] = (),
     ) -> None:
-        super().__init__(config, fallback_info=fallback_info)
+        super().__init__(config, fallback_info=fallback_info, adapters=adapters)
         self.input_path = input_path
         self.output_path = output_path
         self.launch_argv = launch_argv
@@ -242,7 +246,8 @@ class SglangEngineClient(EngineClient):
     def _encode_request(self, req: EngineRequest) -> list[bytes]:
         if isinstance(req, EmbedRequest):
             return [encode_embed(req)]
-        return [encode_generate(req)]
+        lora = None if req.lora is None else self.lora.get(req.lora)
+        return [encode_generate(req, lora)]
 
     def _encode_abort(self, rid: str) -> list[bytes]:
         return [encode_abort(rid)]

@@ -20,19 +20,51 @@ What the engine does not do and this client therefore does:
 
 from __future__ import annotations
 
+import logging
+import random
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import trio
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
-from smgd.errors import InvalidRequest
+from smgd.errors import EngineDead, EngineNotReady, EngineRejected, InvalidRequest, ModelNotFound
 from smgd.wire.common import EmbedRequest, FinishReason
-from smgd.wire.vllm.decode import decode_handshake, decode_outputs, decode_ready_response
-from smgd.wire.vllm.encode import encode_abort, encode_add, encode_embed, encode_init
+from smgd.wire.vllm.decode import (
+    UtilityReply,
+    decode_handshake,
+    decode_outputs,
+    decode_ready_response,
+)
+from smgd.wire.vllm.encode import (
+    encode_abort,
+    encode_add,
+    encode_embed,
+    encode_init,
+    encode_utility,
+    lora_request,
+)
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, EngineRequest, TokenDelta
+    from smgd.wire.common import EngineInfo, EngineRequest, LoraAdapter, TokenDelta
+
+log = logging.getLogger("smgd.engine.vllm")
+
+# How long a utility call (add_lora) may take. Loading an adapter reads its weights from disk
+# and moves them to the device: well under a second for a small one, tens of seconds for a
+# multi-GB adapter on a slow disk; 120 s leaves room for that and still ends a wedged call.
+UTILITY_TIMEOUT_S = 120.0
+# vLLM's message for an adapter directory it cannot find (LoRAAdapterNotFoundError).
+_NOT_FOUND = "No adapter found for"
+
+
+class _Call:
+    """One rank's answer to one utility call, once it arrives."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.reply: UtilityReply | None = None
 
 
 class _Meta(msgspec.Struct):
@@ -53,6 +85,7 @@ class VllmEngineClient(HandshakeEngineClient):
         self.eos_token_ids = eos_token_ids
         self._meta: dict[str, _Meta] = {}
         self._logprobs_k: dict[str, int | None] = {}
+        self._calls: dict[int, _Call] = {}  # utility calls in flight, by call_id
 
     def _wire_status(self, payload: bytes) -> str:
         return decode_handshake([payload]).status
@@ -77,7 +110,8 @@ class VllmEngineClient(HandshakeEngineClient):
         if not sp.eos_token_ids and not sp.ignore_eos and self.eos_token_ids:
             sp = msgspec.structs.replace(sp, eos_token_ids=self.eos_token_ids)
             req = msgspec.structs.replace(req, sampling=sp)
-        frames = encode_add(req, structured_backend=structured_backend(self.config))
+        lora = None if req.lora is None else self.lora.get(req.lora)
+        frames = encode_add(req, structured_backend=structured_backend(self.config), lora=lora)
         self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids), logprobs_k=sp.logprobs)
         if sp.logprobs is not None:
             self._logprobs_k[req.rid] = sp.logprobs
@@ -94,6 +128,11 @@ class VllmEngineClient(HandshakeEngineClient):
     def _wire_outputs(self, frames: list[Any]) -> Batch:
         views = [memoryview(f) for f in frames]
         out = decode_outputs(views, logprobs_k=self._logprobs_k or None)
+        if out.utility is not None and (call := self._calls.get(out.utility.call_id)):
+            call.reply = out.utility
+            call.done.set()
+        if out.lora_running is not None and out.lora_waiting is not None and self.lora.enabled:
+            self.lora.report(out.engine_index, out.lora_running, out.lora_waiting)
         for delta in out.deltas:
             meta = self._meta.get(delta.rid)
             if meta is None:
@@ -134,6 +173,81 @@ class VllmEngineClient(HandshakeEngineClient):
         super().die(reason)
         self._meta.clear()
         self._logprobs_k.clear()
+        for call in self._calls.values():
+            call.done.set()  # no reply: the caller sees the engine's death
+
+    # ------------------------------------------------------------------ utility calls
+
+    async def call_utility(self, method: str, *args: Any) -> list[UtilityReply]:
+        """Call ``method`` on every rank (as vLLM's DP client does for add_lora); one reply
+        per rank. Raises :class:`EngineDead` if the engine dies or does not answer in time."""
+        if self.table is None:
+            raise EngineNotReady(f"engine {self.name} is {self.state_name}")
+        calls: list[tuple[int, _Call]] = []
+        try:
+            for rank in self.table.ranks:
+                call_id = random.getrandbits(64)  # vLLM: uuid1().int >> 64
+                call = self._calls[call_id] = _Call()
+                calls.append((call_id, call))
+                self._outbox_send.send_nowait(
+                    [rank.identity, *encode_utility(call_id, method, list(args))]
+                )
+            with trio.move_on_after(UTILITY_TIMEOUT_S):
+                for _, call in calls:
+                    await call.done.wait()
+            replies = [call.reply for _, call in calls]
+        finally:
+            for call_id, _ in calls:
+                self._calls.pop(call_id, None)
+        if self._death is not None:
+            raise EngineDead(f"engine {self.name} failed during {method}: {self.last_error}")
+        if any(r is None for r in replies):
+            raise EngineDead(
+                f"engine {self.name}: no answer to {method} within {UTILITY_TIMEOUT_S:g} s"
+            )
+        return [r for r in replies if r is not None]
+
+    async def add_lora(self, adapter: LoraAdapter, *, load_inplace: bool = False) -> None:
+        """The engine core's ``add_lora``: load the adapter's weights (validating them).
+        Raises :class:`ModelNotFound` (no adapter at the path) or :class:`EngineRejected`."""
+        request = lora_request(adapter)
+        request.load_inplace = load_inplace
+        for reply in await self.call_utility("add_lora", request):
+            message = reply.failure_message
+            if message is None:
+                continue
+            if _NOT_FOUND in message:
+                raise ModelNotFound(message, param="lora_path", code="lora_not_found")
+            raise EngineRejected(
+                f"engine {self.name} could not load adapter {adapter.name!r}: {message}",
+                param="lora_path",
+            )
+
+    async def load_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False
+    ) -> LoraAdapter:
+        if not self.lora.enabled:
+            raise InvalidRequest(
+                f"engine {self.name} runs without LoRA ([engines.lora] is not set)",
+                param="lora_name",
+            )
+        adapter = self.lora.new(name, path)
+        await self.add_lora(adapter, load_inplace=load_inplace)
+        self.lora.add(adapter)
+        return adapter
+
+    async def _become_ready(self) -> EngineInfo:
+        info = await super()._become_ready()
+        # vLLM's engine core learns adapters from add_lora or a request; add the start-up ones
+        # now, as vLLM's own server does, so a broken one shows here rather than killing the
+        # engine core on its first request.
+        for adapter in list(self.lora):
+            try:
+                await self.add_lora(adapter)
+            except (ModelNotFound, EngineRejected) as exc:
+                self.lora.remove(adapter.name)
+                log.error("engine %s: adapter %s not served: %s", self.name, adapter.name, exc)
+        return info
 
 
 def structured_backend(config: EngineConfig) -> str:

@@ -19,3 +19,9 @@ def sglang_scheduler_script() -> Path:
 def cpu_shims_dir() -> Path:
     """Directory to put on ``PYTHONPATH`` for SGLang on a CPU-only machine (import-only shims)."""
     return _HERE / "cpu_shims"
+
+
+def cpu_torch_dir() -> Path:
+    """Directory to put on ``PYTHONPATH`` with :func:`cpu_shims_dir`: torch's pinned-memory
+    requests are dropped without an accelerator (SGLang's LoRA layers make them)."""
+    return _HERE / "cpu_torch"

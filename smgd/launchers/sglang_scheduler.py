@@ -24,8 +24,10 @@ SIGTERM/SIGINT (N the signal). The scheduler dies with smgd (see lifeline.py), a
 any process it starts.
 
 ``--cpu-shims`` (or ``SMGD_SGLANG_CPU_SHIMS=1``) puts ``cpu_shims/`` (import-only stand-ins
-for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and sets
-``SGLANG_USE_CPU_ENGINE=1`` unless already set: what a CPU-only machine needs.
+for ``sgl_kernel`` and ``torchvision``) on the path of the launcher and the scheduler, and
+``cpu_torch/`` (torch's pinned-memory requests dropped: SGLang's LoRA layers make them) on the
+scheduler's, and sets ``SGLANG_USE_CPU_ENGINE=1`` unless already set: what a CPU-only machine
+needs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+# Pinned-memory requests dropped without an accelerator (SGLang's LoRA layers make them), in
+# this process and (its sitecustomize) in any the scheduler starts.
+CPU_TORCH = Path(__file__).resolve().parent / "cpu_torch"
 # smgd started this process through lifeline.py: it dies with smgd. Any process the scheduler
 # starts (none on one CPU rank; helpers on others) must die with it; the kernel's death signal
 # does not reach them,
@@ -80,9 +85,11 @@ def _grammar_backend(argv: list[str]) -> str | None:
 
 def _use_shims() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p
+        p for p in (str(SHIMS), str(CPU_TORCH), os.environ.get("PYTHONPATH", "")) if p
     )
     sys.path.insert(0, str(SHIMS))
+    sys.path.insert(0, str(CPU_TORCH))
+    importlib.import_module("smgd_unpinned")  # this process runs the scheduler itself
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 

@@ -13,8 +13,10 @@ A request with ``logprobs`` set gets :func:`mock_logprob` entries for its tokens
 predictable; one with ``prompt_logprobs`` set gets them for prompt tokens 1, 2, ... with its
 first output. Before ``min_tokens`` tokens, EOS and stop ids are skipped (a real engine masks
 them), so the echo goes on. With ``priority_scheduling``, waiting requests are admitted lowest
-``priority`` first (vLLM's order; arrival order among equals). An embedding request finishes in
-its first step with :func:`mock_embedding`, a vector that depends only on its token ids.
+``priority`` first (vLLM's order; arrival order among equals). A request with a LoRA adapter
+writes the same tokens rotated by :func:`lora_rotation` of the adapter's name, so each adapter
+observably changes the output. An embedding request finishes in its first step with
+:func:`mock_embedding`, a vector that depends only on its token ids.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import enum
 import hashlib
 import math
 import struct
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,6 +62,7 @@ class MockRequest:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's plus top-k
     min_tokens: int = 0
     priority: int = 0
+    lora: str | None = None  # the LoRA adapter's name: its output is rotated (lora_rotation)
     embed: bool = False  # an embedding request: one step, a vector, no tokens
     dimensions: int | None = None  # an embedding's Matryoshka truncation
     # Filled by the scheduler:
@@ -68,6 +72,14 @@ class MockRequest:
     unsent: list[int] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     aborted: bool = False
+
+
+def lora_rotation(name: str, length: int) -> int:
+    """How far an adapter rotates the mock's output (1..length-1; 0 for one token): a fixed
+    function of its name, so each adapter writes its own, reproducible, text."""
+    if length < 2:
+        return 0
+    return 1 + zlib.crc32(name.encode()) % (length - 1)
 
 
 @dataclass(slots=True)
@@ -162,6 +174,9 @@ class MockScheduler:
         else:
             source = [t for t in req.prompt_ids if t not in self.skip_ids]
             req.source = source or [t for t in req.prompt_ids if t not in self.eos_ids] or [4]
+        if req.lora is not None:
+            shift = lora_rotation(req.lora, len(req.source))
+            req.source = req.source[shift:] + req.source[:shift]
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:

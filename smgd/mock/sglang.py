@@ -106,6 +106,7 @@ class SglangMockWire:
                 ),
                 min_tokens=sp.min_new_tokens,
                 priority=msg.priority or 0,
+                lora=msg.lora_name if msg.lora_id is not None else None,
             )
         )
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -102,6 +104,7 @@ class VllmMockWire:
         self._prefilled: set[str] = set()
         self._queued_at: dict[str, float] = {}  # rid -> its ADD's arrival (log_stats)
         self._die = False
+        self.loras: dict[int, str] = {}  # adapters the engine holds: lora_int_id -> name
 
     def request_death(self) -> None:
         self._die = True
@@ -151,13 +154,16 @@ class VllmMockWire:
                 sched.abort(rid)
             return []
         if isinstance(msg, UtilityRequest):
-            # vLLM's API server asks this at start-up and waits for the answer; other utility
-            # calls get None (the call succeeded, nothing to report).
-            value = UTILITY_ANSWERS.get(msg.method)
-            result = UtilityResult(None, value)
+            # vLLM's API server asks this at start-up and waits for the answer; LoRA calls
+            # as the engine answers them; other utility calls get None (the call succeeded,
+            # nothing to report).
+            failure, value = self._lora_utility(msg)
+            if failure is None and value is None:
+                value = UTILITY_ANSWERS.get(msg.method)
+            result = None if failure is not None else UtilityResult(None, value)
             out = EngineCoreOutputs(
                 engine_index=self.engine_index,
-                utility_output=UtilityOutput(msg.call_id, None, result),
+                utility_output=UtilityOutput(msg.call_id, failure, result),
             )
             return [encode_outputs(out)]
         if not isinstance(msg, AddRequest):
@@ -188,6 +194,9 @@ class VllmMockWire:
         stops = set(sp.stop_token_ids or ())
         if eos is not None:
             stops.add(eos)  # the engine stops on EOS only because the front end sent it
+        lora = _lora_name(req.lora_request)
+        if lora is not None:
+            self.loras[_lora_id(req.lora_request)] = lora  # the engine loads it on first use
         sched.add(
             MockRequest(
                 rid=req.request_id,
@@ -197,9 +206,27 @@ class VllmMockWire:
                 prompt_logprobs=sp.prompt_logprobs,
                 min_tokens=min_tokens,
                 priority=req.priority,
+                lora=lora,
             )
         )
         return []
+
+    def _lora_utility(self, msg: UtilityRequest) -> tuple[str | None, object]:
+        """(failure message, result) of a LoRA utility call, as vLLM's engine core answers
+        (``add_lora``: True, or vLLM's not-found message for a directory without
+        adapter_config.json; ``remove_lora``: whether it was loaded; ``list_loras``: the
+        ids). (None, None) for any other method."""
+        if msg.method == "add_lora" and msg.args:
+            name, lora_id, path = _lora_name(msg.args[0]), _lora_id(msg.args[0]), msg.args[0][2]
+            if not (Path(path) / "adapter_config.json").is_file():
+                return f"Loading lora {name} failed: No adapter found for {path}", None
+            self.loras[lora_id] = name or ""
+            return None, True
+        if msg.method == "remove_lora" and msg.args:
+            return None, self.loras.pop(msg.args[0], None) is not None
+        if msg.method == "list_loras":
+            return None, sorted(self.loras)
+        return None, None
 
     def _output(self, o: StepOutput) -> EngineCoreOutput:
         out = EngineCoreOutput(request_id=o.rid, new_token_ids=o.new_ids)
@@ -259,6 +286,11 @@ class VllmMockWire:
                 "num_running_reqs": len(sched.running),
                 "num_waiting_reqs": len(sched.waiting),
                 "kv_cache_usage": len(sched.running) / self.max_batch,
+                # Requests per LoRA adapter in each queue, as vLLM's SchedulerStats has them.
+                "waiting_lora_adapters": dict(Counter(r.lora for r in sched.waiting if r.lora)),
+                "running_lora_adapters": dict(
+                    Counter(r.lora for r in sched.running.values() if r.lora)
+                ),
             }
         batch = EngineCoreOutputs(
             engine_index=self.engine_index, outputs=items, scheduler_stats=stats
@@ -267,3 +299,12 @@ class VllmMockWire:
 
     def garbage(self) -> list[bytes]:
         return [GARBAGE]
+
+
+def _lora_name(lora_request: Any) -> str | None:
+    """The adapter name of a LoRARequest as it arrives (a positional array), or None."""
+    return str(lora_request[0]) if isinstance(lora_request, list) and lora_request else None
+
+
+def _lora_id(lora_request: Any) -> int:
+    return int(lora_request[1])

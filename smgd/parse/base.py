@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from smgd.parse.events import ContentDelta, Event, ReasoningDelta
-from smgd.parse.scan import random_id
+from smgd.parse.scan import Out, random_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -26,11 +26,19 @@ class ToolParser(ABC):
 
     ``tools`` are the request's ``tools`` entries (OpenAI shape); parsers that type argument
     values from the schemas (qwen3_coder) read them, the others ignore them. ``new_id`` makes
-    call ids (default: ``call_`` + 24 random alphanumerics).
+    call ids (default: :meth:`make_id`).
+
+    A parser keeps the text it has not decided yet in ``_buf`` and writes what it has decided
+    to ``_out`` (an :class:`~smgd.parse.scan.Out`); its own state is set up by :meth:`_setup`.
+    ``feed`` adds the delta to ``_buf`` and calls :meth:`_run`; ``finish`` calls it once more
+    with ``final=True``, then :meth:`_end`.
     """
 
     name: ClassVar[str]
     models: ClassVar[str]  # model families the markup fits (for docs and error messages)
+    # Whether whitespace right before a call, after real text, stays content ("keep") or is
+    # dropped ("drop"): what the vLLM parser of the same name does (see Out).
+    ws_before_call: ClassVar[str] = "keep"
 
     def __init__(
         self,
@@ -39,13 +47,37 @@ class ToolParser(ABC):
         new_id: Callable[[], str] | None = None,
     ) -> None:
         self.tools = list(tools or ())
-        self.new_id = new_id or random_id
+        self.new_id = new_id or self.make_id
+        self._out = Out(self.new_id, ws_before_call=self.ws_before_call)
+        self._buf = ""
+        self._setup()
+
+    def _setup(self) -> None:  # noqa: B027 (optional: a parser may have no state of its own)
+        """Set up the parser's own state (called once, by ``__init__``)."""
+
+    @staticmethod
+    def make_id() -> str:
+        """A call id shaped like OpenAI's: ``call_`` + 24 random alphanumerics."""
+        return random_id()
+
+    def feed(self, delta: str) -> list[Event]:
+        self._buf += delta
+        self._run(final=False)
+        return self._out.take()
+
+    def finish(self) -> list[Event]:
+        self._run(final=True)
+        self._end()
+        self._out.finish()
+        return self._out.take()
 
     @abstractmethod
-    def feed(self, delta: str) -> list[Event]: ...
+    def _run(self, *, final: bool) -> None:
+        """Read ``_buf``: write what it decides to ``_out``, keep the rest in ``_buf``. With
+        ``final`` the output has ended: nothing is held back for text still to come."""
 
-    @abstractmethod
-    def finish(self) -> list[Event]: ...
+    def _end(self) -> None:  # noqa: B027 (optional: a parser may have nothing left open)
+        """The output ended (after the final :meth:`_run`): close what is still open."""
 
 
 class ReasoningParser(ABC):

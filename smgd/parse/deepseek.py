@@ -15,15 +15,8 @@ single-line pattern, arguments may span lines (pretty-printed JSON).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from smgd.parse.base import ToolParser
-from smgd.parse.scan import Out, find_marker, partial_marker
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-    from smgd.parse.events import Event
+from smgd.parse.scan import find_marker, partial_marker
 
 __all__ = ["DeepSeekV3"]
 
@@ -55,28 +48,10 @@ class DeepSeekV3(ToolParser):
     # not a call head and the call is dropped. Real heads are a few dozen characters.
     HEAD_LIMIT = 256
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(tools, new_id=new_id)
-        self._out = Out(self.new_id, ws_before_call="keep")
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _TEXT
         self._head: list[str] = []  # the name read so far
         self._head_len = 0
-
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0

@@ -32,9 +32,7 @@ from smgd.parse.scan import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-    from smgd.parse.events import Event
+    from collections.abc import Callable, Sequence
 
 __all__ = ["Hermes", "JsonCall", "Llama3Json", "Mistral"]
 
@@ -185,15 +183,7 @@ class Hermes(ToolParser):
     START = "<tool_call>"
     END = "</tool_call>"
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(tools, new_id=new_id)
-        self._out = Out(self.new_id, ws_before_call="keep")
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _TEXT
         self._call: JsonCall | None = None
 
@@ -204,17 +194,9 @@ class Hermes(ToolParser):
             return obj["name"], _dumps(obj["arguments"])
         return None
 
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end(self) -> None:
         if self._state == _CALL:
             self._end_call(closed=False)
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0
@@ -282,15 +264,7 @@ class Llama3Json(ToolParser):
     TAG = "<|python_tag|>"
     KEYS = ("arguments", "parameters")
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(tools, new_id=new_id)
-        self._out = Out(self.new_id, ws_before_call="keep")
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _START
         self._call: JsonCall | None = None
         self._region: list[str] = []  # the calls' text while nothing was sent (for a fallback)
@@ -305,21 +279,13 @@ class Llama3Json(ToolParser):
                 return obj["name"], _dumps(obj[key])
         return None
 
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end(self) -> None:
         if self._call is not None:
             self._call.close()
             if self._call.rejected:
                 self._fallback(self._call.raw)
         elif self._state == _SEP and not self._out.calls:
             self._fallback("")  # <|python_tag|> and nothing after it
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0
@@ -447,16 +413,7 @@ class Mistral(ToolParser):
     # names are far shorter; the bound keeps the held-back text small.
     NAME_LIMIT = 256
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        # Mistral's chat templates reject tool call ids that are not 9 alphanumerics.
-        super().__init__(tools, new_id=new_id or (lambda: random_id("", 9)))
-        self._out = Out(self.new_id)
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _TEXT
         self._array = False  # the current element is in a [...] list
         self._call: JsonCall | None = None
@@ -476,13 +433,12 @@ class Mistral(ToolParser):
         text = "{}" if args is None else args if isinstance(args, str) else _dumps(args)
         return (name if isinstance(name, str) else ""), text
 
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
+    @staticmethod
+    def make_id() -> str:
+        """Mistral's chat templates reject tool call ids that are not 9 alphanumerics."""
+        return random_id("", 9)
 
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end(self) -> None:
         state = self._state
         if state == _ELEMENT and self._call is not None:
             self._call.close()
@@ -496,8 +452,6 @@ class Mistral(ToolParser):
             self._fallback("")
         elif state == _V11_ARGS and self._value is not None:
             self._value.close()
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0

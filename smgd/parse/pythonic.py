@@ -18,15 +18,9 @@ import ast
 import json
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from smgd.parse.base import ToolParser
-from smgd.parse.scan import Out
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-    from smgd.parse.events import Event
 
 __all__ = ["Pythonic", "call_arguments"]
 
@@ -131,31 +125,15 @@ class Pythonic(ToolParser):
     name = "pythonic"
     models = "Llama 3.2 / 4 (pythonic prompts), ToolACE, other Python-style callers"
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(tools, new_id=new_id)
-        self._out = Out(self.new_id, ws_before_call="keep")
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _START
         self._region: list[str] = []  # the list's text while nothing was sent
         self._call: list[str] = []  # the current call's text
         self._scan = _CallScanner()
 
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end(self) -> None:
         if self._state in (_LIST, _CALL, _NEXT):  # the list never closed
             self._fallback()
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0

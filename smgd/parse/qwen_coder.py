@@ -29,12 +29,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from smgd.parse.base import ToolParser
-from smgd.parse.scan import Out, find_marker, partial_marker
+from smgd.parse.scan import find_marker, partial_marker
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-
-    from smgd.parse.events import Event
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["Qwen3Coder", "coerce", "schema_types"]
 
@@ -181,16 +179,9 @@ class Qwen3Coder(ToolParser):
     # Names (function and parameter) are held until their ">": longer text is not a name
     # and ends the call. Real names are a few dozen characters.
     NAME_LIMIT = 256
+    ws_before_call = "drop"  # as vLLM's parser, which strips the content before calls
 
-    def __init__(
-        self,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        new_id: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(tools, new_id=new_id)
-        self._out = Out(self.new_id, ws_before_call="drop")
-        self._buf = ""
+    def _setup(self) -> None:
         self._state = _TEXT
         self._name: list[str] = []
         self._props: dict[str, Any] = {}
@@ -203,17 +194,9 @@ class Qwen3Coder(ToolParser):
         self._key = ""  # the current parameter's name, as a JSON string
         self._sep = ""  # what goes before the current (not streamed) parameter
 
-    def feed(self, delta: str) -> list[Event]:
-        self._buf += delta
-        self._run(final=False)
-        return self._out.take()
-
-    def finish(self) -> list[Event]:
-        self._run(final=True)
+    def _end(self) -> None:
         if self._state in (_ARGS, _PNAME, _VALUE):
             self._end_call()
-        self._out.finish()
-        return self._out.take()
 
     def _run(self, *, final: bool) -> None:
         buf, i = self._buf, 0

@@ -151,6 +151,17 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The engine's scheduling priority (lower runs first; None: the engine's default). Only
     # for engines started with priority scheduling (``[[engines]] scheduling``).
     priority: int | None = None
+    # The LoRA adapter to run with, by name (None: the base model). Each engine client maps
+    # the name to its own :class:`LoraAdapter` when it encodes the request.
+    lora: str | None = None
+
+
+class LoraAdapter(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter as an engine knows it: what a request with it carries on the wire."""
+
+    name: str
+    path: str  # the adapter's directory (adapter_config.json + weights), absolute
+    int_id: int  # vLLM's lora_int_id: >= 1, unique per adapter on one engine
 
 
 class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -55,10 +55,17 @@ def _env(*names: str) -> list[str]:
     return values
 
 
-def config(engine: str, run_dir: Path, *, template: Path | None = None, extra: str = "") -> str:
+def config(
+    engine: str,
+    run_dir: Path,
+    *,
+    template: Path | None = None,
+    extra: str = "",
+    launch_args: list[str] | None = None,
+) -> str:
     """smgd.toml for one launched engine. ``template``: a chat template file for the engine
     (default: the vLLM model's own, and :data:`CHAT_TEMPLATE` for SGLang's, which has none);
-    ``extra``: more keys of the ``[[engines]]`` table."""
+    ``extra``: more keys of the ``[[engines]]`` table; ``launch_args``: more engine flags."""
     if engine == "sglang":
         python, model = _env("SGLANG_PYTHON", "SGLANG_MODEL")
         args = SGLANG_ARGS
@@ -70,6 +77,7 @@ def config(engine: str, run_dir: Path, *, template: Path | None = None, extra: s
         args = VLLM_ARGS
     if template is not None:
         extra = f'chat_template = "{template}"\n{extra}'
+    args = [*args, *(launch_args or [])]
     return (
         f'run_dir = "{run_dir}"\n[server]\nport = 0\ndrain_timeout_s = 5\n'
         '[logging]\nlevel = "info"\n'

@@ -2,7 +2,7 @@
 
 Needs the vLLM venv from ``.ci/vllm-env.sh``::
 
-    eval "$(.ci/vllm-env.sh)"
+    set -a; eval "$(bash .ci/vllm-env.sh)"; set +a   # (exported: pytest runs it)
     .venv/bin/python -m pytest -m real_engine tests/real_engines/test_parse_oracle.py
 
 make_expected.py runs vLLM 0.32's parsers (the composed parser its chat server builds, with
@@ -16,14 +16,13 @@ same in every split, and vLLM's streamed result wherever vLLM's stream agrees wi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.parse_corpus import check
+
+from .vllm_oracle import assert_unchanged, record
 
 pytestmark = [pytest.mark.real_engine]
 
@@ -31,32 +30,15 @@ CORPUS = check.load()
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    python = os.environ.get("VLLM_PYTHON")
-    if not python:
-        pytest.fail('VLLM_PYTHON unset: run `eval "$(.ci/vllm-env.sh)"` first')
-    out = tmp_path_factory.mktemp("oracle") / "expected.json"
-    subprocess.run([python, str(check.MAKE_EXPECTED), str(out)], check=True, timeout=600)
-    return check.load_expected(Path(out))
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return record(check.MAKE_EXPECTED, tmp_path_factory.mktemp("parse_oracle"))
 
 
-def test_recording_is_current(fresh: dict[str, object]) -> None:
-    committed = check.load_expected()
-    assert fresh["vllm"] == committed["vllm"]
-    # case by case, so a failure names the cases vLLM now reads differently
-    changed = [
-        cid
-        for cid, record in fresh["cases"].items()  # type: ignore[attr-defined]
-        if committed["cases"].get(cid) != record
-    ]
-    assert not changed, (
-        f"vLLM's results changed for {changed}: rerun "
-        "`$VLLM_PYTHON tests/parse_corpus/make_expected.py` and review the diff"
-    )
-    assert json.dumps(fresh, sort_keys=True) == json.dumps(committed, sort_keys=True)
+def test_recording_is_current(fresh: dict[str, Any]) -> None:
+    assert_unchanged(fresh, check.load_expected(), check.MAKE_EXPECTED)
 
 
 @pytest.mark.parametrize("case", CORPUS.cases, ids=lambda c: c.id)
-def test_smgd_matches_vllm(fresh: dict[str, object], case: check.Case) -> None:
-    errors = check.check(CORPUS, case, fresh["cases"][case.id])  # type: ignore[index]
+def test_smgd_matches_vllm(fresh: dict[str, Any], case: check.Case) -> None:
+    errors = check.check(CORPUS, case, fresh["cases"][case.id])
     assert not errors, "\n".join(errors)

@@ -204,12 +204,15 @@ def resolve_model(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelTex
         model = served[0]
     if not isinstance(model, str):
         raise InvalidRequest("`model` must be a string", param="model")
-    return model, gateway.text(model)
+    adapter = gateway.router.adapter_of(model)  # a LoRA adapter runs its base model's text
+    return model, gateway.text(model if adapter is None else adapter[0])
 
 
 def context_len(gateway: Gateway, model: str) -> int | None:
     """The longest context among the model's engines that know theirs; None if none does yet."""
-    lens = [e.info.max_model_len for e in gateway.router.engines() if e.info and model in e.models]
+    adapter = gateway.router.adapter_of(model)
+    base = model if adapter is None else adapter[0]
+    lens = [e.info.max_model_len for e in gateway.router.engines() if e.info and base in e.models]
     return max(lens, default=None)
 
 
@@ -287,6 +290,8 @@ def plan_jobs(
         raise InvalidRequest("the prompt is empty", param="prompt")
     jobs: list[Job] = []
     options: TextOptions | None = None
+    adapter = gateway.router.adapter_of(model)
+    lora = None if adapter is None else adapter[1]
     for p_index, ids in enumerate(prompts):
         first = gateway.router.pick(model, ids)
         if first.info is None:
@@ -304,6 +309,7 @@ def plan_jobs(
                 prompt_ids=ids,
                 sampling=for_choice(params, j),
                 priority=check_engine(engine, params, options.priority, names),
+                lora=lora,
             )
             engine.validate(req)
             _check_top_logprobs(engine, params.logprobs, top_logprobs_param)

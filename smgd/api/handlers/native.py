@@ -1,7 +1,8 @@
 """``POST /generate``: SGLang's native API.
 
 Request: ``text`` or ``input_ids``, ``sampling_params`` (SGLang names: ``max_new_tokens``,
-``stop``, ``no_stop_trim``...), ``stream``, ``rid``. Response: ``{"text", "output_ids",
+``stop``, ``no_stop_trim``...), ``stream``, ``rid``, ``lora_path`` (a LoRA adapter's name, as
+SGLang: the same as ``"model": "<model>:<adapter>"``). Response: ``{"text", "output_ids",
 "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
 "e2e_latency"}}``; a list of those when ``n > 1``. A top-level ``priority`` goes to engines
 that schedule by it (``[[engines]] scheduling``; a 400 elsewhere unless 0). Streamed events
@@ -39,13 +40,14 @@ from smgd.api.core.prepare import (
 )
 from smgd.api.core.sse import DONE, SSE_HEADERS, encode_json, event
 from smgd.api.handlers.openai import TokenText
-from smgd.errors import InvalidRequest, SmgdError
+from smgd.errors import InvalidRequest, ModelNotFound, SmgdError
 from smgd.sampling import from_native, read_priority
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
     from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState
     from smgd.api.core.prepare import Call
+    from smgd.gateway import Gateway, ModelText
     from smgd.sampling import TextOptions
     from smgd.wire.common import SamplingParams, TokenLogprob
 
@@ -57,7 +59,7 @@ _NAMES = ParamNames(
 )
 # SGLang request keys for features no engine path here implements; rejected by name.
 _UNSUPPORTED = (
-    "image_data", "audio_data", "video_data", "input_embeds", "lora_path", "session_params",
+    "image_data", "audio_data", "video_data", "input_embeds", "session_params",
     "custom_logit_processor", "return_hidden_states", "bootstrap_host", "data_parallel_rank",
 )  # fmt: skip
 
@@ -169,6 +171,27 @@ class NativeRenderer:
         return stream_error(err)
 
 
+def _resolve_lora_path(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelText]:
+    """The model, and SGLang's ``lora_path`` (an adapter's name) as ``<model>:<adapter>``."""
+    model, text = resolve_model(gateway, body)
+    lora = body.get("lora_path")
+    if lora is None:
+        return model, text
+    if not isinstance(lora, str) or not lora:
+        raise InvalidRequest(
+            "`lora_path` must be an adapter's name (batched requests are not supported)",
+            param="lora_path",
+        )
+    try:
+        return resolve_model(gateway, {"model": f"{model}:{lora}"})
+    except ModelNotFound:
+        raise ModelNotFound(
+            f"The LoRA adapter `{lora}` of model `{model}` does not exist.",
+            param="lora_path",
+            code="model_not_found",
+        ) from None
+
+
 async def generate_reply(call: Call) -> Reply:
     """``POST /generate``: 4xx errors are raised before any engine sees the request.
 
@@ -176,7 +199,7 @@ async def generate_reply(call: Call) -> Reply:
     on errors too, and named in the log line.
     """
     body = call.json()
-    model, text = resolve_model(call.ctx.gateway, body)
+    model, text = _resolve_lora_path(call.ctx.gateway, body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
             raise InvalidRequest(f"`{key}` is not supported by smgd", param=key)

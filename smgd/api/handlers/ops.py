@@ -5,7 +5,8 @@
 - ``GET /readiness``: 200 only when every required engine is ready and smgd is not draining;
   otherwise 503 with a reason per engine (its state, its last error, how often it restarted).
 - ``GET /v1/models``: served model names with the context length the engines reported at
-  their handshake (``max_model_len``), falling back to the model's config.json.
+  their handshake (``max_model_len``), falling back to the model's config.json; then the LoRA
+  adapters, each with its base model as ``parent``.
 - ``GET /v1/models/{model}``: one of those cards (the id may hold ``/``); 404
   ``model_not_found`` for a name it does not list.
 - ``POST /v1/tokenize`` (also ``/tokenize``): ``{"model", "prompt" | "messages",
@@ -118,7 +119,29 @@ def model_cards(gateway: Gateway, created: int) -> list[dict[str, Any]]:
                 "ready": any(e.ready for e in table.get(model, [])),
             }
         )
-    return cards
+    return cards + adapter_cards(gateway, cards, created)
+
+
+def adapter_cards(
+    gateway: Gateway, models: list[dict[str, Any]], created: int
+) -> list[dict[str, Any]]:
+    """A card per LoRA adapter, as vLLM lists them: ``parent`` is the base model, ``root``
+    the adapter's directory; the context length and readiness are the base model's."""
+    base = {card["id"]: card for card in models}
+    cards: dict[str, dict[str, Any]] = {}
+    for engine in gateway.router.engines():
+        for adapter in engine.lora:
+            parent = base.get(engine.models[0])
+            if adapter.name in cards or parent is None:
+                continue  # one card per adapter, however many engines hold it
+            cards[adapter.name] = {
+                **parent,
+                "id": adapter.name,
+                "created": created,
+                "root": adapter.path,
+                "parent": parent["id"],
+            }
+    return list(cards.values())
 
 
 async def models(call: Call) -> Reply:

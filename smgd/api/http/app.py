@@ -35,7 +35,7 @@ from prometheus_client import generate_latest
 
 from smgd.api.core.pacer import LoadPacer
 from smgd.api.core.prepare import ApiContext
-from smgd.api.handlers import admin, embeddings, native, openai, ops
+from smgd.api.handlers import admin, embeddings, lora, native, openai, ops
 from smgd.api.http.cors import CorsPolicy
 from smgd.api.http.dispatch import Dispatcher, Route
 from smgd.config import load_admin_token, load_api_keys
@@ -72,6 +72,8 @@ ROUTES: Mapping[str, Route] = {
     "/detokenize": Route("POST", ops.detokenize),
     "/metrics": Route("GET", ops.metrics),
     "/get_load": Route("GET", ops.get_load),
+    "/v1/load_lora_adapter": Route("POST", lora.load_lora_adapter),
+    "/v1/unload_lora_adapter": Route("POST", lora.unload_lora_adapter),
 }
 # Routes by path template: the model id may hold "/" ("org/model").
 PREFIX_ROUTES: Mapping[str, Route] = {

@@ -13,10 +13,10 @@ and in this order:
    repeated headers, the first) or mints one, and echoes it on every response;
 4. checks the API key where the path needs one (401) and refuses generation routes while
    smgd drains (503 + ``Retry-After``);
-5. routes: an exact path, else a path template's prefix (``/v1/models/{model}``); an unknown
-   path is 404 (``Invalid URL (GET /x)``), a method the route does not take 405 (with
-   ``Allow``); ``OPTIONS`` is answered with ``Allow``, ``HEAD`` as ``GET`` (the server sends
-   no body);
+5. routes: an exact path, else a path template's prefix (``/v1/models/{model}``); an
+   absolute-form target (``http://host/v1/models``) by its path; an unknown path is 404
+   (``Invalid URL (GET /x)``), a method the route does not take 405 (with ``Allow``);
+   ``OPTIONS`` is answered with ``Allow``, ``HEAD`` as ``GET`` (the server sends no body);
 6. a body over ``max_body_bytes`` is 413, one not complete within :data:`BODY_TIMEOUT_S` 408;
 7. runs the handler: every error is the OpenAI envelope with its status and headers
    (:mod:`smgd.api.core.errors`), an unexpected exception a logged 500;
@@ -73,6 +73,7 @@ __all__ = [
     "Route",
     "authorized",
     "client_request_id",
+    "origin_path",
     "read_body",
 ]
 
@@ -249,13 +250,19 @@ class Dispatcher:
             finally:
                 conn.on_disconnect = None
 
-    def _prefix_route(self, path: str) -> tuple[Route | None, str, str]:
-        """(route, its template, the path's rest) of a prefix route serving ``path``; the rest
-        is never empty (``/v1/models/`` is no model's path)."""
+    def _missed(self, path: str) -> tuple[Route | None, str, str, str]:
+        """A path no route serves exactly: (route, the path, its template, the path's rest)
+        of a prefix route, after an absolute-form target (``http://host/v1/models``) is
+        reduced to its path (:func:`origin_path`); the route None when nothing serves it."""
+        if not path.startswith("/"):
+            path = origin_path(path)
+            route = self.routes.get(path)
+            if route is not None:
+                return route, path, path, ""
         for prefix, template, route in self._prefixes:
             if path.startswith(prefix) and len(path) > len(prefix):
-                return route, template, path[len(prefix) :]
-        return None, path, ""
+                return route, path, template, path[len(prefix) :]
+        return None, path, path, ""
 
     def _check_access(self, path: str, route: Route | None, authorization: str | None) -> None:
         """401 without a valid key where one is needed; 503 for a generation while draining."""
@@ -273,8 +280,8 @@ class Dispatcher:
         method: str = scope["method"]
         route = self.routes.get(path)
         template, tail = path, ""
-        if route is None and self._prefixes:
-            route, template, tail = self._prefix_route(path)
+        if route is None:  # (not on the hot path: the API's own paths are found above)
+            route, path, template, tail = self._missed(path)
         label = template if route is not None and method in route.served else UNMATCHED
         request_id = new_request_id()
         call: Call | None = None
@@ -394,6 +401,17 @@ async def _refuse_websocket(scope: Any, send: ASGISendCallable) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "websocket.http.response.start", "status": 404, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+
+
+def origin_path(target: str) -> str:
+    """The path of an absolute-form request target (``http://host:port/path``), which a
+    server must accept (RFC 9112 §3.2.2; hypercorn hands it on whole as the ASGI path), or
+    ``target`` when it is not one. An absolute-form target without a path is ``/``."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return target
+    slash = rest.find("/")
+    return rest[slash:] if slash >= 0 else "/"
 
 
 def authorized(keys: tuple[bytes, ...], header: str | None) -> bool:

@@ -29,7 +29,7 @@ from smgd.wire.sglang.structs import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smgd.wire.common import EmbedRequest, GenerateRequest
+    from smgd.wire.common import EmbedRequest, GenerateRequest, LoraAdapter
     from smgd.wire.common import SamplingParams as CommonSampling
 
 
@@ -151,8 +151,13 @@ def _tgri(
     )
 
 
-def encode_generate(req: GenerateRequest) -> bytes:
-    """A ``TokenizedGenerateReqInput`` frame for one request (raises InvalidRequest)."""
+def encode_generate(req: GenerateRequest, lora: LoraAdapter | None = None) -> bytes:
+    """A ``TokenizedGenerateReqInput`` frame for one request (raises InvalidRequest).
+
+    ``lora``: the adapter ``req.lora`` names, which the scheduler must already hold (loaded
+    from ``--lora-paths`` at start); it is addressed by :func:`lora_id`, as SGLang's
+    TokenizerManager does after resolving the name.
+    """
     if not req.rid:
         raise ValueError("a generate request needs a non-empty rid")
     sp = to_sglang_sampling(req.sampling)
@@ -165,7 +170,16 @@ def encode_generate(req: GenerateRequest) -> bytes:
         prompt_logprobs=req.sampling.prompt_logprobs,
         priority=req.priority,
     )
+    if lora is not None:
+        msg.lora_id = lora_id(lora.name, lora.path)
+        msg.lora_name = lora.name
     return _encoder.encode(msg)
+
+
+def lora_id(name: str, path: str) -> str:
+    """The id SGLang gives an adapter of ``--lora-paths name=path`` (``LoRARef.deterministic_id``:
+    uuid5 of the URL namespace over ``name NUL path``)."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{name}\0{path}").hex
 
 
 def new_health_check_rid() -> str:

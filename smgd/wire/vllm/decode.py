@@ -211,6 +211,9 @@ class _HotStats(msgspec.Struct, gc=False):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    # Requests per LoRA adapter name in the scheduler's queues (empty without LoRA).
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class _HotOutputs(msgspec.Struct, array_like=True, gc=False):
@@ -254,6 +257,9 @@ class OutputsBatch(msgspec.Struct, kw_only=True):
     engine_dead: bool = False
     prompt_logprobs: dict[str, list[TokenLogprob]] | None = None
     queue_times: dict[str, float] | None = None
+    # With scheduler stats: the adapters with requests running / waiting in the engine.
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] | None = None
 
 
 def _logprob_rows(
@@ -363,11 +369,13 @@ def decode_outputs(
             result=value,
             failure_message=u.failure_message,
         )
-    load = None
+    load = lora_running = lora_waiting = None
     if (st := msg.scheduler_stats) is not None:
         load = EngineLoad(
             running=st.num_running_reqs, waiting=st.num_waiting_reqs, kv_usage=st.kv_cache_usage
         )
+        lora_running = [name for name, n in st.running_lora_adapters.items() if n]
+        lora_waiting = [name for name, n in st.waiting_lora_adapters.items() if n]
     return OutputsBatch(
         engine_index=msg.engine_index,
         deltas=deltas,
@@ -379,4 +387,6 @@ def decode_outputs(
         timestamp=msg.timestamp,
         prompt_logprobs=prompt_lp,
         queue_times=queue_times,
+        lora_running=lora_running,
+        lora_waiting=lora_waiting,
     )

@@ -14,6 +14,7 @@ from smgd.wire.vllm.structs import (
     AddRequest,
     EngineCoreRequest,
     HandshakeMetadata,
+    LoRARequest,
     PoolingParams,
     RequestType,
     SamplingParams,
@@ -25,7 +26,7 @@ from smgd.wire.vllm.structs import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smgd.wire.common import EmbedRequest, GenerateRequest, Structured
+    from smgd.wire.common import EmbedRequest, GenerateRequest, LoraAdapter, Structured
     from smgd.wire.common import SamplingParams as CommonSampling
     from smgd.wire.vllm.structs import InputMessage
 
@@ -190,6 +191,7 @@ def encode_add(
     arrival_time: float | None = None,
     cache_salt: str | None = None,
     structured_backend: str = "auto",
+    lora: LoraAdapter | None = None,
 ) -> list[bytes]:
     """ADD frames (type byte + EngineCoreRequest) for one engine request.
 
@@ -198,7 +200,9 @@ def encode_add(
     engine. ``client_index`` picks the output socket (``outputs[client_index]`` of INIT).
     ``structured_backend`` is the engine's structured-output backend (see
     :func:`structured_outputs`). ``req.priority`` is vLLM's (lower runs first; the engine
-    refuses a non-zero one unless started with ``--scheduling-policy priority``).
+    refuses a non-zero one unless started with ``--scheduling-policy priority``). ``lora``: the
+    adapter the request runs with (the caller resolved ``req.lora`` to it; the engine loads it
+    from its path on first use).
     """
     core = EngineCoreRequest(
         request_id=req.rid,
@@ -207,7 +211,7 @@ def encode_add(
         sampling_params=to_vllm_sampling(req.sampling, structured_backend=structured_backend),
         pooling_params=None,
         arrival_time=time.time() if arrival_time is None else arrival_time,
-        lora_request=None,
+        lora_request=None if lora is None else lora_request(lora),
         cache_salt=cache_salt,
         data_parallel_rank=None,
         client_index=client_index,
@@ -245,6 +249,11 @@ def encode_embed(
         client_index=client_index,
     )
     return encode_engine_request(core)
+
+
+def lora_request(adapter: LoraAdapter) -> LoRARequest:
+    """vLLM's LoRARequest for an adapter, as its front end builds one (no base model name)."""
+    return LoRARequest(adapter.name, adapter.int_id, adapter.path)
 
 
 def encode_abort(rids: Sequence[str]) -> list[bytes]:

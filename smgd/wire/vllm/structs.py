@@ -148,6 +148,18 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     output_kind: int = 2  # RequestOutputKind.FINAL_ONLY, the only kind pooling allows
 
 
+class LoRARequest(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's LoRARequest (``lora_request`` of an ADD, the argument of ``add_lora``): a
+    positional array that always carries all six fields."""
+
+    lora_name: str
+    lora_int_id: int  # >= 1; the engine caches the adapter's weights under this id
+    lora_path: str = ""
+    base_model_name: str | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """ADD body: 22 positional fields, always all of them."""
 
