@@ -302,6 +302,10 @@ class EngineConfig(_Section):
     # `reasoning_content`.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # What the engine's model does: "generate" (completions, chat, /generate) or "embed"
+    # (/v1/embeddings: SGLang's --is-embedding, vLLM's --runner pooling, which smgd adds to a
+    # launched engine's flags). An engine serves one task, as both engines run one.
+    task: Literal["generate", "embed"] = "generate"
     # "priority": the engine runs requests by their `priority` (lower first) and smgd passes it
     # on, launching the engine with its priority flags (SCHEDULING_FLAGS); "fcfs": arrival
     # order, and a request with a non-zero priority is a 400.
@@ -629,6 +633,42 @@ def has_grammar(engine: EngineConfig) -> bool:
     return backend != "none" and not (backend == "auto" and is_mock(engine))
 
 
+def engine_wire(engine: EngineConfig) -> str:
+    """The wire an engine speaks (a mock engine speaks its ``mock.wire``)."""
+    return engine.mock.wire if engine.wire is WireFamily.MOCK else engine.wire.value
+
+
+# Wires with an embedding request (TokenSpeed's has none).
+EMBED_WIRES = frozenset({"sglang", "vllm"})
+
+
+def _check_task(engine: EngineConfig, at: str, tasks: dict[str, tuple[str, str]]) -> None:
+    """``task = "embed"`` needs a wire with embedding requests, and nothing of generation;
+    every engine serving one model name serves it for the same task."""
+    if engine.task == "embed":
+        if engine_wire(engine) not in EMBED_WIRES:
+            raise ConfigError(
+                f"the {engine_wire(engine)} wire has no embedding request",
+                path=f"{at}.task",
+                hint="serve embeddings from an sglang or vllm engine",
+            )
+        for key in ("tool_parser", "reasoning_parser"):
+            if getattr(engine, key) is not None:
+                raise ConfigError(
+                    f"{key} applies to generated text; an embedding engine writes none",
+                    path=f"{at}.{key}",
+                )
+    for model in engine.models:
+        task, other = tasks.setdefault(model, (engine.task, engine.name))
+        if task != engine.task:
+            raise ConfigError(
+                f"model {model!r} is served for {task!r} by engine {other!r} and for "
+                f"{engine.task!r} here",
+                path=f"{at}.task",
+                hint="every engine serving a model name serves it for the same task",
+            )
+
+
 def sglang_has_tokenizer(engine: EngineConfig) -> bool:
     """Whether this engine is an SGLang scheduler smgd launches with the model's tokenizer
     loaded: the launcher's default, since its grammar backend compiles against it; not with
@@ -771,6 +811,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
     """Cross-field checks msgspec cannot express."""
     seen: dict[str, int] = {}
     served: dict[str, str] = {}
+    tasks: dict[str, tuple[str, str]] = {}  # model -> (task, engine name)
     for i, engine in enumerate(config.engines):
         at = f"$.engines[{i}]"
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", engine.name):
@@ -788,6 +829,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             raise ConfigError("an engine serves at least one model name", path=f"{at}.models")
         for model in engine.models:
             served.setdefault(model, engine.name)
+        _check_task(engine, at, tasks)
         for key in ("model_dir", "tokenizer_dir"):
             value = getattr(engine, key)
             if value is None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
-from smgd.engines import grammar_args, scheduling_args
+from smgd.engines import grammar_args, launch_flags, scheduling_args
 from smgd.engines.base import EngineState
 from smgd.engines.lora import lora_args, static_adapters
 from smgd.engines.sglang import SglangEngineClient
@@ -143,8 +143,7 @@ def build_engine_client(
                 f"ipc://{output_path}",
                 "--model-path",
                 str(text.model_dir),
-                *grammar_args(engine),
-                *scheduling_args(engine),
+                *launch_flags(engine),
                 *lora_args(config, engine),
                 *launch.args,
             ]
@@ -159,12 +158,7 @@ def build_engine_client(
                 python=launch.python or "python3",
                 launcher=launcher_script("vllm_engine.py"),
                 model=str(text.model_dir),
-                args=[
-                    *grammar_args(engine),
-                    *scheduling_args(engine),
-                    *lora_args(config, engine),
-                    *launch.args,
-                ],
+                args=[*launch_flags(engine), *lora_args(config, engine), *launch.args],
             )
     if wire == "vllm":
         return VllmEngineClient(

@@ -30,6 +30,7 @@ from smgd.engines.base import EngineClient, EngineState
 from smgd.gateway import Gateway
 from smgd.wire.common import (
     EngineInfo,
+    EngineRequest,
     Finish,
     FinishReason,
     GenerateRequest,
@@ -99,7 +100,8 @@ class FakeEngine(EngineClient):
             pass
 
     # ---- wire hooks
-    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
+        assert isinstance(req, GenerateRequest), "the fake engine only generates"
         self.requests.append(req)
         assert self._nursery is not None, "start the engine with nursery.start(engine.run)"
         self._nursery.start_soon(self._drive, req)

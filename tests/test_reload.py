@@ -35,7 +35,7 @@ from smgd.reload import IN_PLACE, keep_running, plan, replace_keys
 from smgd.router import Router
 from smgd.status import run_reload, target_from_config
 from smgd.supervise import Supervised, supervise_engine
-from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams
+from smgd.wire.common import EngineInfo, EngineRequest, GenerateRequest, SamplingParams
 
 from .daemon_harness import (
     config_text,
@@ -208,7 +208,7 @@ class _Quiet(EngineClient):
     async def _close(self) -> None:
         await trio.lowlevel.checkpoint()
 
-    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
         return [b"req"]
 
     def _encode_abort(self, rid: str) -> list[bytes]:

@@ -2,7 +2,8 @@
 :mod:`~smgd.engines.vllm`, :mod:`~smgd.engines.tokenspeed`) over :mod:`~smgd.engines.base`.
 
 :func:`smgd.supervise.build_engine_client` builds them from ``[[engines]]`` entries, with the
-launch flags :func:`grammar_args` derives from ``[engines.structured_output]`` and
+launch flags :func:`launch_flags` derives: :func:`grammar_args` from
+``[engines.structured_output]`` (or :func:`task_args` from ``task = "embed"``) and
 :func:`scheduling_args` from ``scheduling``.
 """
 
@@ -49,3 +50,23 @@ def grammar_args(engine: EngineConfig) -> list[str]:
             settings["disable_any_whitespace"] = True
         return ["--structured-outputs-config", json.dumps(settings)] if settings else []
     return []  # vLLM has no "none" (smgd refuses constraints itself); the mock, a command
+
+
+# The flags that make each engine serve its model for embeddings (SGLang: an embedding model,
+# pooled with its pooler; vLLM: the pooling runner, converting a generative model to `embed`).
+TASK_FLAGS: dict[str, dict[str, list[str]]] = {
+    "embed": {"sglang": ["--is-embedding"], "vllm": ["--runner", "pooling"]},
+}
+
+
+def task_args(engine: EngineConfig) -> list[str]:
+    """The engine flags for ``task`` of a launched engine ([] for ``generate``)."""
+    kind = engine.launch.kind if engine.launch is not None else None
+    return list(TASK_FLAGS.get(engine.task, {}).get(kind or "", []))
+
+
+def launch_flags(engine: EngineConfig) -> list[str]:
+    """Every flag smgd derives from an engine's config, before ``launch.args``."""
+    # No grammar backend serves an embedding model.
+    first = task_args(engine) if engine.task == "embed" else grammar_args(engine)
+    return [*first, *scheduling_args(engine)]

@@ -48,8 +48,10 @@ from smgd.errors import (
     WireError,
 )
 from smgd.wire.common import (
+    EmbedRequest,
     EngineInfo,
     EngineLoad,
+    EngineRequest,
     Finish,
     FinishReason,
     GenerateRequest,
@@ -116,6 +118,10 @@ class EngineClient:
     """Base class; subclasses implement the wire-specific hooks below."""
 
     wire: str = "?"
+    # How many tokens below max_model_len an embedding input must stay: SGLang refuses an input
+    # of context_len tokens or more (TokenizerManager's "longer than the model's context
+    # length"), vLLM takes up to max_model_len.
+    embed_len_margin: int = 0
     # The most top-k logprobs this wire can return (None: any). Checked before a request is
     # sent: an encoder refusing it at send time would be after a stream's 200 went out.
     max_top_logprobs: int | None = None
@@ -238,11 +244,25 @@ class EngineClient:
         """Take no new request (readiness and the router see it not ready); streams go on."""
         self.draining = True
 
-    def validate(self, req: GenerateRequest) -> None:
+    @property
+    def task(self) -> str:
+        """``generate`` or ``embed``: what requests this engine's model serves."""
+        return self.config.task
+
+    def validate(self, req: EngineRequest) -> None:
         """Reject what would kill or wedge the engine. Raises InvalidRequest."""
         info = self.info
         if info is None:
             raise EngineNotReady(f"engine {self.name} is not ready")
+        if isinstance(req, EmbedRequest):
+            self._validate_embed(req, info)
+            return
+        if self.task != "generate":
+            raise InvalidRequest(
+                f"the model is served for {self.task} (engine {self.name}): it does not "
+                "generate text; use /v1/embeddings",
+                param="model",
+            )
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         vocab = info.vocab_size
@@ -276,20 +296,50 @@ class EngineClient:
                 param=structured.param,
             )
 
+    def _validate_embed(self, req: EmbedRequest, info: EngineInfo) -> None:
+        if self.task != "embed":
+            raise InvalidRequest(
+                f"the model is not an embedding model (engine {self.name} serves it for "
+                f"{self.task})",
+                param="model",
+            )
+        if not req.prompt_ids:
+            raise InvalidRequest("an input is empty", param="input")
+        vocab = info.vocab_size
+        if vocab is not None:
+            for tid in req.prompt_ids:
+                if not 0 <= tid < vocab:
+                    raise InvalidRequest(
+                        f"token id {tid} is outside the vocabulary (0..{vocab - 1})",
+                        param="input",
+                    )
+        limit = info.max_model_len - self.embed_len_margin
+        if len(req.prompt_ids) > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                f"an input has {len(req.prompt_ids)} tokens (at most {limit} fit). Please "
+                "reduce its length.",
+                param="input",
+                code="context_length_exceeded",
+            )
+        if req.rid in self._streams:
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
+
     @asynccontextmanager
-    async def open_stream(self, req: GenerateRequest) -> AsyncIterator[RequestStream]:
+    async def open_stream(self, req: EngineRequest) -> AsyncIterator[RequestStream]:
         """Submit a request; yield its output stream; abort it on the engine if it is left early.
 
         A request with a LoRA adapter counts as waiting for it until sent, then running
         (:class:`~smgd.engines.lora.LoraTable`), until the block is left.
         """
-        with self.lora.counting(req.lora) as sent:
+        lora = req.lora if isinstance(req, GenerateRequest) else None  # embeddings: no adapter
+        with self.lora.counting(lora) as sent:
             async with self._open_stream(req, sent) as stream:
                 yield stream
 
     @asynccontextmanager
     async def _open_stream(
-        self, req: GenerateRequest, sent: Callable[[], None]
+        self, req: EngineRequest, sent: Callable[[], None]
     ) -> AsyncIterator[RequestStream]:
         """:meth:`open_stream`; ``sent`` is called once the request is in the outbox.
 
@@ -309,7 +359,7 @@ class EngineClient:
             stream.queued_s = waited
             frames = self._encode_request(req)
             self._streams[req.rid] = stream
-            if req.sampling.structured is not None:
+            if isinstance(req, GenerateRequest) and req.sampling.structured is not None:
                 self._constrained[req.rid] = req.sampling.structured.param
             self._requests_total += 1
             self._outbox_send.send_nowait(frames)
@@ -545,7 +595,7 @@ class EngineClient:
     def _output_socket(self) -> TrioSocket:
         raise NotImplementedError
 
-    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
         raise NotImplementedError
 
     def _encode_abort(self, rid: str) -> list[bytes]:

@@ -49,7 +49,7 @@ import zmq
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient, EngineState
 from smgd.errors import EngineDead, TransportError, WireError
-from smgd.wire.common import EngineInfo, EngineLoad, GenerateRequest, TokenDelta
+from smgd.wire.common import EngineInfo, EngineLoad, EngineRequest, TokenDelta
 from smgd.zmq_trio import TrioSocket, open_monitor
 
 if TYPE_CHECKING:
@@ -382,7 +382,7 @@ class HandshakeEngineClient(EngineClient):
         """Registration payload → (its info, the data-parallel size it reports)."""
         raise NotImplementedError
 
-    def _wire_add(self, req: GenerateRequest) -> list[bytes]:
+    def _wire_add(self, req: EngineRequest) -> list[bytes]:
         """ADD frames without the identity. May raise InvalidRequest."""
         raise NotImplementedError
 
@@ -642,7 +642,7 @@ class HandshakeEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ data plane
 
-    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
         frames = self._wire_add(req)  # raises before a rank is reserved
         assert self.table is not None
         rank = self.table.pick(req.rid)

@@ -27,9 +27,15 @@ import zmq
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
-from smgd.wire.common import EngineInfo, GenerateRequest
+from smgd.wire.common import EmbedRequest, EngineInfo, EngineRequest
 from smgd.wire.sglang.decode import decode_output
-from smgd.wire.sglang.encode import encode_abort, encode_generate, encode_health_check
+from smgd.wire.sglang.encode import (
+    encode_abort,
+    encode_embed,
+    encode_embed_health_check,
+    encode_generate,
+    encode_health_check,
+)
 from smgd.wire.sglang.structs import HealthCheckOutput
 from smgd.zmq_trio import TrioSocket, open_monitor
 
@@ -51,6 +57,7 @@ HEALTH_TIMEOUT_S = 60.0
 
 class SglangEngineClient(EngineClient):
     wire = "sglang"
+    embed_len_margin = 1
 
     def __init__(
         self,
@@ -189,7 +196,8 @@ class SglangEngineClient(EngineClient):
         rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         self._health_rid = rid
         self._health_done = trio.Event()
-        self._outbox_send.send_nowait([encode_health_check(rid)])
+        probe = encode_embed_health_check if self.task == "embed" else encode_health_check
+        self._outbox_send.send_nowait([probe(rid)])
         with trio.move_on_after(limit_s) as scope:
             await self._health_done.wait()
         self._health_rid = None
@@ -235,7 +243,9 @@ class SglangEngineClient(EngineClient):
         assert self._pull is not None
         return self._pull
 
-    def _encode_request(self, req: GenerateRequest) -> list[bytes]:
+    def _encode_request(self, req: EngineRequest) -> list[bytes]:
+        if isinstance(req, EmbedRequest):
+            return [encode_embed(req)]
         lora = None if req.lora is None else self.lora.get(req.lora)
         return [encode_generate(req, lora)]
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
-from smgd.errors import ConfigError
-from smgd.wire.common import FinishReason
+from smgd.errors import ConfigError, InvalidRequest
+from smgd.wire.common import FinishReason, GenerateRequest
 from smgd.wire.tokenspeed.decode import decode_handshake, decode_output, decode_registration
 from smgd.wire.tokenspeed.encode import encode_abort, encode_add, encode_init
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, GenerateRequest, TokenDelta
+    from smgd.wire.common import EngineInfo, EngineRequest, TokenDelta
 
 # TokenSpeed's own default dial target (--data-parallel-address / --data-parallel-rpc-port).
 DEFAULT_HANDSHAKE = "tcp://127.0.0.1:30500"
@@ -72,7 +72,9 @@ class TokenspeedEngineClient(HandshakeEngineClient):
             )
         return None
 
-    def _wire_add(self, req: GenerateRequest) -> list[bytes]:
+    def _wire_add(self, req: EngineRequest) -> list[bytes]:
+        if not isinstance(req, GenerateRequest):  # config refuses task = "embed" here
+            raise InvalidRequest("the TokenSpeed wire has no embedding request", param="model")
         return encode_add(req, max_model_len=self.info.max_model_len if self.info else None)
 
     def _wire_abort(self, rid: str) -> list[bytes]:

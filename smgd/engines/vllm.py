@@ -29,7 +29,7 @@ import trio
 
 from smgd.engines.handshake import Batch, HandshakeEngineClient
 from smgd.errors import EngineDead, EngineNotReady, EngineRejected, InvalidRequest, ModelNotFound
-from smgd.wire.common import FinishReason
+from smgd.wire.common import EmbedRequest, FinishReason
 from smgd.wire.vllm.decode import (
     UtilityReply,
     decode_handshake,
@@ -39,6 +39,7 @@ from smgd.wire.vllm.decode import (
 from smgd.wire.vllm.encode import (
     encode_abort,
     encode_add,
+    encode_embed,
     encode_init,
     encode_utility,
     lora_request,
@@ -46,7 +47,7 @@ from smgd.wire.vllm.encode import (
 
 if TYPE_CHECKING:
     from smgd.config import EngineConfig
-    from smgd.wire.common import EngineInfo, GenerateRequest, LoraAdapter, TokenDelta
+    from smgd.wire.common import EngineInfo, EngineRequest, LoraAdapter, TokenDelta
 
 log = logging.getLogger("smgd.engine.vllm")
 
@@ -98,7 +99,10 @@ class VllmEngineClient(HandshakeEngineClient):
         # protocol; dense-DP engines report 1. The rank count comes from the config.
         return resp.engine_info(), resp.data_parallel_size
 
-    def _wire_add(self, req: GenerateRequest) -> list[bytes]:
+    def _wire_add(self, req: EngineRequest) -> list[bytes]:
+        if isinstance(req, EmbedRequest):
+            self._meta[req.rid] = _Meta(prompt_tokens=len(req.prompt_ids))
+            return encode_embed(req)
         sp = req.sampling
         if sp.max_tokens < 1:
             # The engine asserts max_tokens >= 1; a failed assert kills its input thread.

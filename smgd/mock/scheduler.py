@@ -15,12 +15,16 @@ first output. Before ``min_tokens`` tokens, EOS and stop ids are skipped (a real
 them), so the echo goes on. With ``priority_scheduling``, waiting requests are admitted lowest
 ``priority`` first (vLLM's order; arrival order among equals). A request with a LoRA adapter
 writes the same tokens rotated by :func:`lora_rotation` of the adapter's name, so each adapter
-observably changes the output.
+observably changes the output. An embedding request finishes in its first step with
+:func:`mock_embedding`, a vector that depends only on its token ids.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import math
+import struct
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,10 +38,16 @@ if TYPE_CHECKING:
     from smgd.mock.script import Script
 
 
+# The mock's embedding size: the hidden size of the packaged tiny model, so `dimensions`
+# checked against its config.json matches what the mock returns.
+MOCK_EMBED_SIZE = 64
+
+
 class MockFinish(enum.Enum):
     LENGTH = "length"
     STOP = "stop"  # EOS or stop token id
     ABORT = "abort"
+    EMBEDDED = "embedded"  # an embedding request's vector is ready
 
 
 @dataclass(slots=True)
@@ -53,6 +63,8 @@ class MockRequest:
     min_tokens: int = 0
     priority: int = 0
     lora: str | None = None  # the LoRA adapter's name: its output is rotated (lora_rotation)
+    embed: bool = False  # an embedding request: one step, a vector, no tokens
+    dimensions: int | None = None  # an embedding's Matryoshka truncation
     # Filled by the scheduler:
     source: list[int] = field(default_factory=list)
     cursor: int = 0  # the next position in source
@@ -82,6 +94,23 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., first output only
     prompt_first: int = 0  # the first prompt token (the one without a logprob)
+    embedding: list[float] | None = None  # an embedding request's vector
+
+
+def mock_embedding(prompt_ids: list[int], dimensions: int | None = None) -> list[float]:
+    """The mock's embedding of ``prompt_ids``: :data:`MOCK_EMBED_SIZE` values from a hash of the
+    ids, the first ``dimensions`` of them kept, L2-normalized (as the engines' poolers do), each
+    a float32 value (so both wires carry it exactly)."""
+    seed = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).digest()
+    raw: list[float] = []
+    counter = 0
+    while len(raw) < MOCK_EMBED_SIZE:
+        block = hashlib.blake2b(seed + counter.to_bytes(4, "little")).digest()
+        raw.extend(b / 127.5 - 1.0 for b in block)
+        counter += 1
+    kept = raw[: dimensions or MOCK_EMBED_SIZE]
+    norm = math.sqrt(sum(x * x for x in kept)) or 1.0
+    return [struct.unpack("<f", struct.pack("<f", x / norm))[0] for x in kept]
 
 
 def mock_prompt_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
@@ -185,6 +214,10 @@ class MockScheduler:
         for req in self.running.values():
             finish: MockFinish | None = None
             matched: int | None = None
+            if req.embed:
+                outputs.append(self._embedded(req))
+                finished.append(req.rid)
+                continue
             if req.aborted:
                 finish = MockFinish.ABORT
             else:
@@ -223,6 +256,19 @@ class MockScheduler:
             del self.running[rid]
         self.steps += 1
         return outputs
+
+    def _embedded(self, req: MockRequest) -> StepOutput:
+        aborted = req.aborted
+        return StepOutput(
+            rid=req.rid,
+            new_ids=[],
+            finish=MockFinish.ABORT if aborted else MockFinish.EMBEDDED,
+            matched=None,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=0,
+            cached_tokens=self._cached(req.prompt_ids),
+            embedding=None if aborted else mock_embedding(req.prompt_ids, req.dimensions),
+        )
 
     def _next_token(self, req: MockRequest) -> int:
         """The next echoed token; before ``min_tokens``, EOS and stop ids are passed over (a

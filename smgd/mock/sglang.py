@@ -17,12 +17,20 @@ from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutp
 from smgd.wire.common import Finish, FinishReason
 from smgd.wire.sglang.arrays import ext_to_ids
 from smgd.wire.sglang.decode import decode_request
-from smgd.wire.sglang.engine_side import encode_abort_echo, encode_batch_output, encode_flush_output
+from smgd.wire.sglang.engine_side import (
+    EmbeddingItem,
+    encode_abort_echo,
+    encode_batch_output,
+    encode_embedding_output,
+    encode_flush_output,
+)
 from smgd.wire.sglang.structs import (
     AbortReq,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     ShutdownReq,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from smgd.zmq_trio import TrioSocket
@@ -36,6 +44,7 @@ _FINISH = {
     MockFinish.LENGTH: FinishReason.LENGTH,
     MockFinish.STOP: FinishReason.STOP,
     MockFinish.ABORT: FinishReason.ABORT,
+    MockFinish.EMBEDDED: FinishReason.LENGTH,  # SGLang finishes an embedding by length
 }
 
 
@@ -62,6 +71,11 @@ class SglangMockWire:
         elif isinstance(msg, BatchTokenizedGenerateReqInput):
             for item in msg.batch:
                 self._add(item, sched)
+        elif isinstance(msg, TokenizedEmbeddingReqInput):
+            self._add_embedding(msg, sched)
+        elif isinstance(msg, BatchTokenizedEmbeddingReqInput):
+            for one in msg.batch:
+                self._add_embedding(one, sched)
         elif isinstance(msg, AbortReq):
             # Logged: an abort is what a client cannot see, and the fault suite checks for it.
             log.info("abort %s", "all" if msg.abort_all else msg.rid)
@@ -96,10 +110,37 @@ class SglangMockWire:
             )
         )
 
+    @staticmethod
+    def _add_embedding(msg: TokenizedEmbeddingReqInput, sched: MockScheduler) -> None:
+        ids = ext_to_ids(msg.input_ids)
+        sched.add(
+            MockRequest(
+                rid=msg.rid or "",
+                prompt_ids=ids,
+                max_tokens=0,
+                embed=True,
+                dimensions=msg.dimensions,
+            )
+        )
+
     def encode_step(
         self, outputs: list[StepOutput], aborted_queued: list[str], sched: MockScheduler
     ) -> list[list[bytes]]:
         messages: list[list[bytes]] = []
+        embedded = [o for o in outputs if o.embedding is not None]
+        if embedded:
+            outputs = [o for o in outputs if o.embedding is None]
+            items = [
+                EmbeddingItem(
+                    o.rid,
+                    o.embedding,
+                    Finish(reason=FinishReason.LENGTH),
+                    o.prompt_tokens,
+                    o.cached_tokens,
+                )
+                for o in embedded
+            ]
+            messages.append([encode_embedding_output(items)])
         if outputs:
             rows = [
                 (

@@ -49,6 +49,7 @@ from smgd.wire.vllm.structs import (
     UtilityResult,
     VllmFinishReason,
 )
+from smgd.wire.vllm.tensors import make_tensor
 from smgd.zmq_trio import TrioSocket
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ _FINISH = {
     MockFinish.STOP: VllmFinishReason.STOP,
     MockFinish.LENGTH: VllmFinishReason.LENGTH,
     MockFinish.ABORT: VllmFinishReason.ABORT,
+    MockFinish.EMBEDDED: VllmFinishReason.STOP,  # a pooling request finishes "stopped"
 }
 
 
@@ -167,10 +169,21 @@ class VllmMockWire:
         if not isinstance(msg, AddRequest):
             return []  # DP waves: not modelled
         req = msg.request
-        sp = req.sampling_params or SamplingParams()
         self.received.append(req.request_id)
         if self.log_stats:
             self._queued_at[req.request_id] = time.monotonic()
+        if req.pooling_params is not None:  # an embedding request (--runner pooling)
+            sched.add(
+                MockRequest(
+                    rid=req.request_id,
+                    prompt_ids=list(req.prompt_token_ids or ()),
+                    max_tokens=0,
+                    embed=True,
+                    dimensions=req.pooling_params.dimensions,
+                )
+            )
+            return []
+        sp = req.sampling_params or SamplingParams()
         eos = sp._eos_token_id
         self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
         if sp.logprobs is not None:
@@ -217,6 +230,8 @@ class VllmMockWire:
 
     def _output(self, o: StepOutput) -> EngineCoreOutput:
         out = EngineCoreOutput(request_id=o.rid, new_token_ids=o.new_ids)
+        if o.embedding is not None:
+            out.pooling_output = make_tensor("float32", [len(o.embedding)], o.embedding)
         if o.finish is not None:
             out.finish_reason = int(_FINISH[o.finish])
             if o.finish is MockFinish.STOP and o.matched != self._eos.get(o.rid):

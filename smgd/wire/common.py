@@ -164,6 +164,21 @@ class LoraAdapter(msgspec.Struct, frozen=True, kw_only=True):
     int_id: int  # vLLM's lora_int_id: >= 1, unique per adapter on one engine
 
 
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine embedding request (one input of ``/v1/embeddings``): tokenized, validated.
+
+    ``dimensions`` keeps the first that many dimensions of the pooled vector (Matryoshka
+    truncation, which the engine does before it normalizes); None keeps them all.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    dimensions: int | None = None
+
+
+EngineRequest = GenerateRequest | EmbedRequest  # what an engine client submits
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS / stop token (engine) or stop string (smgd)
     LENGTH = "length"
@@ -209,6 +224,7 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (its final delta)
 
     def merge(self, later: TokenDelta) -> None:
         """Fold a later delta of the same request into this one (coalescing)."""
@@ -229,6 +245,8 @@ class TokenDelta(msgspec.Struct, kw_only=True):
             self.completion_tokens = later.completion_tokens
         if later.cached_tokens is not None:
             self.cached_tokens = later.cached_tokens
+        if later.embedding is not None:
+            self.embedding = later.embedding
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,7 +35,7 @@ from prometheus_client import generate_latest
 
 from smgd.api.core.pacer import LoadPacer
 from smgd.api.core.prepare import ApiContext
-from smgd.api.handlers import admin, lora, native, openai, ops
+from smgd.api.handlers import admin, embeddings, lora, native, openai, ops
 from smgd.api.http.cors import CorsPolicy
 from smgd.api.http.dispatch import Dispatcher, Route
 from smgd.config import load_admin_token, load_api_keys
@@ -61,6 +61,7 @@ ROUTES: Mapping[str, Route] = {
     "/v1/chat/completions": Route("POST", openai.chat_reply, generation=True),
     "/v1/completions": Route("POST", openai.completion_reply, generation=True),
     "/generate": Route("POST", native.generate_reply, generation=True),
+    "/v1/embeddings": Route("POST", embeddings.embeddings_reply, generation=True),
     "/health": Route("GET", ops.health),
     "/liveness": Route("GET", ops.health),
     "/readiness": Route("GET", ops.readiness),

@@ -21,8 +21,10 @@ from smgd.wire.sglang.structs import (
     MODELED,
     SGLANG_TAGS,
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
+    BatchTokenizedEmbeddingReqInput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
@@ -32,6 +34,7 @@ from smgd.wire.sglang.structs import (
     OtherMessage,
     PickleWrapper,
     ShutdownReq,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 
@@ -69,10 +72,25 @@ class _OutputHead(
     output_top_logprobs_idx: list[list[Any] | None] | None
 
 
+class _EmbedHead(
+    msgspec.Struct, tag="BatchEmbeddingOutput", kw_only=True, array_like=True, gc=False
+):
+    """Hot-path view of BatchEmbeddingOutput: its first 6 columns."""
+
+    rids: list[str] | None = None
+    http_worker_ipcs: Raw = Raw()
+    finished_reasons: list[dict[str, Any] | None]
+    embeddings: list[Any]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+
+
 Control = HealthCheckOutput | FlushCacheReqOutput | GetInternalStateReqOutput | OtherMessage
 Request = (
     TokenizedGenerateReqInput
     | BatchTokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput
     | AbortReq
     | FlushCacheReqInput
     | ShutdownReq
@@ -82,11 +100,18 @@ Request = (
 
 _raw_decoder = msgspec.msgpack.Decoder()  # untyped: ext stays Ext, bin stays bytes
 _output_decoder = msgspec.msgpack.Decoder(
-    _OutputHead | AbortReq | HealthCheckOutput | FlushCacheReqOutput | GetInternalStateReqOutput
+    _OutputHead
+    | _EmbedHead
+    | AbortReq
+    | HealthCheckOutput
+    | FlushCacheReqOutput
+    | GetInternalStateReqOutput
 )
 _request_decoder = msgspec.msgpack.Decoder(
     TokenizedGenerateReqInput
     | BatchTokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput
     | AbortReq
     | FlushCacheReqInput
     | ShutdownReq
@@ -95,6 +120,8 @@ _request_decoder = msgspec.msgpack.Decoder(
 _any_modeled_decoder = msgspec.msgpack.Decoder(
     TokenizedGenerateReqInput
     | BatchTokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | BatchTokenizedEmbeddingReqInput
     | AbortReq
     | HealthCheckOutput
     | FlushCacheReqInput
@@ -104,6 +131,7 @@ _any_modeled_decoder = msgspec.msgpack.Decoder(
     | GetInternalStateReqOutput
     | BatchTokenIDOutput
     | BatchStrOutput
+    | BatchEmbeddingOutput
     | PickleWrapper
 )
 
@@ -232,6 +260,44 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
     ]
 
 
+def _vector(row: Any) -> list[float] | None:
+    """An embedding row as floats; None when it is not a dense vector (a sparse head's map)."""
+    if not isinstance(row, list) or not all(
+        isinstance(x, float | int) and not isinstance(x, bool) for x in row
+    ):
+        return None
+    return [float(x) for x in row]
+
+
+def _embed_deltas(head: _EmbedHead) -> list[TokenDelta]:
+    rids = head.rids or []
+    n = len(rids)
+    columns = (head.finished_reasons, head.embeddings, head.prompt_tokens, head.cached_tokens)
+    if any(len(column) != n for column in columns):
+        raise WireError(f"BatchEmbeddingOutput columns do not match its {n} rids")
+    deltas = []
+    for i, rid in enumerate(rids):
+        finish = finish_from_wire(head.finished_reasons[i])
+        vector = _vector(head.embeddings[i])
+        if finish is not None and finish.reason is not FinishReason.ABORT and vector is None:
+            finish = Finish(
+                reason=FinishReason.ERROR,
+                message="the engine returned a sparse embedding, which smgd does not serve",
+            )
+        deltas.append(
+            TokenDelta(
+                rid=rid,
+                token_ids=[],
+                finish=finish,
+                prompt_tokens=head.prompt_tokens[i],
+                completion_tokens=0,
+                cached_tokens=head.cached_tokens[i],
+                embedding=vector,
+            )
+        )
+    return deltas
+
+
 def _abort_delta(msg: AbortReq) -> TokenDelta:
     finish = finish_from_wire(msg.finished_reason)
     if finish is None or finish.reason is not FinishReason.ABORT:
@@ -240,11 +306,18 @@ def _abort_delta(msg: AbortReq) -> TokenDelta:
 
 
 _OUTPUT_TAGS = frozenset(
-    {"BatchTokenIDOutput", "AbortReq", "HealthCheckOutput", "FlushCacheReqOutput"}
+    {
+        "BatchTokenIDOutput",
+        "BatchEmbeddingOutput",
+        "AbortReq",
+        "HealthCheckOutput",
+        "FlushCacheReqOutput",
+    }
     | {"GetInternalStateReqOutput"}
 )
 _REQUEST_TAGS = frozenset(
     {"TokenizedGenerateReqInput", "BatchTokenizedGenerateReqInput", "AbortReq"}
+    | {"TokenizedEmbeddingReqInput", "BatchTokenizedEmbeddingReqInput"}
     | {"FlushCacheReqInput", "ShutdownReq", "GetInternalStateReq"}
 )
 
@@ -272,9 +345,10 @@ def decode_output(frame: bytes | memoryview) -> list[TokenDelta] | Control:
     """Decode one scheduler -> router frame.
 
     ``BatchTokenIDOutput`` becomes one TokenDelta per rid (ids are new ids only, usage is
-    cumulative); an ``AbortReq`` echo (a queued or rejected request) becomes a one-element list
-    with an ABORT finish; control replies come back as their typed struct, other well-formed
-    SGLang messages as :class:`OtherMessage`. Anything else raises WireError.
+    cumulative), ``BatchEmbeddingOutput`` one final TokenDelta per rid with its vector; an
+    ``AbortReq`` echo (a queued or rejected request) becomes a one-element list with an ABORT
+    finish; control replies come back as their typed struct, other well-formed SGLang messages
+    as :class:`OtherMessage`. Anything else raises WireError.
     """
     try:
         msg = _output_decoder.decode(frame)
@@ -282,6 +356,8 @@ def decode_output(frame: bytes | memoryview) -> list[TokenDelta] | Control:
         return _other(frame, exc, _OUTPUT_TAGS)
     if type(msg) is _OutputHead:
         return _deltas(msg)
+    if type(msg) is _EmbedHead:
+        return _embed_deltas(msg)
     if type(msg) is AbortReq:
         return [_abort_delta(msg)]
     control: Control = msg

@@ -22,13 +22,14 @@ from smgd.wire.sglang.structs import (
     GetInternalStateReq,
     SamplingParams,
     ShutdownReq,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smgd.wire.common import GenerateRequest, LoraAdapter
+    from smgd.wire.common import EmbedRequest, GenerateRequest, LoraAdapter
     from smgd.wire.common import SamplingParams as CommonSampling
 
 
@@ -203,6 +204,50 @@ def encode_health_check(rid: str) -> bytes:
         is_normalized=True,
     )
     return _encoder.encode(_tgri(rid, [0], sp, False, None))
+
+
+def _embedding_req(
+    rid: str, ids: Sequence[int], sp: SamplingParams, dimensions: int | None
+) -> TokenizedEmbeddingReqInput:
+    return TokenizedEmbeddingReqInput(
+        rid=rid,
+        input_text=None,
+        input_ids=ids_to_ext(ids),
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=sp,
+        dimensions=dimensions,
+    )
+
+
+# The dummy sampling params of an embedding request: SamplingParams() normalized, with
+# EmbeddingReqInput's normalization setting max_new_tokens to 0 (what TokenizerManager sends).
+_EMBED_SAMPLING = SamplingParams(
+    max_new_tokens=0, stop_strs=[], stop_regex_strs=[], is_normalized=True
+)
+
+
+def encode_embed(req: EmbedRequest) -> bytes:
+    """A ``TokenizedEmbeddingReqInput`` frame for one input (an ``--is-embedding`` scheduler)."""
+    if not req.rid:
+        raise ValueError("an embedding request needs a non-empty rid")
+    return _encoder.encode(_embedding_req(req.rid, req.prompt_ids, _EMBED_SAMPLING, req.dimensions))
+
+
+def encode_embed_health_check(rid: str) -> bytes:
+    """SGLang's /health_generate request for an embedding model: prompt [0], the probe's greedy
+    sampling params (a dummy here) with max_new_tokens 0, as EmbeddingReqInput sets it."""
+    if not rid.startswith(HEALTH_CHECK_PREFIX):
+        raise ValueError(f"health-check rid must start with {HEALTH_CHECK_PREFIX!r}")
+    sp = SamplingParams(
+        max_new_tokens=0,
+        temperature=1.0,
+        top_k=1,
+        stop_strs=[],
+        stop_regex_strs=[],
+        is_normalized=True,
+    )
+    return _encoder.encode(_embedding_req(rid, [0], sp, None))
 
 
 def encode_abort(rid: str) -> bytes:

@@ -11,6 +11,7 @@ from smgd.wire.common import Finish, FinishReason, TokenLogprob
 from smgd.wire.sglang.arrays import ids_to_ext
 from smgd.wire.sglang.structs import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FlushCacheReqOutput,
     HealthCheckOutput,
@@ -166,6 +167,37 @@ def build_batch_output(items: Sequence[OutputItem | tuple[Any, ...]]) -> BatchTo
 def encode_batch_output(items: Sequence[OutputItem | tuple[Any, ...]]) -> bytes:
     """A BatchTokenIDOutput frame from (rid, new ids, finish, prompt, completion, cached) rows."""
     return _encoder.encode(build_batch_output(items))
+
+
+class EmbeddingItem(NamedTuple):
+    """One request's slice of a BatchEmbeddingOutput."""
+
+    rid: str
+    embedding: Sequence[float] | None  # None: the request did not get a vector (aborted)
+    finish: Finish
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def encode_embedding_output(items: Sequence[EmbeddingItem]) -> bytes:
+    """A BatchEmbeddingOutput frame as the scheduler's output streamer writes it (a finished
+    embedding is ``{"type": "length", "length": 0}``: one dummy output id; ``time_stats`` nil,
+    as in :func:`build_batch_output`)."""
+    n = len(items)
+    return _encoder.encode(
+        BatchEmbeddingOutput(
+            rids=[it.rid for it in items],
+            http_worker_ipcs=[None] * n,
+            finished_reasons=[finish_to_wire(it.finish, 0) for it in items],
+            embeddings=[list(it.embedding) if it.embedding is not None else [] for it in items],
+            prompt_tokens=[it.prompt_tokens for it in items],
+            cached_tokens=[it.cached_tokens for it in items],
+            placeholder_tokens_idx=None,
+            placeholder_tokens_val=None,
+            retraction_counts=[0] * n,
+            cached_tokens_details=[None] * n,
+        )
+    )
 
 
 def encode_abort_echo(rid: str, finish: Finish | None = None) -> bytes:

@@ -152,6 +152,33 @@ class BatchTokenizedGenerateReqInput(BaseBatchReq, kw_only=True):
     batch: list[TokenizedGenerateReqInput]
 
 
+class TokenizedEmbeddingReqInput(BaseReq, kw_only=True):
+    """Router -> scheduler embedding request (an ``--is-embedding`` scheduler): 19 fields,
+    fields 3-7 required. ``sampling_params`` is a dummy the scheduler only reads for its
+    defaults; SGLang's TokenizerManager sends ``SamplingParams()`` normalized."""
+
+    input_text: Any
+    input_ids: Ext | None
+    mm_inputs: Any
+    token_type_ids: Any
+    sampling_params: SamplingParams
+    lora_id: str | None = None
+    positional_embed_overrides: Any = None
+    routed_dp_rank: int | None = None
+    priority: int | None = None
+    dimensions: int | None = None  # Matryoshka truncation, done by the pooler
+    return_pooled_hidden_states: bool = False
+    multi_item_delimiter_indices: list[int] | None = None
+    token_indices_to_pool: list[int] | None = None
+    decision_layout: list[int] | None = None
+    time_stats: PickleWrapper | None = None
+    lora_name: str | None = None
+
+
+class BatchTokenizedEmbeddingReqInput(BaseBatchReq, kw_only=True):
+    batch: list[TokenizedEmbeddingReqInput]
+
+
 class AbortReq(BaseReq, kw_only=True):
     """Both directions. An empty rid aborts everything; rids match by prefix."""
 
@@ -244,6 +271,26 @@ class BatchTokenIDOutput(BaseBatchReq, kw_only=True):
     input_top_logprobs_val_flat: Any = None
     input_top_logprobs_idx_flat: Any = None
     input_top_logprobs_flat_null_prefix: Any = None
+
+
+class BatchEmbeddingOutput(BaseBatchReq, kw_only=True):
+    """Scheduler -> router outputs of an embedding scheduler: one entry per *finished* rid
+    (an embedding request finishes in its one prefill step). Fields 1-7 required.
+
+    ``embeddings`` rows are float lists (``tensor.tolist()`` of the pooled float32 vector,
+    float64 on the wire); a sparse-head model sends ``{token id: weight}`` maps instead.
+    """
+
+    finished_reasons: list[dict[str, Any] | None]
+    embeddings: list[Any]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    placeholder_tokens_idx: Any
+    placeholder_tokens_val: Any
+    retraction_counts: list[int] | None = None
+    cached_tokens_details: Any = None
+    time_stats: PickleWrapper | None = None
+    pooled_hidden_states: Any = None
 
 
 class BatchStrOutput(BaseBatchReq, kw_only=True):
@@ -346,6 +393,8 @@ MODELED: dict[str, type[msgspec.Struct]] = {
     for cls in (
         TokenizedGenerateReqInput,
         BatchTokenizedGenerateReqInput,
+        TokenizedEmbeddingReqInput,
+        BatchTokenizedEmbeddingReqInput,
         AbortReq,
         HealthCheckOutput,
         FlushCacheReqInput,
@@ -355,6 +404,7 @@ MODELED: dict[str, type[msgspec.Struct]] = {
         GetInternalStateReqOutput,
         BatchTokenIDOutput,
         BatchStrOutput,
+        BatchEmbeddingOutput,
         PickleWrapper,
     )
 }

@@ -190,7 +190,7 @@ class _HotOutput(msgspec.Struct, array_like=True, gc=False):
     new_token_ids: list[int]
     new_logprobs: _HotLogprobs | None = None
     new_prompt_logprobs_tensors: _HotLogprobs | None = None
-    pooling_output: msgspec.Raw = _NIL
+    pooling_output: Tensor | None = None
     finish_reason: int | None = None
     stop_reason: int | str | None = None
     events: list[_HotEvent] | None = None  # with log_stats; in a request's first output
@@ -287,6 +287,13 @@ def _logprob_rows(
     return rows
 
 
+def _vector(t: Tensor, frames: Sequence[Frame]) -> list[float]:
+    """A pooled output (one vector for the ``embed`` task) as floats."""
+    if len(t.shape) != 1:
+        raise WireError(f"vllm: pooling output of shape {t.shape} is not one vector")
+    return [float(x) for x in tensor_values(t, frames)]
+
+
 def _finish(out: _HotOutput) -> Finish:
     reason = out.finish_reason
     stop = out.stop_reason
@@ -337,6 +344,9 @@ def decode_outputs(
         if out.prefill_stats is not None:
             delta.prompt_tokens = out.prefill_stats.num_prompt_tokens
             delta.cached_tokens = out.prefill_stats.num_cached_tokens
+        if out.pooling_output is not None:
+            delta.embedding = _vector(out.pooling_output, frames)
+            delta.completion_tokens = 0
         if out.new_logprobs is not None:
             k = logprobs_k.get(rid) if logprobs_k is not None else None
             delta.logprobs = _logprob_rows(out.new_logprobs, frames, k)

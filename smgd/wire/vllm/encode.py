@@ -15,6 +15,7 @@ from smgd.wire.vllm.structs import (
     EngineCoreRequest,
     HandshakeMetadata,
     LoRARequest,
+    PoolingParams,
     RequestType,
     SamplingParams,
     StartDpWave,
@@ -25,7 +26,7 @@ from smgd.wire.vllm.structs import (
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smgd.wire.common import GenerateRequest, LoraAdapter, Structured
+    from smgd.wire.common import EmbedRequest, GenerateRequest, LoraAdapter, Structured
     from smgd.wire.common import SamplingParams as CommonSampling
     from smgd.wire.vllm.structs import InputMessage
 
@@ -215,6 +216,37 @@ def encode_add(
         data_parallel_rank=None,
         client_index=client_index,
         priority=req.priority or 0,
+    )
+    return encode_engine_request(core)
+
+
+def encode_embed(
+    req: EmbedRequest, *, client_index: int = 0, arrival_time: float | None = None
+) -> list[bytes]:
+    """ADD frames for one embedding input (an engine started with ``--runner pooling``):
+    ``pooling_params`` as vLLM's front end sends ``/v1/embeddings`` after ``verify`` (task
+    ``embed``, ``use_activation`` = normalize), no sampling params.
+
+    The caller validates as for :func:`encode_add` (prompt ids below the vocab size,
+    ``len(prompt) <= max_model_len``) and ``dimensions`` against the model (vLLM's front end
+    refuses it unless the model is Matryoshka; the engine does not check).
+    """
+    core = EngineCoreRequest(
+        request_id=req.rid,
+        prompt_token_ids=req.prompt_ids,
+        mm_features=None,
+        sampling_params=None,
+        pooling_params=PoolingParams(
+            use_activation=True,
+            dimensions=req.dimensions,
+            task="embed",
+            skip_reading_prefix_cache=False,
+        ),
+        arrival_time=time.time() if arrival_time is None else arrival_time,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        client_index=client_index,
     )
     return encode_engine_request(core)
 

@@ -132,6 +132,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     trace_decode_token_ids: list[int] | None = None
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's PoolingParams (10 positional fields), as the front end sends an ``embed`` request
+    after ``verify``: task and use_activation (= normalize) set, prefix cache readable."""
+
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    task: str | None = None
+    requires_token_ids: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    late_interaction_params: Any = None
+    extra_kwargs: dict[str, Any] | None = None
+    output_kind: int = 2  # RequestOutputKind.FINAL_ONLY, the only kind pooling allows
+
+
 class LoRARequest(msgspec.Struct, array_like=True, gc=False):
     """vLLM's LoRARequest (``lora_request`` of an ADD, the argument of ``add_lora``): a
     positional array that always carries all six fields."""
@@ -151,7 +167,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_token_ids: list[int] | None
     mm_features: list[Any] | None
     sampling_params: SamplingParams | None
-    pooling_params: Any
+    pooling_params: PoolingParams | None
     arrival_time: float
     lora_request: Any
     cache_salt: str | None

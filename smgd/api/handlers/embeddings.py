@@ -1,0 +1,77 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings endpoint, served by engines with
+``task = "embed"`` (SGLang's embedding requests, vLLM's pooling path).
+
+Every 4xx comes before any engine sees the request: the body (:mod:`smgd.api.core.embed`), the
+model (404 unknown, 400 naming ``model`` when it is not served for embeddings), ``dimensions``
+against the model's config.json, each input tokenized (strings with the model's special tokens,
+as both engines' own servers do) and checked by its engine (vocabulary, context length). Then
+one engine request per input runs (:mod:`smgd.api.core.embed_run`), and the vectors come back
+in input order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from smgd.api.core.embed import check_dimensions, embedding_response, parse_embed_request
+from smgd.api.core.embed_run import EmbedJob, run_embeddings
+from smgd.api.core.pipeline import new_engine_rid
+from smgd.api.core.prepare import context_len, encode, json_reply, resolve_model
+from smgd.errors import InvalidRequest
+from smgd.wire.common import EmbedRequest
+
+if TYPE_CHECKING:
+    from smgd.api.core.prepare import Call, Reply
+    from smgd.gateway import Gateway
+
+__all__ = ["embeddings_reply", "model_task"]
+
+
+def model_task(gateway: Gateway, model: str) -> str:
+    """The task the engines serving ``model`` run (config.validate keeps it one per model)."""
+    for engine in gateway.config.engines:
+        if model in engine.models:
+            return engine.task
+    return "generate"
+
+
+async def embeddings_reply(call: Call) -> Reply:
+    """``POST /v1/embeddings``."""
+    ctx = call.ctx
+    gateway = ctx.gateway
+    body = call.json()
+    model, text = resolve_model(gateway, body)
+    task = model_task(gateway, model)
+    if task != "embed":
+        raise InvalidRequest(
+            f"The model `{model}` is not an embedding model (it is served for {task}).",
+            param="model",
+        )
+    params = parse_embed_request(body)
+    check_dimensions(params.dimensions, model, text.config_json)
+    context = context_len(gateway, model)
+    prompts: list[list[int]] = []
+    for item in params.inputs:
+        if item.text is None:
+            assert item.ids is not None
+            prompts.append(item.ids)
+            continue
+        ids = await encode(
+            text.tokenizer,
+            item.text,
+            add_special_tokens=True,
+            limiter=ctx.tokenize_limiter,
+            context=context,
+            param="input",
+        )
+        prompts.append(ids)
+    jobs: list[EmbedJob] = []
+    for ids in prompts:
+        engine = gateway.router.pick(model, ids)
+        req = EmbedRequest(rid=new_engine_rid(), prompt_ids=ids, dimensions=params.dimensions)
+        engine.validate(req)
+        jobs.append(EmbedJob(engine, req, router=gateway.router, model=model))
+    await run_embeddings(jobs, ctx.cutoff)
+    vectors = [job.vector or [] for job in jobs]
+    prompt_tokens = sum(job.prompt_tokens or len(job.request.prompt_ids) for job in jobs)
+    return json_reply(embedding_response(model, vectors, prompt_tokens, params.encoding_format))
