@@ -265,14 +265,7 @@ class EngineClient:
             )
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        vocab = info.vocab_size
-        if vocab is not None:
-            for tid in req.prompt_ids:
-                if not 0 <= tid < vocab:
-                    raise InvalidRequest(
-                        f"token id {tid} is outside the vocabulary (0..{vocab - 1})",
-                        param="prompt",
-                    )
+        _check_vocabulary(req.prompt_ids, info.vocab_size, "prompt")
         total = len(req.prompt_ids) + req.sampling.max_tokens
         if total > info.max_model_len:
             raise InvalidRequest(
@@ -305,14 +298,7 @@ class EngineClient:
             )
         if not req.prompt_ids:
             raise InvalidRequest("an input is empty", param="input")
-        vocab = info.vocab_size
-        if vocab is not None:
-            for tid in req.prompt_ids:
-                if not 0 <= tid < vocab:
-                    raise InvalidRequest(
-                        f"token id {tid} is outside the vocabulary (0..{vocab - 1})",
-                        param="input",
-                    )
+        _check_vocabulary(req.prompt_ids, info.vocab_size, "input")
         limit = info.max_model_len - self.embed_len_margin
         if len(req.prompt_ids) > limit:
             raise InvalidRequest(
@@ -603,3 +589,14 @@ class EngineClient:
 
     def _handle_frames(self, frames: list[Any]) -> None:
         raise NotImplementedError
+
+
+def _check_vocabulary(ids: Sequence[int], vocab: int | None, param: str) -> None:
+    """A 400 naming ``param`` for the first token id outside the engine's vocabulary."""
+    if vocab is None:
+        return
+    for tid in ids:
+        if not 0 <= tid < vocab:
+            raise InvalidRequest(
+                f"token id {tid} is outside the vocabulary (0..{vocab - 1})", param=param
+            )
