@@ -83,7 +83,7 @@ async def test_an_adapter_is_a_model_that_runs_on_its_base_models_engine(
         assert (response.status_code, response.json()["error"]["param"]) == (400, "lora_path")
         chat = await client.post(
             "/v1/chat/completions",
-            json={"model": "sql", "messages": [{"role": "user", "content": "hi"}]},
+            json={"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         )
         assert chat.status_code == 200
         assert chat.json()["model"] == "sql"  # answered as the adapter, as vLLM does
