@@ -97,7 +97,7 @@ class Daemon:
 
     def engine_pids(self) -> list[int]:
         """Pids of the engine processes smgd launched (its mock-engine descendants)."""
-        return [pid for pid in descendants(self.proc.pid) if b"mock-engine" in _cmdline(pid)]
+        return [pid for pid in descendants(self.proc.pid) if b"mock-engine" in cmdline(pid)]
 
 
 @asynccontextmanager
@@ -267,7 +267,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
