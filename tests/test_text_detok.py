@@ -89,6 +89,20 @@ def test_incomplete_character_at_end_flushes_as_replacement() -> None:
     assert "\ufffd" in tok().decode(ids[:-1])
 
 
+@pytest.mark.parametrize("use_decode_stream", [True, False])
+def test_without_keep_held_an_unfinished_character_at_the_end_is_dropped(
+    use_decode_stream: bool,
+) -> None:
+    """vLLM's front end: the output text is what the steps emitted; held bytes are dropped."""
+    ids = tok().encode("a🦀", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=use_decode_stream)
+    assert "".join(d.push([i]) for i in ids[:-1]) == "a"
+    assert d.flush() == ""
+    assert d.flush() == ""  # nothing held any more
+    keep = IncrementalDetokenizer(tok(), use_decode_stream=use_decode_stream)
+    assert "".join(keep.push([i]) for i in ids[:-1]) + keep.flush() == tok().decode(ids[:-1])
+
+
 def test_skip_special_tokens_option() -> None:
     ids = [*tok().encode("hi", add_special_tokens=False), 5]
     keep = IncrementalDetokenizer(tok(), skip_special_tokens=False)

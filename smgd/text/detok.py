@@ -10,7 +10,9 @@ It is used when DecodeStream raises (``"Invalid prefix encountered"`` for decode
 is not prefix-stable, e.g. some Metaspace/cleanup setups) or is disabled.
 
 ``flush()`` at the end returns whatever is still held (an incomplete character at the very
-end decodes to ``"�"``, exactly as a one-shot ``decode`` of the whole output would).
+end decodes to ``"�"``, exactly as a one-shot ``decode`` of the whole output would), as SGLang's
+detokenizer does; with ``keep_held=False`` it drops it, as vLLM's does (its output text is
+what its incremental steps emitted, and a step ending in an unfinished character emits nothing).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] | None = None,
         use_decode_stream: bool = True,
+        keep_held: bool = True,
     ) -> None:
         self._hf = tokenizer.hf if isinstance(tokenizer, Tokenizer) else tokenizer
+        self._keep_held = keep_held  # flush(): return the held text, or drop it
         self._skip = skip_special_tokens
         prime = self._prime_ids(prompt_ids) if prompt_ids else []
         self._ids: list[int] = list(prime)  # primed prompt suffix + every output id
@@ -145,8 +149,13 @@ class IncrementalDetokenizer:
         return full[len(prefix_text) :]
 
     def flush(self) -> str:
-        """Text of ids still held back (an unfinished character decodes to ``"�"``)."""
+        """Text of ids still held back (an unfinished character decodes to ``"�"``); ""
+        without ``keep_held``."""
         if self._emitted >= len(self._ids):
+            return ""
+        if not self._keep_held:
+            self._stream = None
+            self._prefix = self._read = self._emitted = len(self._ids)
             return ""
         held = self._emitted
         start = max(self._base, held - _CONTEXT_IDS)

@@ -40,9 +40,13 @@ class TextStream:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] | None = None,
+        keep_held: bool = True,
     ) -> None:
         self.detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            prompt_ids=prompt_ids,
+            keep_held=keep_held,
         )
         self.stops = StopMatcher(stops, include_stop=include_stop)
         self._include_stop = include_stop

@@ -104,8 +104,8 @@ def wait_up(url: str, proc: subprocess.Popen[str]) -> None:
     pytest.fail(f"vLLM's server not up within {READY_S:g} s")
 
 
-def oracle_ids(url: str, model: str) -> list[list[int]]:
-    """Greedy completion token ids from vLLM's server (``return_token_ids``)."""
+def oracle_ids(url: str, model: str) -> list[tuple[list[int], str]]:
+    """Greedy completion token ids (``return_token_ids``) and text from vLLM's server."""
     out = []
     for prompt in PROMPTS:
         body = {
@@ -117,12 +117,14 @@ def oracle_ids(url: str, model: str) -> list[list[int]]:
         }
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
-        out.append(response.json()["choices"][0]["token_ids"])
+        choice = response.json()["choices"][0]
+        out.append((choice["token_ids"], choice["text"]))
     return out
 
 
-def smgd_ids(url: str, model: str) -> list[list[int]]:
-    """Greedy output ids from smgd (``/generate``, the same sampling as :func:`oracle_ids`)."""
+def smgd_ids(url: str, model: str) -> list[tuple[list[int], str]]:
+    """Greedy output ids and text from smgd (``/generate``, :func:`oracle_ids`'s sampling).
+    The texts too: an output that ends inside a character ends as vLLM ends it."""
     out = []
     for prompt in PROMPTS:
         body = {
@@ -132,7 +134,8 @@ def smgd_ids(url: str, model: str) -> list[list[int]]:
         }
         response = httpx.post(f"{url}/generate", json=body, timeout=120)
         assert response.status_code == 200, response.text
-        out.append(response.json()["output_ids"])
+        answer = response.json()
+        out.append((answer["output_ids"], answer["text"]))
     return out
 
 

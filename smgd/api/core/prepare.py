@@ -319,6 +319,9 @@ def plan_jobs(
                 include_stop=options.include_stop_str_in_output,
                 skip_special_tokens=options.skip_special_tokens,
                 prompt_ids=ids,
+                # The text an engine's own front end ends an output with: vLLM drops bytes of
+                # an unfinished character at the end, SGLang (and TokenSpeed) decode them "�".
+                keep_held=engine.wire != "vllm",
             )
             choice = Choice(
                 p_index * n + j,
