@@ -276,6 +276,44 @@ class RequestMetrics:
             labels = (model, state.choices[0].engine)
             _hist(self.itl, labels, ITL_BUCKETS).observe_many(state.gaps)
 
+    def record_pooling(
+        self,
+        model: str,
+        engine: str,
+        *,
+        prompt_tokens: int,
+        queued_s: float,
+        duration_s: float,
+        failure: SmgdError | None = None,
+        cancelled: bool = False,
+        draining: bool = False,
+    ) -> None:
+        """Fold one finished (or failed, or abandoned) ``/v1/embeddings`` request in, once per
+        HTTP request whatever its number of inputs: ``prompt_tokens`` over all of them,
+        ``queued_s`` the longest admission wait among them, ``engine`` the one that ran the
+        first. A pooling request generates nothing: no TTFT, inter-token, time per output
+        token or generation tokens (vLLM counts its pooling requests the same way).
+        """
+        if failure is not None:
+            status, finish = ERROR, "error"
+        elif cancelled:
+            status, finish = CANCELLED, "abort"
+        else:
+            status, finish = OK, "stop"
+        key = (model, engine, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        key = (model, engine, finish)
+        self.finished[key] = self.finished.get(key, 0) + 1
+        labels = (model, engine)
+        self._add_tokens(model, engine, "prompt", prompt_tokens)
+        _hist(self.prompt_len, labels, TOKEN_BUCKETS).observe(prompt_tokens)
+        _hist(self.queue, labels, QUEUE_BUCKETS).observe(queued_s)
+        _hist(self.e2e, labels, E2E_BUCKETS).observe(duration_s)
+        if failure is not None:
+            self.abort(abort_reason(failure, draining=draining))
+        elif cancelled:
+            self.abort("drain" if draining else "client_disconnect")
+
     def _add_tokens(self, model: str, engine: str, kind: str, n: int) -> None:
         key = (model, engine, kind)
         self.tokens[key] = self.tokens.get(key, 0) + n

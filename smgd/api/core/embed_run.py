@@ -44,6 +44,7 @@ class EmbedJob:
     request: EmbedRequest
     vector: list[float] | None = None
     prompt_tokens: int = 0
+    queued_s: float = 0.0  # time its engine requests queued (smgd's admission, vLLM's own)
     router: Router | None = None  # set: the input may move to another engine of ``model``
     model: str = ""
     tried: set[str] = field(default_factory=set)
@@ -80,18 +81,21 @@ async def _run_one(job: EmbedJob) -> None:
 
 async def _attempt(job: EmbedJob) -> None:
     async with job.engine.open_stream(job.request) as stream:
-        async for delta in stream:
-            if delta.prompt_tokens is not None:
-                job.prompt_tokens = delta.prompt_tokens
-            finish = delta.finish
-            if finish is None:
-                continue
-            if finish.reason in (FinishReason.ABORT, FinishReason.ERROR):
-                raise engine_finish_error(finish)
-            if delta.embedding is None:
-                break
-            job.vector = delta.embedding
-            return
+        try:
+            async for delta in stream:
+                if delta.prompt_tokens is not None:
+                    job.prompt_tokens = delta.prompt_tokens
+                finish = delta.finish
+                if finish is None:
+                    continue
+                if finish.reason in (FinishReason.ABORT, FinishReason.ERROR):
+                    raise engine_finish_error(finish)
+                if delta.embedding is None:
+                    break
+                job.vector = delta.embedding
+                return
+        finally:
+            job.queued_s += stream.queued_s  # a moved input queued on each engine it tried
     raise EngineDead(f"engine {job.engine.name} ended an embedding request without its vector")
 
 

@@ -26,7 +26,7 @@ from smgd.api.core.execute import Cutoff, Job
 from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engine_rid
 from smgd.api.core.sse import encode_json
 from smgd.config import is_mock, sglang_has_tokenizer
-from smgd.errors import EngineNotReady, InvalidRequest
+from smgd.errors import EngineNotReady, InvalidRequest, SmgdError
 from smgd.sampling import for_choice
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from smgd.api.core.pacer import LoadPacer
     from smgd.engines.base import EngineClient
     from smgd.gateway import Gateway, ModelText
+    from smgd.metrics import RequestMetrics
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
     from smgd.wire.common import SamplingParams
@@ -111,6 +112,7 @@ class Call:
     writer: EventWriter | None  # direct SSE writes for this connection, where they apply
     recorder: Recorder | None = None  # the app's metrics recorder
     recorded: bool = False  # the recorder saw this request (errors must not count it again)
+    metrics: RequestMetrics | None = None  # the app's request metrics (embeddings record here)
     path_tail: str = ""  # a path template's part: the model of /v1/models/{model}
 
     def json(self) -> dict[str, Any]:
@@ -122,6 +124,26 @@ class Call:
         self.recorded = True
         if self.recorder is not None:
             self.recorder(state, now)
+
+    def record_pooling(
+        self,
+        model: str,
+        engine: str,
+        *,
+        prompt_tokens: int,
+        queued_s: float,
+        duration_s: float,
+        failure: SmgdError | None = None,
+        cancelled: bool = False,
+    ) -> None:
+        """An embedding request's one metrics record (:meth:`RequestMetrics.record_pooling`)."""
+        self.recorded = True
+        if self.metrics is not None:
+            self.metrics.record_pooling(
+                model, engine,
+                prompt_tokens=prompt_tokens, queued_s=queued_s, duration_s=duration_s,
+                failure=failure, cancelled=cancelled, draining=self.ctx.gateway.draining,
+            )  # fmt: skip
 
     def new_state(self, kind: str, model: str) -> RequestState:
         state = RequestState(

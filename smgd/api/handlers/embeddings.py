@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import trio
+
 from smgd.api.core.embed import check_dimensions, embedding_response, parse_embed_request
 from smgd.api.core.embed_run import EmbedJob, run_embeddings
 from smgd.api.core.pipeline import new_engine_rid
 from smgd.api.core.prepare import context_len, encode, json_reply, resolve_model
-from smgd.errors import InvalidRequest
+from smgd.errors import InvalidRequest, SmgdError
 from smgd.wire.common import EmbedRequest
 
 if TYPE_CHECKING:
@@ -65,13 +67,40 @@ async def embeddings_reply(call: Call) -> Reply:
             param="input",
         )
         prompts.append(ids)
+    t_start = trio.current_time()  # where a completion's clock starts: input tokenized
     jobs: list[EmbedJob] = []
     for ids in prompts:
         engine = gateway.router.pick(model, ids)
         req = EmbedRequest(rid=new_engine_rid(), prompt_ids=ids, dimensions=params.dimensions)
         engine.validate(req)
         jobs.append(EmbedJob(engine, req, router=gateway.router, model=model))
-    await run_embeddings(jobs, ctx.cutoff)
+    failure: SmgdError | None = None
+    ended = cancelled = False
+    try:
+        await run_embeddings(jobs, ctx.cutoff)
+        ended = True
+    except SmgdError as err:
+        failure = err
+        raise
+    except trio.Cancelled:  # the client left
+        cancelled = True
+        raise
+    finally:
+        # Once per request. Anything else is a bug: the dispatcher counts it (internal_error).
+        if ended or failure is not None or cancelled:
+            call.record_pooling(
+                model, jobs[0].engine.name,
+                prompt_tokens=_prompt_tokens(jobs),
+                queued_s=max(job.queued_s for job in jobs),
+                duration_s=trio.current_time() - t_start,
+                failure=failure, cancelled=cancelled,
+            )  # fmt: skip
     vectors = [job.vector or [] for job in jobs]
-    prompt_tokens = sum(job.prompt_tokens or len(job.request.prompt_ids) for job in jobs)
-    return json_reply(embedding_response(model, vectors, prompt_tokens, params.encoding_format))
+    return json_reply(
+        embedding_response(model, vectors, _prompt_tokens(jobs), params.encoding_format)
+    )
+
+
+def _prompt_tokens(jobs: list[EmbedJob]) -> int:
+    """The request's prompt tokens: each input's as its engine counted it, else its ids."""
+    return sum(job.prompt_tokens or len(job.request.prompt_ids) for job in jobs)

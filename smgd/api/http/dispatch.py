@@ -324,6 +324,7 @@ class Dispatcher:
                 nursery=nursery,
                 writer=direct_writer(scope),
                 recorder=self._recorder,
+                metrics=self._metrics,
                 path_tail=tail,
             )
             reply = await route.handler(call)
