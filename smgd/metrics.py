@@ -328,7 +328,8 @@ class RequestMetrics:
         )
         yield _counter(
             "smgd_requests",
-            "Engine requests (one per choice) by model, engine and outcome (ok, error, cancelled).",
+            "Engine requests (one per choice, one per embedding request) by model, engine and "
+            "outcome (ok, error, cancelled).",
             ["model", "engine", "status"],
             self.requests.items(),
         )
@@ -347,8 +348,8 @@ class RequestMetrics:
         )
         yield _counter(
             "smgd_requests_finished",
-            "Engine requests (one per choice) by the finish reason the client saw: stop, "
-            "length, tool_calls; abort (the client left), error.",
+            "Engine requests (one per choice, one per embedding request) by the finish reason "
+            "the client saw: stop, length, tool_calls; abort (the client left), error.",
             ["model", "engine", "finish_reason"],
             self.finished.items(),
         )
@@ -376,7 +377,8 @@ class RequestMetrics:
         )
         yield _histogram(
             "smgd_request_duration_seconds",
-            "End-to-end request latency, arrival to last byte (or abandonment), per choice.",
+            "End-to-end request latency, arrival to last byte (or abandonment), per choice "
+            "(an embedding request: once).",
             self.e2e,
         )
         yield _histogram(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 import trio
 
 from .fake_engine import MODEL, open_app, post
@@ -33,8 +35,8 @@ async def test_each_request_counts_once_with_its_inputs_tokens(
     assert value(samples, "smgd_request_prompt_tokens_sum", **labels) == tokens
     assert value(samples, "smgd_tokens_total", kind="prompt", **labels) == tokens
     assert value(samples, "smgd_request_duration_seconds_count", **labels) == 3
-    # The fake embeds after one 10 ms step: the clock (autojump) makes that exact.
-    assert value(samples, "smgd_request_duration_seconds_sum", **labels) >= 3 * 0.01
+    # The fake embeds every input after one 10 ms step: the autojump clock makes that exact.
+    assert value(samples, "smgd_request_duration_seconds_sum", **labels) == pytest.approx(0.03)
     assert value(samples, "smgd_request_queue_time_seconds_count", **labels) == 3
     for name in GENERATION_SERIES:
         assert value(samples, name, **labels) == 0, name
@@ -62,3 +64,19 @@ async def test_a_client_that_leaves_counts_as_abort(autojump_clock: trio.abc.Clo
     labels = {"model": MODEL, "engine": "a"}
     assert value(samples, "smgd_requests_finished_total", finish_reason="abort", **labels) == 1
     assert value(samples, "smgd_aborts_total", reason="client_disconnect") == 1
+
+
+async def test_queue_time_is_the_longest_wait_among_its_inputs(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    engine = FakeEmbedder("a")
+    engine.reconfigure(msgspec.structs.replace(engine.config, max_inflight=1))
+    async with open_app(engine) as (app, _):
+        # One slot: the inputs run one after another, 10 ms each; the third waits 20 ms.
+        reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": [[5], [6], [7]]})
+        assert reply.status == 200, reply.body
+        samples, _ = await scrape(app)
+    labels = {"model": MODEL, "engine": "a"}
+    assert value(samples, "smgd_request_queue_time_seconds_count", **labels) == 1
+    assert value(samples, "smgd_request_queue_time_seconds_sum", **labels) == pytest.approx(0.02)
+    assert value(samples, "smgd_request_duration_seconds_sum", **labels) == pytest.approx(0.03)
