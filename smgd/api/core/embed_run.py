@@ -16,11 +16,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import msgspec
 import trio
 
 from smgd.api.core.errors import engine_finish_error
-from smgd.api.core.pipeline import new_engine_rid
+from smgd.api.core.pipeline import other_engine
 from smgd.errors import EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import FinishReason
 
@@ -55,12 +54,10 @@ def _reroute(job: EmbedJob) -> bool:
     if job.router is None:
         return False
     job.tried.add(job.engine.name)
-    try:
-        engine = job.router.pick(job.model, job.request.prompt_ids, exclude=tuple(job.tried))
-        request = msgspec.structs.replace(job.request, rid=new_engine_rid())
-        engine.validate(request)
-    except SmgdError:
+    moved = other_engine(job.router, job.model, job.request, job.tried)
+    if moved is None:
         return False
+    engine, request = moved
     log.warning(
         "embedding %s: engine %s failed; retrying on %s",
         job.request.rid, job.engine.name, engine.name,

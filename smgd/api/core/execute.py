@@ -31,10 +31,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgspec
 import trio
 
-from smgd.api.core.pipeline import new_engine_rid
+from smgd.api.core.pipeline import other_engine
 from smgd.api.core.sse import KEEPALIVE
 from smgd.errors import Draining, EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
@@ -196,12 +195,10 @@ def reroute(job: Job, model: str) -> bool:
     if job.router is None or job.choice.completion_tokens:
         return False
     job.tried.add(job.engine.name)
-    try:
-        engine = job.router.pick(model, job.request.prompt_ids, exclude=tuple(job.tried))
-        request = msgspec.structs.replace(job.request, rid=new_engine_rid())
-        engine.validate(request)
-    except SmgdError:
+    moved = other_engine(job.router, model, job.request, job.tried)
+    if moved is None:
         return False
+    engine, request = moved
     log.warning(
         "request %s: engine %s failed before the first token; retrying on %s",
         job.request.rid, job.engine.name, engine.name,

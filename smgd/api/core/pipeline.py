@@ -16,18 +16,22 @@ from __future__ import annotations
 import random
 import re
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
 
 from smgd.api.core.errors import engine_finish_error
-from smgd.errors import InvalidRequest
+from smgd.errors import InvalidRequest, SmgdError
 from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
+    from smgd.engines.base import EngineClient
     from smgd.engines.stream import RequestStream
-    from smgd.errors import SmgdError
+    from smgd.router import Router
     from smgd.text.stream import TextStream
+    from smgd.wire.common import EngineRequest
 
 __all__ = [
     "Choice",
@@ -60,6 +64,23 @@ def new_request_id() -> str:
 def new_engine_rid() -> str:
     """Fixed-length hex: no engine rid is a prefix of another (SGLang aborts by prefix)."""
     return f"{_random_bits(128):032x}"
+
+
+_Request = TypeVar("_Request", bound="EngineRequest")
+
+
+def other_engine(
+    router: Router, model: str, request: _Request, tried: Collection[str]
+) -> tuple[EngineClient, _Request] | None:
+    """Another ready engine of ``model`` (none of ``tried``) and ``request`` under a fresh rid,
+    validated there; None if there is no such engine or it cannot take the request."""
+    try:
+        engine = router.pick(model, request.prompt_ids, exclude=tuple(tried))
+        moved = msgspec.structs.replace(request, rid=new_engine_rid())
+        engine.validate(moved)
+    except SmgdError:
+        return None
+    return engine, moved
 
 
 def check_request_id(value: str, param: str) -> str:
