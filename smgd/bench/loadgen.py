@@ -306,32 +306,50 @@ class _Stream:
 
     def feed(self, data: bytes, now: float) -> bool:
         """Take bytes received at ``now``; True once the response has ended."""
-        res, spec = self._res, self._spec
         for payload in self.parser.feed(data):
             if payload == b"[DONE]":
                 self._done_marker = True
                 continue
-            event = _decode_event(payload)
+            event = self._decode(payload)
             if event.error is not None:
                 raise ProtocolError(f"error event: {event.error}")
             if event.usage is not None:
                 self._usage = event.usage.completion_tokens
             for choice in event.choices:
-                text = choice.text if choice.delta is None else choice.delta.content
-                if not text:
-                    continue
-                if self._last < 0:
-                    res.ttft.append(now - self._t0)
-                else:
-                    res.gaps.append(now - self._last)
-                self._last = now
-                res.chunks += 1
-                before = tokens_in(spec.prefix_lens, self._chars)
-                self._chars += len(text)
-                if now <= self._t_end:
-                    res.window_tokens += tokens_in(spec.prefix_lens, self._chars) - before
-                self._pieces.append(text)
+                chars = self._take(choice)
+                if chars:
+                    self._arrived(chars, now)
         return self.parser.done
+
+    @staticmethod
+    def _decode(payload: bytes) -> Any:
+        return _decode_event(payload)
+
+    def _take(self, choice: Any) -> int:
+        """Keep one choice's piece of an event; the characters it adds to the stream."""
+        text = choice.text if choice.delta is None else choice.delta.content
+        if text:
+            self._pieces.append(text)
+            return len(text)
+        return 0
+
+    def _arrived(self, chars: int, now: float) -> None:
+        """``chars`` more characters arrived at ``now``: latency and window figures."""
+        self._timing(now)
+        before = tokens_in(self._spec.prefix_lens, self._chars)
+        self._chars += chars
+        if now <= self._t_end:
+            self._res.window_tokens += tokens_in(self._spec.prefix_lens, self._chars) - before
+
+    def _timing(self, now: float) -> None:
+        """An event with text arrived at ``now``: TTFT or the gap since the last one."""
+        res = self._res
+        if self._last < 0:
+            res.ttft.append(now - self._t0)
+        else:
+            res.gaps.append(now - self._last)
+        self._last = now
+        res.chunks += 1
 
     def finish(self) -> None:
         """Check the ended response and count its tokens (raises ProtocolError if it failed)."""
@@ -368,39 +386,16 @@ class _ToolStream(_Stream):
         self._calls: dict[int, list[Any]] = {}  # index -> [id, type, name, argument pieces]
         self._finish: str | None = None
 
-    def feed(self, data: bytes, now: float) -> bool:
-        res, spec = self._res, self._spec
-        for payload in self.parser.feed(data):
-            if payload == b"[DONE]":
-                self._done_marker = True
-                continue
-            event = _decode_chat_event(payload)
-            if event.error is not None:
-                raise ProtocolError(f"error event: {event.error}")
-            if event.usage is not None:
-                self._usage = event.usage.completion_tokens
-            for choice in event.choices:
-                if choice.finish_reason is not None:
-                    self._finish = choice.finish_reason
-                delta = choice.delta
-                if delta is None:
-                    continue
-                chars = self._take(delta)
-                if not chars:
-                    continue
-                if self._last < 0:
-                    res.ttft.append(now - self._t0)
-                else:
-                    res.gaps.append(now - self._last)
-                self._last = now
-                res.chunks += 1
-                before = tokens_in(spec.prefix_lens, self._chars)
-                self._chars += chars
-                if now <= self._t_end:
-                    res.window_tokens += tokens_in(spec.prefix_lens, self._chars) - before
-        return self.parser.done
+    @staticmethod
+    def _decode(payload: bytes) -> Any:
+        return _decode_chat_event(payload)
 
-    def _take(self, delta: _ChatDelta) -> int:
+    def _take(self, choice: Any) -> int:
+        if choice.finish_reason is not None:
+            self._finish = choice.finish_reason
+        return 0 if choice.delta is None else self._take_delta(choice.delta)
+
+    def _take_delta(self, delta: _ChatDelta) -> int:
         """Accumulate one delta; the characters it adds to the flattened stream."""
         chars = 0
         if delta.reasoning_content:
@@ -461,30 +456,14 @@ class _CountStream(_Stream):
         super().__init__(spec, res, t0, t_end)
         self._window_chars = 0
 
-    def feed(self, data: bytes, now: float) -> bool:
-        res = self._res
-        for payload in self.parser.feed(data):
-            if payload == b"[DONE]":
-                self._done_marker = True
-                continue
-            event = _decode_event(payload)
-            if event.error is not None:
-                raise ProtocolError(f"error event: {event.error}")
-            if event.usage is not None:
-                self._usage = event.usage.completion_tokens
-            for choice in event.choices:
-                if not choice.text:
-                    continue
-                if self._last < 0:
-                    res.ttft.append(now - self._t0)
-                else:
-                    res.gaps.append(now - self._last)
-                self._last = now
-                res.chunks += 1
-                self._chars += len(choice.text)
-                if now <= self._t_end:
-                    self._window_chars += len(choice.text)
-        return self.parser.done
+    def _take(self, choice: Any) -> int:
+        return len(choice.text) if choice.text else 0
+
+    def _arrived(self, chars: int, now: float) -> None:
+        self._timing(now)
+        self._chars += chars
+        if now <= self._t_end:
+            self._window_chars += chars
 
     def finish(self) -> None:
         res, spec, parser = self._res, self._spec, self.parser
