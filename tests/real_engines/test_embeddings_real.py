@@ -38,6 +38,7 @@ from smgd.launchers import cpu_shims
 from ..engine_harness import short_ipc_dir
 from . import daemon_real
 from .make_tiny_embedder import build
+from .oracle_result import oracle_result
 from .test_vllm_daemon import ENGINE_ARGS as VLLM_ARGS
 
 pytestmark = [pytest.mark.real_engine]
@@ -136,9 +137,8 @@ def _sglang_oracle(model: Path, requests: list[dict[str, Any]]) -> Iterator[Path
 
 
 def _oracle_result(result: Path) -> list[dict[str, Any]]:
-    lines = [line for line in result.read_text().splitlines() if line.startswith("RESULT ")]
-    assert lines, f"SGLang's oracle wrote no result: {result.read_text()[-2000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])["responses"]  # type: ignore[no-any-return]
+    responses: list[dict[str, Any]] = oracle_result(result.read_text())["responses"]
+    return responses
 
 
 @contextmanager

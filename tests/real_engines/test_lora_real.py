@@ -42,6 +42,7 @@ from smgd.launchers import cpu_shims_dir, cpu_torch_dir
 from ..engine_harness import short_ipc_dir
 from .daemon_real import MODEL, READY_S, serve
 from .make_tiny_lora import make
+from .oracle_result import oracle_result
 from .test_vllm_daemon import ENGINE_ARGS
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
@@ -256,9 +257,7 @@ def test_sglang_adapter_output_is_sglangs(tmp_path: Path) -> None:
             oracle.kill()
             oracle.wait()
     out = (tmp_path / "oracle.out").read_text()
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert oracle.returncode == 0 and lines, out[-3000:]
-    expected = json.loads(lines[-1][len("RESULT ") :])["outputs"]
+    expected = oracle_result(out, ok=oracle.returncode == 0)["outputs"]
     print(f"TIMING lora_sglang_total {time.monotonic() - t0:.1f}")
     n = len(SGLANG_PROMPTS)
     assert base == expected[:n]

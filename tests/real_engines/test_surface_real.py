@@ -35,6 +35,7 @@ import trio
 
 from ..engine_harness import short_ipc_dir
 from . import daemon_real
+from .oracle_result import oracle_result
 from .test_vllm_daemon import (
     ENGINE_ARGS,
     EOS,
@@ -86,9 +87,8 @@ async def offline(python: str, model: str, out: dict[str, Any]) -> None:
         check=False,
     )
     timing("offline_logprobs_total", time.monotonic() - t0)
-    lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr.decode()[-3000:]
-    out.update(json.loads(lines[-1][len("RESULT ") :]))
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    out.update(oracle_result(stdout, ok=proc.returncode == 0, diagnostics=stderr))
 
 
 def own(row: list[list[Any]], token_id: int) -> float:
@@ -236,9 +236,7 @@ def test_sglang_prompt_logprobs_echo_min_tokens_priority_match_sglang() -> None:
     finally:
         oracle.kill()
     timing("sglang_surface_total", time.monotonic() - t0)
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    assert oracle.returncode == 0 and lines, err[-3000:]
-    expected = json.loads(lines[-1][len("RESULT ") :])["outputs"]
+    expected = oracle_result(out, ok=oracle.returncode == 0, diagnostics=err)["outputs"]
     for reply in replies:
         assert reply.status_code == 200, reply.text
     got = [r.json() for r in replies]

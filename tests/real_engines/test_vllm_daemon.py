@@ -47,6 +47,7 @@ from smgd.gateway import Gateway
 from smgd.launch import launcher_script
 
 from ..engine_harness import short_ipc_dir
+from .oracle_result import oracle_result
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -150,9 +151,8 @@ async def run_offline(python: str, model: str, out: dict[str, Any]) -> None:
         check=False,
     )
     timing("offline_llm_generate_total", time.monotonic() - t0)
-    lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr.decode()[-3000:]
-    out.update(json.loads(lines[-1][len("RESULT ") :]))
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    out.update(oracle_result(stdout, ok=proc.returncode == 0, diagnostics=stderr))
 
 
 async def generate_ids(client: httpx.AsyncClient, ids: list[int], max_tokens: int) -> Any:
