@@ -65,29 +65,44 @@ async def _soak(
     *,
     batch: bool,
     limit_s: float,
-    consumer_turns: int = 0,
-) -> None:
-    """Send n messages and check them in order; ``consumer_turns`` checkpoints per received
-    batch make the consumer the slower side, so the sender is the one that parks."""
+    until_sender_parks: int = 0,
+) -> int:
+    """Send up to n messages and check them in order; returns how many were sent.
+
+    ``until_sender_parks``: stop sending once the sender has parked that many times, and
+    before each receive wait until the sender is parked (or done), so each round crosses the
+    sender's edge whatever the relative speed of the two sides on this machine."""
+    sent = 0
+    done = False
 
     async def sender() -> None:
-        for i in range(n):
-            await push.send_multipart([frame(i), b"payload"])
+        nonlocal sent, done
+        while sent < n and push.statistics().waits < (until_sender_parks or n + 1):
+            await push.send_multipart([frame(sent), b"payload"])
+            sent += 1
+        done = True
 
     expected = 0
     with trio.fail_after(limit_s):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender)
-            while expected < n:
+            while True:
+                if until_sender_parks:
+                    # Returns once every task but this one is blocked: the sender is parked
+                    # on its FD (or finished), so `done` is current.
+                    await trio.testing.wait_all_tasks_blocked()
+                    if done and expected == sent:
+                        break
+                elif expected == n:  # the sender sends all n here
+                    break
                 msgs = await pull.recv_multipart_batch() if batch else [await pull.recv_multipart()]
                 for msg in msgs:
                     assert len(msg) == 2
                     assert num(msg[0]) == expected  # no loss, no duplicate, in order
                     expected += 1
-                for _ in range(consumer_turns):
-                    await trio.lowlevel.checkpoint()
     with pytest.raises(trio.WouldBlock):
         pull.recv_multipart_nowait()
+    return sent
 
 
 async def test_soak_200k_push_pull_no_loss_no_hang(
@@ -113,15 +128,20 @@ async def test_soak_tiny_hwm_parks_on_every_few_messages(
         # HWM 1 on both ends: nearly every send and recv crosses an edge.
         pull.socket.setsockopt(zmq.RCVHWM, 1)
         push.socket.setsockopt(zmq.SNDHWM, 1)
+        # Small kernel buffers too (the kernel rounds up to its minimum), else the unix
+        # socket's own buffer holds ~150 messages and the sender parks only once per that many.
+        pull.socket.setsockopt(zmq.RCVBUF, 1024)
+        push.socket.setsockopt(zmq.SNDBUF, 1024)
         pull.socket.bind(ep)
         push.socket.connect(ep)
         # ~1.5 s normally. A lost edge usually stalls until some unrelated mailbox command
         # wakes the FD (observed: 25-36 s), so a 15 s bound turns that into a failure.
-        # Which side parks depends on which is faster; without turns for the sender the
-        # consumer sometimes was, and the sender parked only 77 times in 20,000 (1 run in 5);
-        # 3 turns were too few once the reader drained by EVENTS (86 parks seen), so 8.
-        await _soak(push, pull, 20_000, batch=batch, limit_s=15, consumer_turns=8)
-        assert push.statistics().waits > 100
+        # Counting parks in a fixed number of messages depended on which side was faster
+        # (79 parks in 20,000 on a loaded CI box); instead the sender goes on until it has
+        # parked 300 times, the consumer letting it park before every receive.
+        sent = await _soak(push, pull, 200_000, batch=batch, limit_s=15, until_sender_parks=300)
+        assert push.statistics().waits >= 300
+        assert sent < 200_000  # parked on every few messages, not once in a long while
 
 
 async def test_slow_consumer_sender_far_ahead_no_loss(
