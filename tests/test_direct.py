@@ -209,11 +209,13 @@ async def test_a_stream_is_written_directly_with_the_same_text_and_end(
     assert direct_count <= 8, direct_count
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
 async def test_h11_carries_only_the_head_and_the_terminator_of_a_direct_stream(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fast_path: bool
 ) -> None:
     # The response head is on its way before the body starts, so even the first event (the one
     # that sets TTFT) is written directly, and the last one goes out with the end in one chunk.
+    # On smgd's fast path h11 carries nothing at all; on hypercorn's, the head and the end.
     sent: list[type] = []
     original = H11Protocol._send_h11_event
 
@@ -222,11 +224,13 @@ async def test_h11_carries_only_the_head_and_the_terminator_of_a_direct_stream(
         await original(protocol, event)
 
     monkeypatch.setattr(H11Protocol, "_send_h11_event", recording)
+    if not fast_path:
+        monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     async with serving(engine) as port:
         events = await post_sse(port, "/v1/completions", _completion(20))
     assert events[-1] == "[DONE]" and len(events) > 10
-    assert sent == [h11.Response, h11.EndOfMessage]
+    assert sent == ([] if fast_path else [h11.Response, h11.EndOfMessage])
 
 
 async def test_the_end_and_terminator_go_out_with_the_last_event_and_h11_adds_none(
@@ -383,7 +387,8 @@ async def test_a_client_that_does_not_read_gets_every_event_in_order_later(
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["completion_tokens"] == tokens
     assert _text(events) == reference  # none lost, none twice, in order
-    assert fallbacks.count > 3  # the backlog was flushed through hypercorn's waiting path
+    # The backlog was flushed through hypercorn's waiting path (each flush takes all of it).
+    assert fallbacks.count >= 1
 
 
 async def test_a_stop_string_mid_stream_ends_it_and_aborts_the_engine() -> None:

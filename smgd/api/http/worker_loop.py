@@ -56,10 +56,11 @@ from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
-from hypercorn.utils import repr_socket_addr, wrap_app
+from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
 
 from smgd.api.core.errors import http_error
 from smgd.api.http.direct import BODY_END, CONNECTION_KEY
+from smgd.api.http.fast_path import FastPath, ServerHeaders
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -124,12 +125,25 @@ class H11Protocol(HypercornH11Protocol):
 
 
 class DirectSendTCPServer(TCPServer):
-    def __init__(self, app: Any, config: Config, context: Any, state: Any, stream: Any) -> None:
+    def __init__(
+        self,
+        app: Any,
+        config: Config,
+        context: Any,
+        state: Any,
+        stream: Any,
+        *,
+        server_headers: ServerHeaders | None = None,
+    ) -> None:
         # A state dict of its own, naming this connection: hypercorn copies it into every
         # request's scope, where smgd.api.http.direct finds the connection to write to.
         super().__init__(
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
+        self._server_headers = server_headers or ServerHeaders(config)
+        self.requests = 0  # served on the fast path (for keep_alive_max_requests)
+        self.client: tuple[str, int] | None = None
+        self.server_addr: tuple[str, int] | None = None
         # A direct stream wrote its body's terminator itself (DirectWriter.finish): the one
         # h11 writes when the response completes must not reach the client a second time.
         self.body_end_written = False
@@ -182,17 +196,65 @@ class DirectSendTCPServer(TCPServer):
             if self.on_disconnect is not None:
                 self.on_disconnect()
 
+    # -- what smgd.api.http.fast_path uses of the connection ------------------------------
+    @property
+    def task_group(self) -> Any:
+        return self._task_group
+
+    async def idle_timeout(self) -> None:
+        await self._idle_timeout()
+
+    def spawn(self, func: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self._task_group.spawn(func, *args)
+
+    def request_state(self) -> dict[str, Any]:
+        """A request's copy of the connection's state (as hypercorn's streams make one)."""
+        return dict(self.state)
+
+    def _fast_path(self) -> FastPath | None:
+        """A fast path for this connection: HTTP/1.1 over TCP, unless hypercorn must see
+        every request (its access log)."""
+        if type(self.protocol.protocol) is not H11Protocol or self.config.accesslog is not None:
+            return None
+        sock = self.stream.socket
+        self.client = parse_socket_addr(sock.family, sock.getpeername())
+        self.server_addr = parse_socket_addr(sock.family, sock.getsockname())
+        return FastPath(self, self._server_headers)
+
     async def _read_until_closed(self) -> None:
         """hypercorn's read loop, without the per-receive ``fail_after(inf)`` when there is no
-        read timeout (a cancel scope per request, ~3 % of the CPU of short requests)."""
-        while True:
-            try:
-                data = await self.stream.receive_some(_MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                break
-            await self.protocol.handle(RawData(bytes(data)))
-            if not data:
-                break
+        read timeout (a cancel scope per request, ~3 % of the CPU of short requests), and with
+        smgd's fast path (:mod:`smgd.api.http.fast_path`) in front of hypercorn's protocol
+        until a request comes that only hypercorn serves."""
+        fast = self._fast_path()
+        try:
+            while True:
+                if fast is not None:
+                    await fast.advance()
+                    if fast.off:  # hypercorn's from here on, from this request's first byte
+                        data = fast.take_buffer()
+                        fast = None
+                        await self.protocol.handle(RawData(data))
+                        continue
+                received: bytes | bytearray | None
+                try:
+                    if fast is not None:
+                        received = await fast.receive(_MAX_RECV)
+                    else:
+                        received = await self.stream.receive_some(_MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                if received is None:  # a request ended with the next one buffered
+                    continue
+                if fast is not None and received:
+                    fast.buffer += received
+                    continue
+                await self.protocol.handle(RawData(bytes(received)))
+                if not received:
+                    break
+        finally:
+            if fast is not None:
+                fast.disconnected()
         await self.protocol.handle(Closed())
 
 
@@ -323,7 +385,12 @@ async def serve(
                 await config.log.info(f"Running on http://{bind}")
             task_status.started(binds)
             server = partial(
-                DirectSendTCPServer, wrapped, config, context, ConnectionState(lifespan_state)
+                DirectSendTCPServer,
+                wrapped,
+                config,
+                context,
+                ConnectionState(lifespan_state),
+                server_headers=ServerHeaders(config),
             )
             try:
                 async with trio.open_nursery() as accepting:

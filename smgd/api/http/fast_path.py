@@ -1,0 +1,310 @@
+"""smgd's HTTP/1.1 fast path: common requests served beside hypercorn, without h11.
+
+Per request, h11's parsing and response head and hypercorn's stream machinery (a scope, a
+channel and a task through ``spawn_app``, the ASGI send path through ``HTTPStream`` and
+``H11Protocol``) took about half of a short request's CPU (docs/performance.md). When a burst
+of requests arrives at once, as it does whenever many streams end in the same engine step,
+that CPU is what the last request of the burst waits for: it sets TTFT at high concurrency.
+
+A connection of smgd's worker loop (:class:`smgd.api.http.worker_loop.DirectSendTCPServer`)
+reads into a :class:`FastPath` first. A request head of the common shape
+(:func:`smgd.api.http.h1.parse_head`) starts the ASGI app at once: a scope like hypercorn's,
+the body's messages on a channel (``receive`` is the channel's, so the dispatcher takes a
+queued body without a scheduler pass), and a ``send`` that writes the response head
+(:func:`smgd.api.http.h1.response_head`) and the body's chunks straight to the socket through
+the connection's direct write. Streams then write their events themselves
+(:mod:`smgd.api.http.direct`), exactly as on hypercorn's path.
+
+Everything else goes to hypercorn: the first time the buffer starts with a head that is not
+of the common shape, the connection hands the buffered bytes to hypercorn's protocol and stays
+with it. h11 has seen nothing of the connection until then, so it starts from a request
+boundary in its first state, and answers (or refuses) the request as it always did.
+
+What the fast path keeps from hypercorn: one request at a time per connection (a pipelined
+request waits in the buffer until the response before it has ended); ``keep-alive`` with the
+connection's :class:`~smgd.api.http.worker_loop.KeepAliveTimer`; ``keep_alive_max_requests``
+(then ``connection: close``); the ``date`` and ``server`` headers of ``config``; closing after
+a response whose request body did not fully arrive, after an app error, and once the server
+shuts down. A client that goes away ends the request (``http.disconnect`` on its channel, and
+the connection's ``on_disconnect``). With ``logging.access_log`` on, hypercorn writes the access
+log, so every request takes its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import unquote
+
+import trio
+from hypercorn.events import Closed, RawData
+
+from smgd.api.core.errors import http_error
+from smgd.api.http.h1 import NEED_DATA, UNSUPPORTED, Head, parse_head, response_head
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from hypercorn.config import Config
+    from hypercorn.events import Event
+
+__all__ = ["Connection", "FastPath", "ServerHeaders"]
+
+log = logging.getLogger("smgd.http")
+
+_CHUNK_END = b"0\r\n\r\n"
+_ASGI = {"spec_version": "2.1", "version": "3.0"}
+
+
+class Connection(Protocol):
+    """What the fast path uses of its connection
+    (:class:`smgd.api.http.worker_loop.DirectSendTCPServer`, which is above this module)."""
+
+    app: Any
+    config: Config
+    context: Any
+    idle_task: Any
+    stream: Any
+    client: tuple[str, int] | None
+    server_addr: tuple[str, int] | None
+    requests: int
+    disconnected: bool
+
+    @property
+    def task_group(self) -> Any: ...
+
+    async def idle_timeout(self) -> None: ...
+
+    def spawn(self, func: Callable[..., Awaitable[None]], *args: Any) -> None: ...
+
+    def request_state(self) -> dict[str, Any]: ...
+
+    async def protocol_send(self, event: Event) -> None: ...
+
+
+class ServerHeaders:
+    """``config.response_headers("h11")`` (``date``, ``server``), built once per second."""
+
+    __slots__ = ("_config", "_headers", "_second")
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._second = -1
+        self._headers: list[tuple[bytes, bytes]] = []
+
+    def get(self) -> list[tuple[bytes, bytes]]:
+        second = int(time.time())
+        if second != self._second:
+            self._headers = self._config.response_headers("h11")
+            self._second = second
+        return self._headers
+
+
+class FastPath:
+    """The fast path of one connection: its read buffer and the request that runs."""
+
+    __slots__ = (
+        "_body_left",
+        "_conn",
+        "_headers",
+        "_put",
+        "_wake",
+        "buffer",
+        "busy",
+        "off",
+    )
+
+    def __init__(self, conn: Connection, headers: ServerHeaders) -> None:
+        self._conn = conn
+        self._headers = headers
+        self.buffer = bytearray()
+        self.busy = False  # a request's task runs
+        self.off = False  # the connection went to hypercorn for good
+        self._body_left = 0  # bytes of the running request's body still to arrive
+        self._put: trio.MemorySendChannel[Any] | None = None
+        self._wake: trio.CancelScope | None = None
+
+    async def receive(self, max_bytes: int) -> bytes | None:
+        """The connection's next read; None when a request's end left a request buffered
+        (the caller then calls :meth:`advance` before reading on)."""
+        stream = self._conn.stream
+        if not self.busy:
+            return bytes(await stream.receive_some(max_bytes))
+        try:
+            with trio.CancelScope() as self._wake:
+                return bytes(await stream.receive_some(max_bytes))
+        finally:
+            self._wake = None
+        return None
+
+    async def advance(self) -> None:
+        """Move buffered bytes on: into the running request's body, or into a new request;
+        sets ``off`` when the buffer starts with a head for hypercorn."""
+        while True:
+            if self.busy:
+                if not (self._body_left and self.buffer):
+                    return
+                take = min(len(self.buffer), self._body_left)
+                chunk = bytes(self.buffer[:take])
+                del self.buffer[:take]
+                self._body_left -= take
+                assert self._put is not None
+                more = self._body_left > 0
+                # Waits while the app's queue is full (hypercorn's backpressure); the request
+                # may end meanwhile, so the loop looks at `busy` again.
+                await self._put.send({"type": "http.request", "body": chunk, "more_body": more})
+                continue
+            if not self.buffer:
+                return
+            head = parse_head(self.buffer, self._conn.config.h11_max_incomplete_size)
+            if head == NEED_DATA:
+                return
+            if head == UNSUPPORTED or not isinstance(head, Head):
+                self.off = True
+                return
+            await self._start(head)
+
+    def take_buffer(self) -> bytes:
+        data = bytes(self.buffer)
+        self.buffer.clear()
+        return data
+
+    def disconnected(self) -> None:
+        """The client closed its side (or the read failed): the running request hears it."""
+        put = self._put
+        if put is not None:
+            # Where it cannot be queued, the app reads no more, or it sees the connection's
+            # own flag (``disconnected``, ``on_disconnect``).
+            with contextlib.suppress(
+                trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError
+            ):
+                put.send_nowait({"type": "http.disconnect"})
+
+    async def _start(self, head: Head) -> None:
+        conn = self._conn
+        end = head.size + head.length
+        body = bytes(self.buffer[head.size : end])
+        del self.buffer[:end]
+        self._body_left = head.length - len(body)
+        put, receive = trio.open_memory_channel[Any](conn.config.max_app_queue_size)
+        put.send_nowait({"type": "http.request", "body": body, "more_body": self._body_left > 0})
+        self._put = put
+        self.busy = True
+        raw_path, _, query = head.target.partition(b"?")
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "asgi": _ASGI,
+            "method": head.method.decode("ascii"),
+            "scheme": "http",
+            "path": unquote(raw_path.decode("ascii")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": conn.config.root_path,
+            "headers": head.headers,
+            "client": conn.client,
+            "server": conn.server_addr,
+            "state": conn.request_state(),
+            "extensions": {},
+        }
+        await conn.idle_task.stop()
+        await conn.context.mark_request()
+        conn.requests += 1
+        conn.spawn(self._run, scope, receive.receive)
+
+    async def _run(self, scope: Any, receive: Any) -> None:
+        conn = self._conn
+        response = _Response(conn, self._headers)
+        keep = False
+        try:
+            try:
+                await conn.app(
+                    scope, receive, response.send, trio.to_thread.run_sync, trio.from_thread.run
+                )
+            except Exception:  # never trio.Cancelled (a BaseException): that one propagates
+                log.exception("error in the ASGI app")
+                if not response.started:
+                    await response.send_error()
+            keep = (
+                response.ended
+                and self._body_left == 0
+                and not response.close
+                and not conn.disconnected
+                and not conn.context.terminated.is_set()
+            )
+        finally:
+            self.busy = False
+            self._put = None
+            if not keep:
+                with trio.CancelScope(shield=True):
+                    await conn.protocol_send(Closed())
+        if not keep:
+            return
+        await conn.idle_task.restart(conn.task_group, conn.idle_timeout)
+        wake = self._wake
+        if self.buffer and wake is not None:
+            wake.cancel()  # a pipelined request (or one for hypercorn) waits in the buffer
+
+
+class _Response:
+    """The ASGI ``send`` of one fast-path request."""
+
+    __slots__ = ("_chunked", "_conn", "_headers", "close", "ended", "started")
+
+    def __init__(self, conn: Connection, headers: ServerHeaders) -> None:
+        self._conn = conn
+        self._headers = headers
+        self._chunked = False
+        self.started = False
+        self.ended = False
+        self.close = False
+
+    async def send(self, message: Any) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            extra = self._headers.get()
+            conn = self._conn
+            if conn.requests >= conn.config.keep_alive_max_requests:
+                self.close = True
+                extra = [*extra, (b"connection", b"close")]
+            headers = message.get("headers", [])
+            for name, value in headers:
+                if b"\r" in value or b"\n" in value or b"\r" in name or b"\n" in name:
+                    raise ValueError(f"a response header has a line break: {name!r}")
+            head, self._chunked = response_head(message["status"], headers, extra)
+            self.started = True
+            await self._conn.protocol_send(RawData(data=head))
+        elif kind == "http.response.body":
+            if not self.started or self.ended:
+                raise RuntimeError("http.response.body outside a response")
+            body: bytes = message.get("body", b"")
+            more = message.get("more_body", False)
+            if self._chunked:
+                if body:
+                    frame = b"%x\r\n%b\r\n" % (len(body), body)
+                    await self._conn.protocol_send(RawData(data=frame))
+                if not more:
+                    await self._conn.protocol_send(RawData(data=_CHUNK_END))
+            elif body:
+                await self._conn.protocol_send(RawData(data=body))
+            if not more:
+                self.ended = True
+
+    async def send_error(self) -> None:
+        body = http_error(500, "internal error")
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": 500,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        self.close = True
