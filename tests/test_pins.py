@@ -41,6 +41,8 @@ PRIVATE: list[tuple[type, str, list[str], str]] = [
     (TrioSingleTask, "restart", ["self", "task_group", "action"],
      "KeepAliveTimer stands in for TCPServer.idle_task: TCPServer calls restart() and stop()"),
     (TrioSingleTask, "stop", ["self"], "as above"),
+    (TCPServer, "_idle_timeout", ["self"],
+     "fast_path: a request's end restarts the keep-alive timer with it, as TCPServer does"),
 ]  # fmt: skip
 
 
@@ -71,6 +73,16 @@ def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use()
         "DirectSendTCPServer.protocol's setter swaps in smgd's H11Protocol when run() sets it"
     )
     assert "self.idle_task.restart(" in inspect.getsource(TCPServer.run)
+    # The fast path (smgd.api.http.fast_path) spawns its requests in the connection's task
+    # group, which run() keeps here, and builds a scope with what hypercorn's streams use.
+    assert "self._task_group = task_group" in inspect.getsource(TCPServer.run)
+    config = Config()
+    assert isinstance(config.max_app_queue_size, int)
+    assert isinstance(config.keep_alive_max_requests, int)
+    assert isinstance(config.h11_max_incomplete_size, int)
+    assert isinstance(config.root_path, str)
+    assert config.accesslog is None  # the fast path is on only while no access log is written
+    assert [name for name, _ in config.response_headers("h11")] == [b"date", b"server"]
 
 
 async def test_hypercorn_hands_a_request_the_receive_of_a_trio_memory_channel() -> None:

@@ -16,8 +16,10 @@ between. A streaming task still yields once per event, waiting for the engine's 
 :func:`serve` is the worker loop that uses it: lifespan, listeners on hypercorn's sockets
 (host:port binds and ``fd://`` binds for socket activation; plain TCP only, smgd serves no
 TLS), graceful shutdown on ``shutdown_trigger`` within ``config.graceful_timeout``. It is
-built from hypercorn's own parts (``Lifespan``, ``WorkerContext``, ``TCPServer``), so request
-parsing and the ASGI interface are hypercorn's, unchanged.
+built from hypercorn's own parts (``Lifespan``, ``WorkerContext``, ``TCPServer``). Requests of
+the common shape are read by smgd's fast path (:mod:`smgd.api.http.fast_path`) before
+hypercorn's protocol sees them; the first one that is not moves the connection to hypercorn's
+parsing and ASGI interface, unchanged.
 
 Graceful shutdown ends responses properly even when they outlast it: at the graceful
 deadline ``end_responses`` asks the app to end what still runs (smgd's streams send their
