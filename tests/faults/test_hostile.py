@@ -3,10 +3,12 @@ harms the daemon or the streams it is serving."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
 
+import h11
 import pytest
 import trio
 
@@ -166,3 +168,101 @@ async def test_four_8mb_prompts_at_once_are_refused_fast_and_a_stream_keeps_flow
           f"during: p50 {sorted(during)[len(during) // 2]:.4f} max {max(during):.4f}")  # fmt: skip
     assert max(during) < 0.5, sorted(during)[-5:]
     assert sorted(during)[len(during) // 2] < 2 * sorted(before)[len(before) // 2] + 0.01
+
+
+def _keep_alive_post(body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+    )
+
+
+def _expect_answer(client: h11.Connection) -> None:
+    """Put the client side's h11 state where it reads an answer (the bytes went out raw)."""
+    client.send(
+        h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")])
+    )
+    client.send(h11.EndOfMessage())
+
+
+async def _answers(url: str, *steps: tuple[bytes, int]) -> list[tuple[int, bytes]]:
+    """On one keep-alive connection, send each step's bytes (possibly several pipelined
+    requests) once the previous step's answers (its count) are in; every answer (status, head)
+    in order, up to the server's close."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    client = h11.Connection(h11.CLIENT)
+    answers: list[tuple[int, bytes]] = []
+    due = 0
+
+    async def send(conn: trio.SocketStream, request: bytes) -> None:
+        # A server that answers before the whole request arrived (a 413) closes on the rest.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await conn.send_all(request)
+
+    async with (
+        await trio.open_tcp_stream(host, int(port)) as conn,
+        trio.open_nursery() as nursery,
+    ):
+        with trio.fail_after(10):
+            status, head = 0, b""
+            _expect_answer(client)
+            for request, count in steps:
+                nursery.start_soon(send, conn, request)
+                due += count
+                while len(answers) < due:
+                    event = client.next_event()
+                    if event is h11.NEED_DATA:
+                        try:
+                            data = await conn.receive_some(1 << 16)
+                        except trio.BrokenResourceError:  # reset by the server after its answer
+                            data = b""
+                        client.receive_data(data)
+                    elif isinstance(event, h11.Response):
+                        status = event.status_code
+                        head = b"".join(b"%s: %s\n" % (k, v) for k, v in event.headers)
+                    elif isinstance(event, h11.EndOfMessage):
+                        answers.append((status, head))
+                        if client.their_state is h11.MUST_CLOSE:
+                            return answers
+                        client.start_next_cycle()
+                        _expect_answer(client)
+                    elif isinstance(event, h11.ConnectionClosed):
+                        return answers
+        nursery.cancel_scope.cancel()
+    return answers
+
+
+async def test_hostile_requests_after_fast_ones_on_a_keep_alive_connection(
+    tmp_path: Path,
+) -> None:
+    # smgd reads requests of the common shape itself and hands a connection to h11 at the
+    # first one that is not: the hand-over happens mid-connection, after answered requests,
+    # with the hostile request already in the buffer behind a pipelined one.
+    config = daemon_toml(mock_engine_toml("e0", "m"))
+    ok = b'{"model": "m", "prompt": "hi", "max_tokens": 2}'
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        url = daemon.url
+        # Smuggling (both framings) behind a fast request: the first is answered, the second
+        # refused with the envelope, then the connection closes.
+        both = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(ok), ok)
+        )
+        answers = await _answers(url, (_keep_alive_post(ok) + both, 3))
+        assert [status for status, _ in answers] == [200, 400]
+        # Headers over the limit after two fast requests: two answers, then a 431 and a close.
+        big = _keep_alive_post(ok, b"x-big: " + b"a" * (1 << 17) + b"\r\n")
+        answers = await _answers(url, (_keep_alive_post(ok) * 2, 2), (big, 2))
+        assert [status for status, _ in answers] == [200, 200, 431]
+        # A body far over max_body_bytes on a keep-alive connection: a 413, the connection
+        # closed with the body still arriving, and no task left behind (the next checks).
+        huge = b'{"model": "m", "prompt": "' + b"x" * 9_000_000 + b'"}'
+        answers = await _answers(url, (_keep_alive_post(huge), 2))
+        assert [status for status, _ in answers] == [413]
+        assert b"connection: close\n" in answers[0][1]
+        # Still serving, streams included, and nothing above was an internal error.
+        assert (await client.get("/readiness")).status_code == 200
+        after = await stream(client, "m", "still fine", 5)
+        assert after.error is None and after.done and len(after.chunks) == 5
+        assert "Traceback" not in daemon.log()
+        assert "internal error" not in daemon.log()

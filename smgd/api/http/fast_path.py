@@ -50,11 +50,16 @@ if TYPE_CHECKING:
     from hypercorn.config import Config
     from hypercorn.events import Event
 
-__all__ = ["Connection", "FastPath", "ServerHeaders"]
+__all__ = ["LINGER_S", "Connection", "FastPath", "ServerHeaders"]
 
 log = logging.getLogger("smgd.http")
 
 _CHUNK_END = b"0\r\n\r\n"
+# How long a connection that answered before its request's body ended (a 413) keeps reading
+# and dropping that body before it closes: long enough for a client on the same host or LAN
+# to finish sending and read the answer, short enough that a client that never stops sending
+# holds nothing for long.
+LINGER_S = 2.0
 _ASGI = {"spec_version": "2.1", "version": "3.0"}
 
 
@@ -113,6 +118,7 @@ class FastPath:
         "_wake",
         "buffer",
         "busy",
+        "lingering",
         "off",
     )
 
@@ -122,14 +128,20 @@ class FastPath:
         self.buffer = bytearray()
         self.busy = False  # a request's task runs
         self.off = False  # the connection went to hypercorn for good
+        self.lingering = False  # answered, closing: the rest of a request body is dropped
         self._body_left = 0  # bytes of the running request's body still to arrive
         self._put: trio.MemorySendChannel[Any] | None = None
         self._wake: trio.CancelScope | None = None
 
     async def receive(self, max_bytes: int) -> bytes | None:
         """The connection's next read; None when a request's end left a request buffered
-        (the caller then calls :meth:`advance` before reading on)."""
+        (the caller then calls :meth:`advance` before reading on). While ``lingering``, what
+        arrives is to be dropped, and b"" (the end) comes after :data:`LINGER_S` at most."""
         stream = self._conn.stream
+        if self.lingering:
+            with trio.move_on_after(LINGER_S):
+                return bytes(await stream.receive_some(max_bytes))
+            return b""
         if not self.busy:
             return bytes(await stream.receive_some(max_bytes))
         try:
@@ -154,7 +166,14 @@ class FastPath:
                 more = self._body_left > 0
                 # Waits while the app's queue is full (hypercorn's backpressure); the request
                 # may end meanwhile, so the loop looks at `busy` again.
-                await self._put.send({"type": "http.request", "body": chunk, "more_body": more})
+                try:
+                    await self._put.send({"type": "http.request", "body": chunk, "more_body": more})
+                except trio.BrokenResourceError:
+                    # The request ended without reading its whole body (a 413): the
+                    # connection is closing, the rest of the body is dropped.
+                    self.buffer.clear()
+                    self._body_left = 0
+                    return
                 continue
             if not self.buffer:
                 return
@@ -165,6 +184,11 @@ class FastPath:
                 self.off = True
                 return
             await self._start(head)
+
+    @property
+    def body_pending(self) -> bool:
+        """The running request's body has not all arrived yet."""
+        return self._body_left > 0
 
     def take_buffer(self) -> bytes:
         data = bytes(self.buffer)
@@ -212,16 +236,20 @@ class FastPath:
         await conn.idle_task.stop()
         await conn.context.mark_request()
         conn.requests += 1
-        conn.spawn(self._run, scope, receive.receive)
+        conn.spawn(self._run, scope, receive)
 
-    async def _run(self, scope: Any, receive: Any) -> None:
+    async def _run(self, scope: Any, receive: trio.MemoryReceiveChannel[Any]) -> None:
         conn = self._conn
-        response = _Response(conn, self._headers)
+        response = _Response(conn, self._headers, self)
         keep = False
         try:
             try:
                 await conn.app(
-                    scope, receive, response.send, trio.to_thread.run_sync, trio.from_thread.run
+                    scope,
+                    receive.receive,
+                    response.send,
+                    trio.to_thread.run_sync,
+                    trio.from_thread.run,
                 )
             except Exception:  # never trio.Cancelled (a BaseException): that one propagates
                 log.exception("error in the ASGI app")
@@ -235,11 +263,13 @@ class FastPath:
                 and not conn.context.terminated.is_set()
             )
         finally:
+            # A body still arriving has nowhere to go: the read loop's send fails at once.
+            receive.close()
             self.busy = False
             self._put = None
             if not keep:
                 with trio.CancelScope(shield=True):
-                    await conn.protocol_send(Closed())
+                    await self._close(lingering=self._body_left > 0 and not conn.disconnected)
         if not keep:
             return
         await conn.idle_task.restart(conn.task_group, conn.idle_timeout)
@@ -247,15 +277,33 @@ class FastPath:
         if self.buffer and wake is not None:
             wake.cancel()  # a pipelined request (or one for hypercorn) waits in the buffer
 
+    async def _close(self, *, lingering: bool) -> None:
+        """End the connection. ``lingering``: the request's body is still arriving (the app
+        answered before reading it all, as with a 413): closing now would make the kernel
+        reset the connection on the bytes still coming, and the reset can reach the client
+        before it read the answer. So only the sending side is shut now; the read loop drops
+        what still arrives until the client closes or :data:`LINGER_S` passed."""
+        if not lingering:
+            await self._conn.protocol_send(Closed())
+            return
+        self.lingering = True
+        self.buffer.clear()
+        self._body_left = 0
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await self._conn.stream.send_eof()
+        if self._wake is not None:
+            self._wake.cancel()  # the read loop reads on under the linger deadline
+
 
 class _Response:
     """The ASGI ``send`` of one fast-path request."""
 
-    __slots__ = ("_chunked", "_conn", "_headers", "close", "ended", "started")
+    __slots__ = ("_chunked", "_conn", "_fast", "_headers", "close", "ended", "started")
 
-    def __init__(self, conn: Connection, headers: ServerHeaders) -> None:
+    def __init__(self, conn: Connection, headers: ServerHeaders, fast: FastPath) -> None:
         self._conn = conn
         self._headers = headers
+        self._fast = fast
         self._chunked = False
         self.started = False
         self.ended = False
@@ -268,7 +316,14 @@ class _Response:
                 raise RuntimeError("http.response.start sent twice")
             extra = self._headers.get()
             conn = self._conn
-            if conn.requests >= conn.config.keep_alive_max_requests:
+            # The connection ends with this response: after its last allowed request, when
+            # the request's body has not all arrived (the app answered early, as with a 413),
+            # or once the server shuts down. The client is told so.
+            if (
+                conn.requests >= conn.config.keep_alive_max_requests
+                or self._fast.body_pending
+                or conn.context.terminated.is_set()
+            ):
                 self.close = True
                 extra = [*extra, (b"connection", b"close")]
             headers = message.get("headers", [])
