@@ -298,12 +298,13 @@ class FastPath:
 class _Response:
     """The ASGI ``send`` of one fast-path request."""
 
-    __slots__ = ("_chunked", "_conn", "_fast", "_headers", "close", "ended", "started")
+    __slots__ = ("_chunked", "_conn", "_fast", "_head", "_headers", "close", "ended", "started")
 
     def __init__(self, conn: Connection, headers: ServerHeaders, fast: FastPath) -> None:
         self._conn = conn
         self._headers = headers
         self._fast = fast
+        self._head = b""  # a whole response's head, until its body
         self._chunked = False
         self.started = False
         self.ended = False
@@ -332,7 +333,11 @@ class _Response:
                     raise ValueError(f"a response header has a line break: {name!r}")
             head, self._chunked = response_head(message["status"], headers, extra)
             self.started = True
-            await self._conn.protocol_send(RawData(data=head))
+            if self._chunked:
+                # At once: a stream's events are written directly, after it.
+                await self._conn.protocol_send(RawData(data=head))
+            else:
+                self._head = head  # goes out with the body, in one write
         elif kind == "http.response.body":
             if not self.started or self.ended:
                 raise RuntimeError("http.response.body outside a response")
@@ -344,8 +349,9 @@ class _Response:
                     await self._conn.protocol_send(RawData(data=frame))
                 if not more:
                     await self._conn.protocol_send(RawData(data=_CHUNK_END))
-            elif body:
-                await self._conn.protocol_send(RawData(data=body))
+            elif body or self._head:
+                data, self._head = self._head + body, b""
+                await self._conn.protocol_send(RawData(data=data))
             if not more:
                 self.ended = True
 
