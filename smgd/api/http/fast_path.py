@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
@@ -114,11 +115,12 @@ class FastPath:
         "_body_left",
         "_conn",
         "_headers",
+        "_linger_until",
         "_put",
         "_wake",
         "buffer",
         "busy",
-        "lingering",
+        "ending",
         "off",
     )
 
@@ -128,18 +130,22 @@ class FastPath:
         self.buffer = bytearray()
         self.busy = False  # a request's task runs
         self.off = False  # the connection went to hypercorn for good
-        self.lingering = False  # answered, closing: the rest of a request body is dropped
+        # The connection closes after the response just sent: nothing read from then on is
+        # a request (RFC 9112 §9.6), and the rest of a request body still arriving is dropped
+        # until the client closes or _linger_until passes (then the connection ends).
+        self.ending = False
+        self._linger_until = math.inf
         self._body_left = 0  # bytes of the running request's body still to arrive
         self._put: trio.MemorySendChannel[Any] | None = None
         self._wake: trio.CancelScope | None = None
 
     async def receive(self, max_bytes: int) -> bytes | None:
         """The connection's next read; None when a request's end left a request buffered
-        (the caller then calls :meth:`advance` before reading on). While ``lingering``, what
-        arrives is to be dropped, and b"" (the end) comes after :data:`LINGER_S` at most."""
+        (the caller then calls :meth:`advance` before reading on). While ``ending``, what
+        arrives is to be dropped, and b"" (the end) comes at the linger deadline."""
         stream = self._conn.stream
-        if self.lingering:
-            with trio.move_on_after(LINGER_S):
+        if self.ending:
+            with trio.move_on_at(self._linger_until):
                 return bytes(await stream.receive_some(max_bytes))
             return b""
         if not self.busy:
@@ -155,6 +161,9 @@ class FastPath:
         """Move buffered bytes on: into the running request's body, or into a new request;
         sets ``off`` when the buffer starts with a head for hypercorn."""
         while True:
+            if self.ending:
+                self.buffer.clear()
+                return
             if self.busy:
                 if not (self._body_left and self.buffer):
                     return
@@ -265,11 +274,18 @@ class FastPath:
         finally:
             # A body still arriving has nowhere to go: the read loop's send fails at once.
             receive.close()
+            lingering = False
+            if not keep:
+                # Before `busy` goes: from here on nothing read is a request.
+                self.ending = True
+                lingering = self._body_left > 0 and not conn.disconnected
+                self.buffer.clear()
+                self._body_left = 0
             self.busy = False
             self._put = None
             if not keep:
                 with trio.CancelScope(shield=True):
-                    await self._close(lingering=self._body_left > 0 and not conn.disconnected)
+                    await self._close(lingering=lingering)
         if not keep:
             return
         await conn.idle_task.restart(conn.task_group, conn.idle_timeout)
@@ -286,9 +302,7 @@ class FastPath:
         if not lingering:
             await self._conn.protocol_send(Closed())
             return
-        self.lingering = True
-        self.buffer.clear()
-        self._body_left = 0
+        self._linger_until = trio.current_time() + LINGER_S
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await self._conn.stream.send_eof()
         if self._wake is not None:

@@ -248,10 +248,10 @@ class DirectSendTCPServer(TCPServer):
                     break
                 if received is None:  # a request ended with the next one buffered
                     continue
-                if fast is not None and fast.lingering:
+                if fast is not None and fast.ending:
                     if not received:
                         break
-                    continue  # the rest of a body answered already (a 413): dropped
+                    continue  # after a closing answer: dropped (the rest of a 413's body)
                 if fast is not None and received:
                     fast.buffer += received
                     continue

@@ -1,0 +1,954 @@
+"""smgd's HTTP/1.1 fast path (smgd.api.http.fast_path) through the real worker loop and sockets.
+
+Requests are written as exact bytes on raw trio streams; answers are read with h11's client
+(a strict reader: an invalid response fails the test). Whether a request took the fast path
+or hypercorn's is told by the h11 events hypercorn sends: the fast path sends none.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import h11
+import pytest
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed
+from hypercorn.protocol.h11 import H11Protocol
+
+from smgd.api.http import fast_path, worker_loop
+from smgd.api.http.app import create_app
+from smgd.config import ServerConfig
+
+from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
+from .test_direct import _completion, post_sse, serving
+
+TIMEOUT_S = 10
+
+
+class H11Events:
+    """Records every event hypercorn's H11Protocol sends (none for a fast-path request)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[Any] = []
+        original = H11Protocol._send_h11_event
+
+        async def recording(protocol: H11Protocol, event: Any) -> None:
+            self.sent.append(event)
+            await original(protocol, event)
+
+        monkeypatch.setattr(H11Protocol, "_send_h11_event", recording)
+
+    def responses(self) -> list[int]:
+        return [e.status_code for e in self.sent if isinstance(e, h11.Response)]
+
+
+class Answer:
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def header(self, name: bytes) -> bytes | None:
+        values = [v for n, v in self.headers if n == name]
+        assert len(values) <= 1, (name, values)
+        return values[0] if values else None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[Any]:
+        """The SSE events of a streamed body ([DONE] as a string)."""
+        events: list[Any] = []
+        for block in self.body.split(b"\n\n"):
+            if block.startswith(b"data: "):
+                text = block[6:]
+                events.append(text.decode() if text == b"[DONE]" else json.loads(text))
+        return events
+
+
+class Client:
+    """A raw connection: exact bytes out, responses read in order by h11's client."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._h11 = h11.Connection(h11.CLIENT)
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def response(self, method: str = "POST") -> Answer:
+        """The next response on the connection (to a request of ``method``)."""
+        conn = self._h11
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+        # The bytes went out already; h11's client only needs to know what it answers.
+        conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        conn.send(h11.EndOfMessage())
+        status = 0
+        headers: list[tuple[bytes, bytes]] = []
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await self.stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status, headers = event.status_code, list(event.headers)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return Answer(status, headers, bytes(body))
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+
+    async def closed_by_server(self) -> bool:
+        """Whether the server closed the connection (after what was read): the next read
+        ends (or is reset) without another byte."""
+        if self._h11.trailing_data[0]:
+            return False
+        try:
+            return await self.stream.receive_some(65536) == b""
+        except trio.BrokenResourceError:  # reset: it closed with bytes of ours unread
+            return True
+
+
+def _post(
+    path: str, body: dict[str, Any], *, extra: bytes = b"", version: bytes = b"HTTP/1.1"
+) -> bytes:
+    payload = json.dumps(body).encode()
+    head = b"POST %s %s\r\nhost: x\r\ncontent-type: application/json\r\n" % (
+        path.encode(),
+        version,
+    )
+    return head + extra + b"content-length: %d\r\n\r\n" % len(payload) + payload
+
+
+def _get(path: str, *, extra: bytes = b"") -> bytes:
+    return b"GET %s HTTP/1.1\r\nhost: x\r\n%s\r\n" % (path.encode(), extra)
+
+
+def _plain(tokens: int) -> dict[str, Any]:
+    return _completion(tokens, stream=False)
+
+
+def _chunked(body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    half = len(payload) // 2
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (half, payload[:half])
+        + b"%x\r\n%s\r\n" % (len(payload) - half, payload[half:])
+        + b"0\r\n\r\n"
+    )
+
+
+def _engine() -> FakeEngine:
+    return FakeEngine(behaviour=Behaviour(step_s=0.001))
+
+
+async def _connect(port: int) -> Client:
+    return Client(await trio.open_tcp_stream("127.0.0.1", port))
+
+
+def _usage(answer: Answer) -> int:
+    tokens: int = answer.json()["usage"]["completion_tokens"]
+    return tokens
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+async def test_requests_pipelined_in_one_write_are_answered_whole_and_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(
+                    _post("/v1/completions", _plain(3), extra=b"x-request-id: first\r\n")
+                    + _get("/health", extra=b"x-request-id: second\r\n")
+                    + _post("/v1/completions", _completion(5), extra=b"x-request-id: third\r\n")
+                    + _post("/v1/completions", _plain(7), extra=b"x-request-id: fourth\r\n")
+                )
+                first = await client.response()
+                second = await client.response("GET")
+                third = await client.response()
+                fourth = await client.response()
+                # and the connection is still open for another
+                await client.send(_get("/health"))
+                fifth = await client.response("GET")
+    assert [a.status for a in (first, second, third, fourth, fifth)] == [200] * 5
+    ids = [a.header(b"x-request-id") for a in (first, second, third, fourth)]
+    assert ids == [b"first", b"second", b"third", b"fourth"]
+    assert _usage(first) == 3
+    assert second.json() == {"status": "ok"}
+    events = third.events()
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert _usage(fourth) == 7
+    assert fifth.json() == {"status": "ok"}
+    assert h11_events.sent == []  # every one of them on the fast path
+
+
+async def test_a_pipelined_request_for_h11_waits_for_the_fast_one_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(
+                    _post("/v1/completions", _completion(20), extra=b"x-request-id: fast\r\n")
+                    + _chunked(_plain(4))
+                )
+                fast = await client.response()
+                slow = await client.response()
+    assert fast.status == 200 and fast.header(b"x-request-id") == b"fast"
+    assert fast.events()[-1] == "[DONE]"
+    assert slow.status == 200 and _usage(slow) == 4
+    assert h11_events.responses() == [200]  # only the second went through h11
+
+
+# --------------------------------------------------------------------------- hand-off to h11
+
+
+async def test_a_chunked_request_moves_the_connection_to_h11_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_post("/v1/completions", _plain(2)))
+                first = await client.response()
+                after_first = len(h11_events.sent)
+                await client.send(_chunked(_plain(3)))
+                second = await client.response()
+                after_second = h11_events.responses()
+                await client.send(_post("/v1/completions", _plain(4)))
+                third = await client.response()
+    assert [first.status, second.status, third.status] == [200, 200, 200]
+    assert [_usage(first), _usage(second), _usage(third)] == [2, 3, 4]
+    assert after_first == 0  # the first on the fast path
+    assert after_second == [200]  # the chunked one through h11
+    assert h11_events.responses() == [200, 200]  # and the third too: the connection stays
+
+
+@pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
+async def test_a_request_that_closes_its_connection_is_answered_by_h11(
+    monkeypatch: pytest.MonkeyPatch, version: bytes
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    extra = b"connection: close\r\n" if version == b"HTTP/1.1" else b""
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_post("/v1/completions", _plain(3), extra=extra, version=version))
+                answer = await client.response()
+                assert await client.closed_by_server()
+    assert answer.status == 200 and _usage(answer) == 3
+    assert h11_events.responses() == [200]
+
+
+async def test_an_http10_get_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(b"GET /health HTTP/1.0\r\n\r\n")
+                answer = await client.response("GET")
+                assert await client.closed_by_server()
+    assert answer.status == 200 and answer.json() == {"status": "ok"}
+    assert h11_events.responses() == [200]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /a b c HTTP/1.1\r\nhost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",
+    ],
+    ids=["no-request-line", "spaces-in-target", "header-without-colon"],
+)
+async def test_a_malformed_request_gets_h11s_400_with_the_error_envelope(
+    monkeypatch: pytest.MonkeyPatch, request_bytes: bytes
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(request_bytes)
+                answer = await client.response("GET")
+                assert await client.closed_by_server()
+    assert answer.status == 400
+    assert answer.header(b"content-type") == b"application/json"
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert h11_events.responses() == [400]
+
+
+async def test_a_malformed_request_after_a_fast_one_is_refused_by_h11(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/health") + b"GARBAGE\r\n\r\n")
+                ok = await client.response("GET")
+                refused = await client.response("GET")
+                assert await client.closed_by_server()
+    assert ok.status == 200 and refused.status == 400
+    assert "error" in refused.json()
+    assert h11_events.responses() == [400]
+
+
+# --------------------------------------------------------------------------- reads
+
+
+async def test_a_head_and_body_that_arrive_in_pieces_are_read_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    request = _post("/v1/completions", _plain(6))
+    head_end = request.index(b"\r\n\r\n") + 4
+    pieces = [
+        request[:10],  # part of the request line
+        request[10 : head_end - 1],  # the head but its last byte
+        request[head_end - 1 : head_end],  # the head's end alone
+        request[head_end : head_end + 5],  # a bit of the body
+        request[head_end + 5 :],  # the rest
+    ]
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                for piece in pieces:
+                    await client.send(piece)
+                    await trio.sleep(0.02)  # each its own read on the server
+                answer = await client.response()
+                # then another on the same connection, whole
+                await client.send(request)
+                again = await client.response()
+    assert answer.status == 200 and _usage(answer) == 6
+    assert again.status == 200 and _usage(again) == 6
+    assert h11_events.sent == []
+
+
+async def test_a_large_body_in_many_reads_is_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prompt of ~600 KB, sent in 4 KB writes: many more body messages than the app's queue
+    # (hypercorn's max_app_queue_size) holds.
+    h11_events = H11Events(monkeypatch)
+    prompt = "hello world " * 50_000
+    request = _post("/v1/completions", {**_plain(2), "prompt": prompt})
+    assert len(request) > 600_000
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                for start in range(0, len(request), 4096):
+                    await client.send(request[start : start + 4096])
+                answer = await client.response()
+    # Refused for its length, which the whole prompt (to its last character) was read for.
+    assert answer.status == 400, answer.body
+    error = answer.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"your prompt is {len(prompt)} characters" in error["message"]
+    assert h11_events.sent == []
+
+
+async def test_a_body_over_the_limit_gets_413_and_the_connection_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    limit = 1000
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 5000\r\n\r\n"
+    )
+    async with serving(_engine(), server=ServerConfig(max_body_bytes=limit)) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                # more than the limit, less than the whole body
+                await client.send(head + b'{"prompt": "' + b"a" * 2000)
+                answer = await client.response()
+                assert await client.closed_by_server()
+    assert answer.status == 413
+    assert answer.header(b"connection") == b"close"  # the client is told
+    assert answer.header(b"content-type") == b"application/json"
+    assert answer.header(b"content-length") == b"%d" % len(answer.body)
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert str(limit) in error["message"]
+    assert h11_events.sent == []  # refused on the fast path
+
+
+# --------------------------------------------------------------------------- answers
+
+
+async def test_a_fast_answer_has_the_usual_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_post("/v1/completions", _plain(3)))
+                plain = await client.response()
+                await client.send(_post("/v1/completions", _completion(3)))
+                streamed = await client.response()
+    for answer in (plain, streamed):
+        assert answer.status == 200
+        date = answer.header(b"date")
+        assert date is not None and date.endswith(b" GMT")
+        assert answer.header(b"x-request-id")
+        assert answer.header(b"server") is not None
+        assert answer.header(b"connection") is None  # keep-alive, HTTP/1.1's default
+    assert plain.header(b"content-type") == b"application/json"
+    assert plain.header(b"content-length") == b"%d" % len(plain.body)
+    assert plain.header(b"transfer-encoding") is None
+    content_type = streamed.header(b"content-type")
+    assert content_type is not None and content_type.startswith(b"text/event-stream")
+    assert streamed.header(b"content-length") is None
+    assert streamed.header(b"transfer-encoding") == b"chunked"
+    assert streamed.events()[-1] == "[DONE]"
+    assert plain.header(b"x-request-id") != streamed.header(b"x-request-id")
+    assert h11_events.sent == []
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+async def test_a_get_is_served_on_the_fast_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get(path))
+                answer = await client.response("GET")
+    assert answer.status == 200
+    assert answer.header(b"content-type") == b"application/json"
+    body = answer.json()
+    if path == "/health":
+        assert body == {"status": "ok"}
+    else:
+        assert [m["id"] for m in body["data"]] == [MODEL]
+    assert h11_events.sent == []
+
+
+async def test_an_unknown_path_gets_404_with_the_envelope_on_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/nope") + _get("/health"))
+                missing = await client.response("GET")
+                ok = await client.response("GET")
+    assert missing.status == 404 and "error" in missing.json()
+    assert ok.status == 200  # a refusal keeps the connection
+    assert h11_events.sent == []
+
+
+async def test_keep_alive_max_requests_closes_the_connection_after_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(HypercornConfig, "keep_alive_max_requests", 3)
+    h11_events = H11Events(monkeypatch)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                answers = []
+                for _ in range(3):
+                    await client.send(_get("/health"))
+                    answers.append(await client.response("GET"))
+                assert await client.closed_by_server()
+    assert [a.status for a in answers] == [200, 200, 200]
+    assert [a.header(b"connection") for a in answers] == [None, None, b"close"]
+    assert h11_events.sent == []
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+async def test_a_client_hanging_up_mid_stream_aborts_the_engine_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with serving(engine) as port:
+        await post_sse(port, "/v1/completions", _completion(1000), read_events=10)
+        with trio.fail_after(2):
+            await engine.wait_abort(engine.requests[-1].rid)
+    assert h11_events.sent == []
+    assert len(engine.requests) == 1
+
+
+async def test_a_client_hanging_up_before_its_body_ends_starts_no_engine_request() -> None:
+    engine = _engine()
+    request = _post("/v1/completions", _completion(5))
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(request[:-10])
+                await trio.sleep(0.05)
+            # the server is still well: another connection is answered
+            events = await post_sse(port, "/v1/completions", _completion(2))
+    assert events[-1] == "[DONE]"
+    assert len(engine.requests) == 1  # only the second
+
+
+async def test_a_stream_answers_whole_when_the_client_sends_more_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pipelined request arriving while a stream runs waits for the stream's end.
+    h11_events = H11Events(monkeypatch)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_post("/v1/completions", _completion(30)))
+                await trio.sleep(0.03)  # the stream is under way
+                await client.send(_get("/health"))
+                streamed = await client.response()
+                health = await client.response("GET")
+    events = streamed.events()
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert health.status == 200
+    assert h11_events.sent == []
+
+
+# --------------------------------------------------------------------------- keep-alive timer
+
+
+async def test_an_idle_connection_after_a_fast_request_closes_at_the_keep_alive_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(HypercornConfig, "keep_alive_timeout", 0.2)
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/health"))
+                answer = await client.response("GET")
+                answered_at = trio.current_time()
+                assert await client.closed_by_server()
+                idle_s = trio.current_time() - answered_at
+    assert answer.status == 200
+    assert 0.1 < idle_s < 2, idle_s
+
+
+async def test_a_fast_request_longer_than_the_keep_alive_timeout_is_not_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(HypercornConfig, "keep_alive_timeout", 0.1)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.01))
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                started = trio.current_time()
+                await client.send(_post("/v1/completions", _completion(40)))  # ~0.4 s
+                streamed = await client.response()
+                took = trio.current_time() - started
+                await client.send(_get("/health"))  # within the timeout: still open
+                health = await client.response("GET")
+    assert took > 0.3
+    assert streamed.events()[-1] == "[DONE]"
+    assert health.status == 200
+
+
+# --------------------------------------------------------------------------- more of h11's
+
+
+async def test_expect_100_continue_is_h11s_and_gets_its_interim_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    payload = json.dumps(_plain(3)).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(payload)
+    )
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(head)
+                interim = bytearray()
+                while b"\r\n\r\n" not in interim:
+                    chunk = await stream.receive_some(65536)
+                    assert chunk
+                    interim += chunk
+                assert interim.startswith(b"HTTP/1.1 100 ")
+                rest = interim[interim.index(b"\r\n\r\n") + 4 :]
+                await stream.send_all(payload)
+                client = Client(stream)
+                if rest:  # (an empty one would tell h11 the connection ended)
+                    client._h11.receive_data(bytes(rest))
+                answer = await client.response()
+    assert answer.status == 200 and _usage(answer) == 3
+    assert h11_events.responses() == [200]
+
+
+async def test_a_head_over_h11s_limit_in_pieces_gets_431_with_the_envelope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    head = _get("/health", extra=b"x-big: " + b"b" * 20_000 + b"\r\n")
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(head[:17_000])  # over 16 KiB, no end of head yet
+                answer = await client.response("GET")
+                assert await client.closed_by_server()
+    assert answer.status == 431
+    assert "16384 bytes" in answer.json()["error"]["message"]
+    assert h11_events.responses() == [431]
+
+
+# --------------------------------------------------------------------------- same answers
+
+
+def _normal(answer: Answer) -> tuple[int, list[bytes], Any]:
+    """An answer without what differs from one request to the next (ids, times)."""
+    names = [n for n, _ in answer.headers]
+    if answer.header(b"content-type") == b"application/json":
+        body: Any = answer.json()
+        if isinstance(body, dict):
+            for key in ("id", "created"):
+                body.pop(key, None)
+    else:
+        body = [
+            {k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e
+            for e in answer.events()
+        ]
+    return answer.status, names, body
+
+
+SAME_ANSWERS: list[tuple[bytes, str]] = [
+    (_get("/health"), "GET"),
+    (_get("/v1/models"), "GET"),
+    (_get("/nope"), "GET"),
+    (_post("/v1/completions", _plain(4)), "POST"),
+    (_post("/v1/completions", _completion(4)), "POST"),
+    (_post("/v1/completions", {"model": "other", "prompt": "x"}), "POST"),
+    (_post("/v1/completions", {"model": MODEL}), "POST"),
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\n{{{", "POST"),
+    (_get("/v1/completions"), "GET"),
+    (_get("/health?x=%20y", extra=b"x-request-id: abc\r\n"), "GET"),
+    (_get("http://x/v1/models"), "GET"),
+    (_get("/v1/%6Dodels"), "GET"),
+    (
+        _post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        ),
+        "POST",
+    ),
+]
+
+
+async def test_the_fast_path_answers_as_hypercorn_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def answers() -> list[tuple[int, list[bytes], Any]]:
+        got = []
+        async with serving(_engine()) as port:
+            with trio.fail_after(TIMEOUT_S):
+                client = await _connect(port)
+                async with client.stream:
+                    for request, method in SAME_ANSWERS:
+                        await client.send(request)
+                        got.append(_normal(await client.response(method)))
+        return got
+
+    h11_events = H11Events(monkeypatch)
+    fast = await answers()
+    assert h11_events.sent == []
+    monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
+    slow = await answers()
+    assert len(h11_events.responses()) == len(SAME_ANSWERS)
+    for (request, _), a, b in zip(SAME_ANSWERS, fast, slow, strict=True):
+        assert a == b, request
+
+
+async def test_a_body_whose_end_arrives_with_the_next_request_serves_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h11_events = H11Events(monkeypatch)
+    first = _post("/v1/completions", _plain(3), extra=b"x-request-id: one\r\n")
+    cut = len(first) - 7
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(first[:cut])
+                await trio.sleep(0.05)  # the request runs, waiting for the rest of its body
+                await client.send(
+                    first[cut:]
+                    + _post("/v1/completions", _plain(5), extra=b"x-request-id: two\r\n")
+                )
+                one = await client.response()
+                two = await client.response()
+    assert (one.status, one.header(b"x-request-id"), _usage(one)) == (200, b"one", 3)
+    assert (two.status, two.header(b"x-request-id"), _usage(two)) == (200, b"two", 5)
+    assert h11_events.sent == []
+
+
+# --------------------------------------------------------------------------- nothing left behind
+
+
+@asynccontextmanager
+async def serving_until(engine: FakeEngine, stop: trio.Event, limit: int) -> AsyncIterator[int]:
+    """smgd's app on the worker loop until ``stop``; a long graceful timeout, so a connection
+    task left behind would keep ``serve`` from returning."""
+    async with open_gateway(engine, server=ServerConfig(max_body_bytes=limit)) as gateway:
+        app = create_app(gateway, environ={})
+        config = HypercornConfig()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        config.graceful_timeout = 30
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                lambda task_status: worker_loop.serve(
+                    app, config, shutdown_trigger=stop.wait, task_status=task_status
+                )
+            )
+            yield int(binds[0].rsplit(":", 1)[1])
+
+
+HUGE_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"content-length: 50000000\r\n\r\n"
+)
+
+
+async def _pour_and_read(port: int) -> tuple[Answer, bytes]:
+    """A body far over the limit, sent on and on; the answer, and what follows it until the
+    server closes the connection."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+
+    async def pour() -> None:
+        try:
+            await stream.send_all(HUGE_HEAD)
+            for _ in range(300):
+                await stream.send_all(b"a" * 65536)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with stream, trio.open_nursery() as nursery:
+        nursery.start_soon(pour)
+        client = Client(stream)
+        answer = await client.response()
+        after = bytearray(client._h11.trailing_data[0])
+        try:
+            while chunk := await stream.receive_some(65536):
+                after += chunk
+        except trio.BrokenResourceError:  # reset: closed with bytes of ours unread
+            pass
+        nursery.cancel_scope.cancel()
+    return answer, bytes(after)
+
+
+@pytest.mark.parametrize("queue", [1, 10])
+async def test_a_413_while_the_body_pours_in_leaves_no_task_behind(
+    monkeypatch: pytest.MonkeyPatch, queue: int
+) -> None:
+    # The client keeps sending a body far over the limit; the app refuses it after its first
+    # messages and the connection closes. The read loop, which was handing on the body, must
+    # not be left waiting on the ended request's queue.
+    monkeypatch.setattr(HypercornConfig, "max_app_queue_size", queue)
+    stop = trio.Event()
+    with trio.fail_after(TIMEOUT_S):
+        async with serving_until(_engine(), stop, 200_000) as port:
+            answer, _ = await _pour_and_read(port)
+            assert answer.status == 413
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            stop.set()
+    assert trio.current_time() - start < 1  # serve() returned without waiting
+
+
+def _slow_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection's close takes a while (as it can: send_eof and aclose are checkpoints;
+    this only widens the window), during which the read loop may read on."""
+    original = worker_loop.DirectSendTCPServer.protocol_send
+
+    async def protocol_send(server: worker_loop.DirectSendTCPServer, event: Any) -> None:
+        if isinstance(event, Closed):
+            await trio.sleep(0.05)
+        await original(server, event)
+
+    monkeypatch.setattr(worker_loop.DirectSendTCPServer, "protocol_send", protocol_send)
+
+
+async def test_nothing_follows_a_413_for_a_body_still_pouring_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _slow_close(monkeypatch)
+    async with serving(_engine(), server=ServerConfig(max_body_bytes=200_000)) as port:
+        with trio.fail_after(TIMEOUT_S):
+            answer, after = await _pour_and_read(port)
+    assert answer.status == 413
+    assert after == b""  # the body's bytes are no request: the connection just closes
+
+
+async def test_the_rest_of_a_refused_body_is_never_run_as_a_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A body over the limit is refused (413) before its end; its remaining bytes happen to
+    # read as a request. They are body, not a request: nothing may run them.
+    _slow_close(monkeypatch)
+    engine = _engine()
+    smuggled = _post("/v1/completions", _plain(2), extra=b"x-request-id: smuggled\r\n")
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (
+        1500 + len(smuggled)
+    )
+    async with serving(engine, server=ServerConfig(max_body_bytes=1000)) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(head + b"a" * 1500)
+                refused = await client.response()
+                await client.send(smuggled)  # the body's last bytes
+                after = bytearray(client._h11.trailing_data[0])
+                try:
+                    while chunk := await client.stream.receive_some(65536):
+                        after += chunk
+                except trio.BrokenResourceError:
+                    pass
+            await trio.sleep(0.1)
+    assert refused.status == 413
+    assert engine.requests == []
+    assert bytes(after) == b""
+
+
+async def test_no_request_is_served_after_a_response_that_closes_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # RFC 9112 §9.6: a server that sends "close" closes after that response and does not
+    # process any further request on the connection.
+    _slow_close(monkeypatch)
+    monkeypatch.setattr(HypercornConfig, "keep_alive_max_requests", 1)
+    engine = _engine()
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/health"))
+                last = await client.response("GET")
+                await client.send(_post("/v1/completions", _plain(2)))  # too late
+                after = bytearray(client._h11.trailing_data[0])
+                try:
+                    while chunk := await client.stream.receive_some(65536):
+                        after += chunk
+                except trio.BrokenResourceError:
+                    pass
+            await trio.sleep(0.1)
+    assert last.status == 200 and last.header(b"connection") == b"close"
+    assert engine.requests == []
+    assert bytes(after) == b""
+
+
+async def test_a_client_sending_on_after_a_413_is_cut_off_at_the_linger_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fast_path, "LINGER_S", 0.3)
+    cut_s: float | None = None
+    async with serving(_engine(), server=ServerConfig(max_body_bytes=1000)) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(HUGE_HEAD + b"a" * 2000)
+                answer = await client.response()
+                answered_at = trio.current_time()
+                assert await client.closed_by_server()  # its sending side, at once
+                # The client sends on: the server reads and drops it until the deadline,
+                # then closes for good (a send then meets the reset).
+                with trio.move_on_after(3):
+                    try:
+                        while True:
+                            await client.stream.send_all(b"a" * 1024)
+                            await trio.sleep(0.01)
+                    except trio.BrokenResourceError:
+                        cut_s = trio.current_time() - answered_at
+    assert answer.status == 413 and answer.header(b"connection") == b"close"
+    assert cut_s is not None, "still open 3 s after the answer"
+    assert 0.2 < cut_s < 2, cut_s
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+async def test_a_client_that_stops_sending_after_a_413_is_closed_after_linger_s(
+    monkeypatch: pytest.MonkeyPatch, pause_s: float
+) -> None:
+    # Lingering ends LINGER_S after the answer at the latest (at once when the client closes).
+    monkeypatch.setattr(fast_path, "LINGER_S", 0.3)
+    stop = trio.Event()
+    with trio.fail_after(TIMEOUT_S):
+        async with serving_until(_engine(), stop, 1000) as port:
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(HUGE_HEAD + b"a" * 2000)
+                answer = await client.response()
+                assert await client.closed_by_server()
+                if pause_s:
+                    await trio.sleep(pause_s)
+                    # closed for good meanwhile: what is sent now meets a reset
+                    with pytest.raises(trio.BrokenResourceError):
+                        for _ in range(50):
+                            await client.stream.send_all(b"a" * 1024)
+                            await trio.sleep(0.01)
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            stop.set()
+    assert answer.status == 413
+    assert trio.current_time() - start < 1  # nothing left behind
+
+
+async def test_connections_that_ended_in_every_way_leave_no_task_behind() -> None:
+    stop = trio.Event()
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    with trio.fail_after(TIMEOUT_S):
+        async with serving_until(engine, stop, 1000) as port:
+            # a client hanging up mid-stream
+            await post_sse(port, "/v1/completions", _completion(1000), read_events=5)
+            await engine.wait_abort(engine.requests[-1].rid)
+            # one hanging up before its body's end
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(_post("/v1/completions", _plain(2))[:-5])
+                await trio.sleep(0.05)
+            # one handed to h11 and closed by it
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/health") + b"GARBAGE\r\n\r\n")
+                assert (await client.response("GET")).status == 200
+                assert (await client.response("GET")).status == 400
+                assert await client.closed_by_server()
+            # one refused with 413 and closed
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n"
+                    + b"a" * 2000
+                )
+                assert (await client.response()).status == 413
+                assert await client.closed_by_server()
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            stop.set()
+    assert trio.current_time() - start < 1
