@@ -46,6 +46,12 @@ class H11Events:
         return [e.status_code for e in self.sent if isinstance(e, h11.Response)]
 
 
+@pytest.fixture
+def h11_events(monkeypatch: pytest.MonkeyPatch) -> H11Events:
+    """The h11 events hypercorn sends during the test."""
+    return H11Events(monkeypatch)
+
+
 class Answer:
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.status = status
@@ -104,6 +110,16 @@ class Client:
             else:
                 raise AssertionError(f"unexpected {event!r}")
 
+    async def rest(self) -> bytes:
+        """What the server sends after what was read, until it closes the connection."""
+        after = bytearray(self._h11.trailing_data[0])
+        try:
+            while chunk := await self.stream.receive_some(65536):
+                after += chunk
+        except trio.BrokenResourceError:  # reset: closed with bytes of ours unread
+            pass
+        return bytes(after)
+
     async def closed_by_server(self) -> bool:
         """Whether the server closed the connection (after what was read): the next read
         ends (or is reset) without another byte."""
@@ -154,6 +170,19 @@ async def _connect(port: int) -> Client:
     return Client(await trio.open_tcp_stream("127.0.0.1", port))
 
 
+@asynccontextmanager
+async def _client(
+    engine: FakeEngine | None = None, *, server: ServerConfig | None = None
+) -> AsyncIterator[Client]:
+    """A connection to smgd serving ``engine`` (``_engine()`` by default), open for the
+    block, all of it within TIMEOUT_S."""
+    async with serving(engine if engine is not None else _engine(), server=server) as port:
+        with trio.fail_after(TIMEOUT_S):
+            client = await _connect(port)
+            async with client.stream:
+                yield client
+
+
 def _usage(answer: Answer) -> int:
     tokens: int = answer.json()["usage"]["completion_tokens"]
     return tokens
@@ -163,26 +192,22 @@ def _usage(answer: Answer) -> int:
 
 
 async def test_requests_pipelined_in_one_write_are_answered_whole_and_in_order(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(
-                    _post("/v1/completions", _plain(3), extra=b"x-request-id: first\r\n")
-                    + _get("/health", extra=b"x-request-id: second\r\n")
-                    + _post("/v1/completions", _completion(5), extra=b"x-request-id: third\r\n")
-                    + _post("/v1/completions", _plain(7), extra=b"x-request-id: fourth\r\n")
-                )
-                first = await client.response()
-                second = await client.response("GET")
-                third = await client.response()
-                fourth = await client.response()
-                # and the connection is still open for another
-                await client.send(_get("/health"))
-                fifth = await client.response("GET")
+    async with _client() as client:
+        await client.send(
+            _post("/v1/completions", _plain(3), extra=b"x-request-id: first\r\n")
+            + _get("/health", extra=b"x-request-id: second\r\n")
+            + _post("/v1/completions", _completion(5), extra=b"x-request-id: third\r\n")
+            + _post("/v1/completions", _plain(7), extra=b"x-request-id: fourth\r\n")
+        )
+        first = await client.response()
+        second = await client.response("GET")
+        third = await client.response()
+        fourth = await client.response()
+        # and the connection is still open for another
+        await client.send(_get("/health"))
+        fifth = await client.response("GET")
     assert [a.status for a in (first, second, third, fourth, fifth)] == [200] * 5
     ids = [a.header(b"x-request-id") for a in (first, second, third, fourth)]
     assert ids == [b"first", b"second", b"third", b"fourth"]
@@ -197,19 +222,15 @@ async def test_requests_pipelined_in_one_write_are_answered_whole_and_in_order(
 
 
 async def test_a_pipelined_request_for_h11_waits_for_the_fast_one_before_it(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(
-                    _post("/v1/completions", _completion(20), extra=b"x-request-id: fast\r\n")
-                    + _chunked(_plain(4))
-                )
-                fast = await client.response()
-                slow = await client.response()
+    async with _client() as client:
+        await client.send(
+            _post("/v1/completions", _completion(20), extra=b"x-request-id: fast\r\n")
+            + _chunked(_plain(4))
+        )
+        fast = await client.response()
+        slow = await client.response()
     assert fast.status == 200 and fast.header(b"x-request-id") == b"fast"
     assert fast.events()[-1] == "[DONE]"
     assert slow.status == 200 and _usage(slow) == 4
@@ -220,21 +241,17 @@ async def test_a_pipelined_request_for_h11_waits_for_the_fast_one_before_it(
 
 
 async def test_a_chunked_request_moves_the_connection_to_h11_for_good(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_post("/v1/completions", _plain(2)))
-                first = await client.response()
-                after_first = len(h11_events.sent)
-                await client.send(_chunked(_plain(3)))
-                second = await client.response()
-                after_second = h11_events.responses()
-                await client.send(_post("/v1/completions", _plain(4)))
-                third = await client.response()
+    async with _client() as client:
+        await client.send(_post("/v1/completions", _plain(2)))
+        first = await client.response()
+        after_first = len(h11_events.sent)
+        await client.send(_chunked(_plain(3)))
+        second = await client.response()
+        after_second = h11_events.responses()
+        await client.send(_post("/v1/completions", _plain(4)))
+        third = await client.response()
     assert [first.status, second.status, third.status] == [200, 200, 200]
     assert [_usage(first), _usage(second), _usage(third)] == [2, 3, 4]
     assert after_first == 0  # the first on the fast path
@@ -244,30 +261,22 @@ async def test_a_chunked_request_moves_the_connection_to_h11_for_good(
 
 @pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
 async def test_a_request_that_closes_its_connection_is_answered_by_h11(
-    monkeypatch: pytest.MonkeyPatch, version: bytes
+    h11_events: H11Events, version: bytes
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     extra = b"connection: close\r\n" if version == b"HTTP/1.1" else b""
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_post("/v1/completions", _plain(3), extra=extra, version=version))
-                answer = await client.response()
-                assert await client.closed_by_server()
+    async with _client() as client:
+        await client.send(_post("/v1/completions", _plain(3), extra=extra, version=version))
+        answer = await client.response()
+        assert await client.closed_by_server()
     assert answer.status == 200 and _usage(answer) == 3
     assert h11_events.responses() == [200]
 
 
-async def test_an_http10_get_is_answered(monkeypatch: pytest.MonkeyPatch) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(b"GET /health HTTP/1.0\r\n\r\n")
-                answer = await client.response("GET")
-                assert await client.closed_by_server()
+async def test_an_http10_get_is_answered(h11_events: H11Events) -> None:
+    async with _client() as client:
+        await client.send(b"GET /health HTTP/1.0\r\n\r\n")
+        answer = await client.response("GET")
+        assert await client.closed_by_server()
     assert answer.status == 200 and answer.json() == {"status": "ok"}
     assert h11_events.responses() == [200]
 
@@ -282,16 +291,12 @@ async def test_an_http10_get_is_answered(monkeypatch: pytest.MonkeyPatch) -> Non
     ids=["no-request-line", "spaces-in-target", "header-without-colon"],
 )
 async def test_a_malformed_request_gets_h11s_400_with_the_error_envelope(
-    monkeypatch: pytest.MonkeyPatch, request_bytes: bytes
+    h11_events: H11Events, request_bytes: bytes
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(request_bytes)
-                answer = await client.response("GET")
-                assert await client.closed_by_server()
+    async with _client() as client:
+        await client.send(request_bytes)
+        answer = await client.response("GET")
+        assert await client.closed_by_server()
     assert answer.status == 400
     assert answer.header(b"content-type") == b"application/json"
     error = answer.json()["error"]
@@ -300,17 +305,13 @@ async def test_a_malformed_request_gets_h11s_400_with_the_error_envelope(
 
 
 async def test_a_malformed_request_after_a_fast_one_is_refused_by_h11(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_get("/health") + b"GARBAGE\r\n\r\n")
-                ok = await client.response("GET")
-                refused = await client.response("GET")
-                assert await client.closed_by_server()
+    async with _client() as client:
+        await client.send(_get("/health") + b"GARBAGE\r\n\r\n")
+        ok = await client.response("GET")
+        refused = await client.response("GET")
+        assert await client.closed_by_server()
     assert ok.status == 200 and refused.status == 400
     assert "error" in refused.json()
     assert h11_events.responses() == [400]
@@ -320,9 +321,8 @@ async def test_a_malformed_request_after_a_fast_one_is_refused_by_h11(
 
 
 async def test_a_head_and_body_that_arrive_in_pieces_are_read_whole(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     request = _post("/v1/completions", _plain(6))
     head_end = request.index(b"\r\n\r\n") + 4
     pieces = [
@@ -332,36 +332,29 @@ async def test_a_head_and_body_that_arrive_in_pieces_are_read_whole(
         request[head_end : head_end + 5],  # a bit of the body
         request[head_end + 5 :],  # the rest
     ]
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                for piece in pieces:
-                    await client.send(piece)
-                    await trio.sleep(0.02)  # each its own read on the server
-                answer = await client.response()
-                # then another on the same connection, whole
-                await client.send(request)
-                again = await client.response()
+    async with _client() as client:
+        for piece in pieces:
+            await client.send(piece)
+            await trio.sleep(0.02)  # each its own read on the server
+        answer = await client.response()
+        # then another on the same connection, whole
+        await client.send(request)
+        again = await client.response()
     assert answer.status == 200 and _usage(answer) == 6
     assert again.status == 200 and _usage(again) == 6
     assert h11_events.sent == []
 
 
-async def test_a_large_body_in_many_reads_is_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_large_body_in_many_reads_is_read_whole(h11_events: H11Events) -> None:
     # A prompt of ~600 KB, sent in 4 KB writes: many more body messages than the app's queue
     # (hypercorn's max_app_queue_size) holds.
-    h11_events = H11Events(monkeypatch)
     prompt = "hello world " * 50_000
     request = _post("/v1/completions", {**_plain(2), "prompt": prompt})
     assert len(request) > 600_000
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                for start in range(0, len(request), 4096):
-                    await client.send(request[start : start + 4096])
-                answer = await client.response()
+    async with _client() as client:
+        for start in range(0, len(request), 4096):
+            await client.send(request[start : start + 4096])
+        answer = await client.response()
     # Refused for its length, which the whole prompt (to its last character) was read for.
     assert answer.status == 400, answer.body
     error = answer.json()["error"]
@@ -371,22 +364,18 @@ async def test_a_large_body_in_many_reads_is_read_whole(monkeypatch: pytest.Monk
 
 
 async def test_a_body_over_the_limit_gets_413_and_the_connection_closes(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     limit = 1000
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"content-length: 5000\r\n\r\n"
     )
-    async with serving(_engine(), server=ServerConfig(max_body_bytes=limit)) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                # more than the limit, less than the whole body
-                await client.send(head + b'{"prompt": "' + b"a" * 2000)
-                answer = await client.response()
-                assert await client.closed_by_server()
+    async with _client(server=ServerConfig(max_body_bytes=limit)) as client:
+        # more than the limit, less than the whole body
+        await client.send(head + b'{"prompt": "' + b"a" * 2000)
+        answer = await client.response()
+        assert await client.closed_by_server()
     assert answer.status == 413
     assert answer.header(b"connection") == b"close"  # the client is told
     assert answer.header(b"content-type") == b"application/json"
@@ -400,16 +389,12 @@ async def test_a_body_over_the_limit_gets_413_and_the_connection_closes(
 # --------------------------------------------------------------------------- answers
 
 
-async def test_a_fast_answer_has_the_usual_headers(monkeypatch: pytest.MonkeyPatch) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_post("/v1/completions", _plain(3)))
-                plain = await client.response()
-                await client.send(_post("/v1/completions", _completion(3)))
-                streamed = await client.response()
+async def test_a_fast_answer_has_the_usual_headers(h11_events: H11Events) -> None:
+    async with _client() as client:
+        await client.send(_post("/v1/completions", _plain(3)))
+        plain = await client.response()
+        await client.send(_post("/v1/completions", _completion(3)))
+        streamed = await client.response()
     for answer in (plain, streamed):
         assert answer.status == 200
         date = answer.header(b"date")
@@ -430,14 +415,10 @@ async def test_a_fast_answer_has_the_usual_headers(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("path", ["/health", "/v1/models"])
-async def test_a_get_is_served_on_the_fast_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_get(path))
-                answer = await client.response("GET")
+async def test_a_get_is_served_on_the_fast_path(h11_events: H11Events, path: str) -> None:
+    async with _client() as client:
+        await client.send(_get(path))
+        answer = await client.response("GET")
     assert answer.status == 200
     assert answer.header(b"content-type") == b"application/json"
     body = answer.json()
@@ -449,16 +430,12 @@ async def test_a_get_is_served_on_the_fast_path(monkeypatch: pytest.MonkeyPatch,
 
 
 async def test_an_unknown_path_gets_404_with_the_envelope_on_the_fast_path(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_get("/nope") + _get("/health"))
-                missing = await client.response("GET")
-                ok = await client.response("GET")
+    async with _client() as client:
+        await client.send(_get("/nope") + _get("/health"))
+        missing = await client.response("GET")
+        ok = await client.response("GET")
     assert missing.status == 404 and "error" in missing.json()
     assert ok.status == 200  # a refusal keeps the connection
     assert h11_events.sent == []
@@ -466,18 +443,15 @@ async def test_an_unknown_path_gets_404_with_the_envelope_on_the_fast_path(
 
 async def test_keep_alive_max_requests_closes_the_connection_after_the_last(
     monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
     monkeypatch.setattr(HypercornConfig, "keep_alive_max_requests", 3)
-    h11_events = H11Events(monkeypatch)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                answers = []
-                for _ in range(3):
-                    await client.send(_get("/health"))
-                    answers.append(await client.response("GET"))
-                assert await client.closed_by_server()
+    async with _client() as client:
+        answers = []
+        for _ in range(3):
+            await client.send(_get("/health"))
+            answers.append(await client.response("GET"))
+        assert await client.closed_by_server()
     assert [a.status for a in answers] == [200, 200, 200]
     assert [a.header(b"connection") for a in answers] == [None, None, b"close"]
     assert h11_events.sent == []
@@ -487,9 +461,8 @@ async def test_keep_alive_max_requests_closes_the_connection_after_the_last(
 
 
 async def test_a_client_hanging_up_mid_stream_aborts_the_engine_request(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
     async with serving(engine) as port:
         await post_sse(port, "/v1/completions", _completion(1000), read_events=10)
@@ -514,20 +487,16 @@ async def test_a_client_hanging_up_before_its_body_ends_starts_no_engine_request
 
 
 async def test_a_stream_answers_whole_when_the_client_sends_more_meanwhile(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
     # A pipelined request arriving while a stream runs waits for the stream's end.
-    h11_events = H11Events(monkeypatch)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
-    async with serving(engine) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_post("/v1/completions", _completion(30)))
-                await trio.sleep(0.03)  # the stream is under way
-                await client.send(_get("/health"))
-                streamed = await client.response()
-                health = await client.response("GET")
+    async with _client(engine) as client:
+        await client.send(_post("/v1/completions", _completion(30)))
+        await trio.sleep(0.03)  # the stream is under way
+        await client.send(_get("/health"))
+        streamed = await client.response()
+        health = await client.response("GET")
     events = streamed.events()
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert health.status == 200
@@ -541,15 +510,12 @@ async def test_an_idle_connection_after_a_fast_request_closes_at_the_keep_alive_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(HypercornConfig, "keep_alive_timeout", 0.2)
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_get("/health"))
-                answer = await client.response("GET")
-                answered_at = trio.current_time()
-                assert await client.closed_by_server()
-                idle_s = trio.current_time() - answered_at
+    async with _client() as client:
+        await client.send(_get("/health"))
+        answer = await client.response("GET")
+        answered_at = trio.current_time()
+        assert await client.closed_by_server()
+        idle_s = trio.current_time() - answered_at
     assert answer.status == 200
     assert 0.1 < idle_s < 2, idle_s
 
@@ -559,16 +525,13 @@ async def test_a_fast_request_longer_than_the_keep_alive_timeout_is_not_cut(
 ) -> None:
     monkeypatch.setattr(HypercornConfig, "keep_alive_timeout", 0.1)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.01))
-    async with serving(engine) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                started = trio.current_time()
-                await client.send(_post("/v1/completions", _completion(40)))  # ~0.4 s
-                streamed = await client.response()
-                took = trio.current_time() - started
-                await client.send(_get("/health"))  # within the timeout: still open
-                health = await client.response("GET")
+    async with _client(engine) as client:
+        started = trio.current_time()
+        await client.send(_post("/v1/completions", _completion(40)))  # ~0.4 s
+        streamed = await client.response()
+        took = trio.current_time() - started
+        await client.send(_get("/health"))  # within the timeout: still open
+        health = await client.response("GET")
     assert took > 0.3
     assert streamed.events()[-1] == "[DONE]"
     assert health.status == 200
@@ -578,46 +541,38 @@ async def test_a_fast_request_longer_than_the_keep_alive_timeout_is_not_cut(
 
 
 async def test_expect_100_continue_is_h11s_and_gets_its_interim_answer(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     payload = json.dumps(_plain(3)).encode()
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(payload)
     )
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-                await stream.send_all(head)
-                interim = bytearray()
-                while b"\r\n\r\n" not in interim:
-                    chunk = await stream.receive_some(65536)
-                    assert chunk
-                    interim += chunk
-                assert interim.startswith(b"HTTP/1.1 100 ")
-                rest = interim[interim.index(b"\r\n\r\n") + 4 :]
-                await stream.send_all(payload)
-                client = Client(stream)
-                if rest:  # (an empty one would tell h11 the connection ended)
-                    client._h11.receive_data(bytes(rest))
-                answer = await client.response()
+    async with _client() as client:
+        await client.send(head)
+        interim = bytearray()
+        while b"\r\n\r\n" not in interim:
+            chunk = await client.stream.receive_some(65536)
+            assert chunk
+            interim += chunk
+        assert interim.startswith(b"HTTP/1.1 100 ")
+        rest = interim[interim.index(b"\r\n\r\n") + 4 :]
+        await client.send(payload)
+        if rest:  # (an empty one would tell h11 the connection ended)
+            client._h11.receive_data(bytes(rest))
+        answer = await client.response()
     assert answer.status == 200 and _usage(answer) == 3
     assert h11_events.responses() == [200]
 
 
 async def test_a_head_over_h11s_limit_in_pieces_gets_431_with_the_envelope(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     head = _get("/health", extra=b"x-big: " + b"b" * 20_000 + b"\r\n")
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(head[:17_000])  # over 16 KiB, no end of head yet
-                answer = await client.response("GET")
-                assert await client.closed_by_server()
+    async with _client() as client:
+        await client.send(head[:17_000])  # over 16 KiB, no end of head yet
+        answer = await client.response("GET")
+        assert await client.closed_by_server()
     assert answer.status == 431
     assert "16384 bytes" in answer.json()["error"]["message"]
     assert h11_events.responses() == [431]
@@ -665,19 +620,17 @@ SAME_ANSWERS: list[tuple[bytes, str]] = [
 ]
 
 
-async def test_the_fast_path_answers_as_hypercorn_does(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_fast_path_answers_as_hypercorn_does(
+    monkeypatch: pytest.MonkeyPatch, h11_events: H11Events
+) -> None:
     async def answers() -> list[tuple[int, list[bytes], Any]]:
         got = []
-        async with serving(_engine()) as port:
-            with trio.fail_after(TIMEOUT_S):
-                client = await _connect(port)
-                async with client.stream:
-                    for request, method in SAME_ANSWERS:
-                        await client.send(request)
-                        got.append(_normal(await client.response(method)))
+        async with _client() as client:
+            for request, method in SAME_ANSWERS:
+                await client.send(request)
+                got.append(_normal(await client.response(method)))
         return got
 
-    h11_events = H11Events(monkeypatch)
     fast = await answers()
     assert h11_events.sent == []
     monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
@@ -688,23 +641,18 @@ async def test_the_fast_path_answers_as_hypercorn_does(monkeypatch: pytest.Monke
 
 
 async def test_a_body_whose_end_arrives_with_the_next_request_serves_both(
-    monkeypatch: pytest.MonkeyPatch,
+    h11_events: H11Events,
 ) -> None:
-    h11_events = H11Events(monkeypatch)
     first = _post("/v1/completions", _plain(3), extra=b"x-request-id: one\r\n")
     cut = len(first) - 7
-    async with serving(_engine()) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(first[:cut])
-                await trio.sleep(0.05)  # the request runs, waiting for the rest of its body
-                await client.send(
-                    first[cut:]
-                    + _post("/v1/completions", _plain(5), extra=b"x-request-id: two\r\n")
-                )
-                one = await client.response()
-                two = await client.response()
+    async with _client() as client:
+        await client.send(first[:cut])
+        await trio.sleep(0.05)  # the request runs, waiting for the rest of its body
+        await client.send(
+            first[cut:] + _post("/v1/completions", _plain(5), extra=b"x-request-id: two\r\n")
+        )
+        one = await client.response()
+        two = await client.response()
     assert (one.status, one.header(b"x-request-id"), _usage(one)) == (200, b"one", 3)
     assert (two.status, two.header(b"x-request-id"), _usage(two)) == (200, b"two", 5)
     assert h11_events.sent == []
@@ -755,14 +703,9 @@ async def _pour_and_read(port: int) -> tuple[Answer, bytes]:
         nursery.start_soon(pour)
         client = Client(stream)
         answer = await client.response()
-        after = bytearray(client._h11.trailing_data[0])
-        try:
-            while chunk := await stream.receive_some(65536):
-                after += chunk
-        except trio.BrokenResourceError:  # reset: closed with bytes of ours unread
-            pass
+        after = await client.rest()
         nursery.cancel_scope.cancel()
-    return answer, bytes(after)
+    return answer, after
 
 
 @pytest.mark.parametrize("queue", [1, 10])
@@ -819,23 +762,16 @@ async def test_the_rest_of_a_refused_body_is_never_run_as_a_request(
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (
         1500 + len(smuggled)
     )
-    async with serving(engine, server=ServerConfig(max_body_bytes=1000)) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(head + b"a" * 1500)
-                refused = await client.response()
-                await client.send(smuggled)  # the body's last bytes
-                after = bytearray(client._h11.trailing_data[0])
-                try:
-                    while chunk := await client.stream.receive_some(65536):
-                        after += chunk
-                except trio.BrokenResourceError:
-                    pass
-            await trio.sleep(0.1)
+    async with _client(engine, server=ServerConfig(max_body_bytes=1000)) as client:
+        await client.send(head + b"a" * 1500)
+        refused = await client.response()
+        await client.send(smuggled)  # the body's last bytes
+        after = await client.rest()
+        await client.stream.aclose()
+        await trio.sleep(0.1)  # closed, the server still up: time to run what it would
     assert refused.status == 413
     assert engine.requests == []
-    assert bytes(after) == b""
+    assert after == b""
 
 
 async def test_no_request_is_served_after_a_response_that_closes_the_connection(
@@ -846,23 +782,16 @@ async def test_no_request_is_served_after_a_response_that_closes_the_connection(
     _slow_close(monkeypatch)
     monkeypatch.setattr(HypercornConfig, "keep_alive_max_requests", 1)
     engine = _engine()
-    async with serving(engine) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(_get("/health"))
-                last = await client.response("GET")
-                await client.send(_post("/v1/completions", _plain(2)))  # too late
-                after = bytearray(client._h11.trailing_data[0])
-                try:
-                    while chunk := await client.stream.receive_some(65536):
-                        after += chunk
-                except trio.BrokenResourceError:
-                    pass
-            await trio.sleep(0.1)
+    async with _client(engine) as client:
+        await client.send(_get("/health"))
+        last = await client.response("GET")
+        await client.send(_post("/v1/completions", _plain(2)))  # too late
+        after = await client.rest()
+        await client.stream.aclose()
+        await trio.sleep(0.1)  # closed, the server still up: time to run what it would
     assert last.status == 200 and last.header(b"connection") == b"close"
     assert engine.requests == []
-    assert bytes(after) == b""
+    assert after == b""
 
 
 async def test_a_client_sending_on_after_a_413_is_cut_off_at_the_linger_deadline(
@@ -870,23 +799,20 @@ async def test_a_client_sending_on_after_a_413_is_cut_off_at_the_linger_deadline
 ) -> None:
     monkeypatch.setattr(fast_path, "LINGER_S", 0.3)
     cut_s: float | None = None
-    async with serving(_engine(), server=ServerConfig(max_body_bytes=1000)) as port:
-        with trio.fail_after(TIMEOUT_S):
-            client = await _connect(port)
-            async with client.stream:
-                await client.send(HUGE_HEAD + b"a" * 2000)
-                answer = await client.response()
-                answered_at = trio.current_time()
-                assert await client.closed_by_server()  # its sending side, at once
-                # The client sends on: the server reads and drops it until the deadline,
-                # then closes for good (a send then meets the reset).
-                with trio.move_on_after(3):
-                    try:
-                        while True:
-                            await client.stream.send_all(b"a" * 1024)
-                            await trio.sleep(0.01)
-                    except trio.BrokenResourceError:
-                        cut_s = trio.current_time() - answered_at
+    async with _client(server=ServerConfig(max_body_bytes=1000)) as client:
+        await client.send(HUGE_HEAD + b"a" * 2000)
+        answer = await client.response()
+        answered_at = trio.current_time()
+        assert await client.closed_by_server()  # its sending side, at once
+        # The client sends on: the server reads and drops it until the deadline,
+        # then closes for good (a send then meets the reset).
+        with trio.move_on_after(3):
+            try:
+                while True:
+                    await client.stream.send_all(b"a" * 1024)
+                    await trio.sleep(0.01)
+            except trio.BrokenResourceError:
+                cut_s = trio.current_time() - answered_at
     assert answer.status == 413 and answer.header(b"connection") == b"close"
     assert cut_s is not None, "still open 3 s after the answer"
     assert 0.2 < cut_s < 2, cut_s
