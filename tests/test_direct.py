@@ -122,7 +122,7 @@ async def post_raw(port: int, path: str, body: dict[str, Any]) -> tuple[bytes, f
 def _saturate(monkeypatch: pytest.MonkeyPatch, window_s: float) -> None:
     """Every pacer reads its loop as saturated: direct streams hold output ``window_s``."""
 
-    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1) -> float:
+    def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1, busy: float = 1.0) -> float:
         pacer.lag_s = pacer.sustained_lag_s = 1.0
         pacer.window_s = window_s
         return pacer.window_s

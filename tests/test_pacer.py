@@ -58,7 +58,7 @@ def test_disabled_pacer_returns_at_once() -> None:
 
 
 async def test_run_measures_lag_from_a_busy_loop(autojump_clock: trio.testing.MockClock) -> None:
-    pacer = LoadPacer(max_window_s=0.1)
+    pacer = LoadPacer(max_window_s=0.1, cpu_clock=trio.current_time)
 
     async def hog() -> None:
         # Each iteration keeps the loop busy 30 ms of (virtual) time before yielding.
@@ -74,6 +74,39 @@ async def test_run_measures_lag_from_a_busy_loop(autojump_clock: trio.testing.Mo
     assert pacer.window_s == pytest.approx(0.1)
 
 
+async def test_a_loop_that_waits_for_a_cpu_does_not_coalesce(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The same late wakeups as above, but the loop's thread used no CPU meanwhile: the
+    # lateness is other processes' (an engine on the same cores); fewer events would not
+    # shorten it, so the window stays shut.
+    pacer = LoadPacer(max_window_s=0.1, cpu_clock=lambda: 0.0)
+
+    async def starved() -> None:
+        while True:
+            autojump_clock.jump(0.030)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        nursery.start_soon(starved)
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert pacer.lag_s == 0.0
+    assert pacer.window_s == 0.0
+
+
+def test_only_the_busy_share_of_a_lag_counts() -> None:
+    busy, half, starved = (LoadPacer(max_window_s=0.15) for _ in range(3))
+    for _ in range(200):
+        busy.observe(LAG_HIGH_S * 2, busy=1.0)
+        half.observe(LAG_HIGH_S * 2, busy=0.5)
+        starved.observe(LAG_HIGH_S * 2, busy=0.0)
+    assert busy.window_s == pytest.approx(0.15)
+    assert half.lag_s == pytest.approx(LAG_HIGH_S, rel=1e-3)
+    assert starved.window_s == 0.0
+
+
 def _loaded(max_window_s: float) -> LoadPacer:
     """A pacer whose window is fully open (as after a long lag)."""
     pacer = LoadPacer(max_window_s=max_window_s)
@@ -86,7 +119,7 @@ def _loaded(max_window_s: float) -> LoadPacer:
 async def test_hold_returns_at_once_when_the_loop_is_idle(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    pacer = LoadPacer(max_window_s=0.1)
+    pacer = LoadPacer(max_window_s=0.1, cpu_clock=trio.current_time)
     start = trio.current_time()
     await pacer.hold()
     assert trio.current_time() == start
@@ -96,7 +129,7 @@ async def test_holders_wake_together_at_the_first_tick_after_their_window(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     pacer = _loaded(0.05)
-    pacer.observe = lambda lag_s, periods=1: pacer.window_s  # type: ignore[method-assign]  # keep it open
+    pacer.observe = lambda lag_s, periods=1, busy=1.0: pacer.window_s  # type: ignore[method-assign]  # keep it open
     woke: list[float] = []
     all_woke = trio.Event()
 
@@ -125,7 +158,7 @@ async def test_a_stopped_pacer_releases_every_holder(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     pacer = _loaded(0.15)
-    pacer.observe = lambda lag_s, periods=1: pacer.window_s  # type: ignore[method-assign]
+    pacer.observe = lambda lag_s, periods=1, busy=1.0: pacer.window_s  # type: ignore[method-assign]
     released = 0
 
     async def holder() -> None:
@@ -159,7 +192,7 @@ async def test_hold_without_a_running_pacer_sleeps_the_window(
 async def test_call_at_runs_callbacks_at_the_first_tick_after_their_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    pacer = LoadPacer(max_window_s=0.1)
+    pacer = LoadPacer(max_window_s=0.1, cpu_clock=trio.current_time)
     assert not pacer.call_at(trio.current_time(), lambda: None)  # not ticking: refused
     fired: list[tuple[str, float]] = []
     async with trio.open_nursery() as nursery:
@@ -246,10 +279,10 @@ class _ProbeCounter:
         self.periods: list[int] = []
         real = pacer.observe
 
-        def counted(lag_s: float, periods: int = 1) -> float:
+        def counted(lag_s: float, periods: int = 1, busy: float = 1.0) -> float:
             self.at.append(trio.current_time())
             self.periods.append(periods)
-            return real(lag_s, periods)
+            return real(lag_s, periods, busy)
 
         pacer.observe = counted  # type: ignore[method-assign]
 
@@ -257,7 +290,7 @@ class _ProbeCounter:
 async def test_a_quiet_loop_is_probed_ten_times_less_often(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    pacer = LoadPacer(max_window_s=0.15)
+    pacer = LoadPacer(max_window_s=0.15, cpu_clock=trio.current_time)
     probes = _ProbeCounter(pacer)
     hogging = trio.Event()
     stop_hogging = trio.Event()
@@ -297,7 +330,7 @@ async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
 ) -> None:
     # A stream that holds while the pacer sleeps a long quiet probe must wake at its window's
     # tick, not at the end of the probe. (The window is forced open, the loop kept quiet.)
-    pacer = LoadPacer(max_window_s=0.03)
+    pacer = LoadPacer(max_window_s=0.03, cpu_clock=trio.current_time)
     probes = _ProbeCounter(pacer)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
