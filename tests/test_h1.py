@@ -384,7 +384,7 @@ def test_extra_headers_come_after_the_apps() -> None:
     [
         (200, b"HTTP/1.1 200 OK\r\n"),
         (400, b"HTTP/1.1 400 Bad Request\r\n"),
-        (413, b"HTTP/1.1 413 Request Entity Too Large\r\n"),
+        (413, b"HTTP/1.1 413 Content Too Large\r\n"),  # RFC 9110: the same on every Python
         (429, b"HTTP/1.1 429 Too Many Requests\r\n"),
         (503, b"HTTP/1.1 503 Service Unavailable\r\n"),
         (499, b"HTTP/1.1 499 \r\n"),  # no phrase known: an empty one, which h11 reads

@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from email.utils import formatdate
-from http import HTTPStatus
 from typing import Final
 
 __all__ = [
@@ -51,6 +50,33 @@ _FIELD = re.compile(
     rb"(" + _TOKEN + rb"):[ \t]*((?:" + _VCHAR + rb"(?:[ \t]*" + _VCHAR + rb")*)?)[ \t]*\r\n"
 )
 _DIGITS = re.compile(rb"[0-9]{1,18}")  # 18 digits: any body a client can send, no bignums
+
+# RFC 9110's reason phrases for the statuses smgd answers with. A table of its own, not
+# http.HTTPStatus: Python 3.13 renamed some (413 "Request Entity Too Large" became "Content
+# Too Large"), and the bytes on the wire should not depend on the interpreter. Any other
+# status gets an empty phrase, which RFC 9112 allows and clients ignore.
+_REASONS: Final = {
+    200: b"OK",
+    201: b"Created",
+    204: b"No Content",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    409: b"Conflict",
+    413: b"Content Too Large",
+    415: b"Unsupported Media Type",
+    422: b"Unprocessable Content",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
 
 # Header names that take a request off the fast path (see the module doc).
 _H11_ONLY: Final = frozenset((b"transfer-encoding", b"expect", b"upgrade", b"te"))
@@ -134,11 +160,7 @@ def response_head(
     server (``date``, ``server``). Without a ``content-length`` the body is chunked; a
     ``transfer-encoding`` of the app's own is replaced, as h11 does.
     """
-    try:
-        reason = HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        reason = b""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     chunked = True
     for name, value in headers:
         if name == b"content-length":
