@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from email.utils import formatdate
 from typing import Final
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "NEED_DATA",
     "UNSUPPORTED",
     "Head",
-    "http_date",
     "parse_head",
     "response_head",
 ]
@@ -144,11 +142,6 @@ def parse_head(buf: bytes | bytearray, max_size: int) -> Head | str:
         length=int(length) if length is not None else 0,
         size=end + 4,
     )
-
-
-def http_date(now: float) -> bytes:
-    """An IMF-fixdate (``Date`` header) for the unix time ``now``."""
-    return formatdate(now, usegmt=True).encode("ascii")
 
 
 def response_head(
