@@ -174,6 +174,24 @@ async def test_the_lifespan_runs_the_background_tasks_and_the_app_nursery() -> N
         assert app.nursery is None
 
 
+async def test_a_streamed_request_tells_the_pacer_that_load_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        pacer = app.ctx.pacer
+        assert pacer is not None
+        calls: list[str] = []
+        monkeypatch.setattr(pacer, "expect_load", lambda: calls.append("load"))
+        async with lifespan(app):
+            body = json.dumps({**STREAM, "stream": False}).encode()
+            assert (await request(app, "POST", "/v1/completions", body, RID)).status == 200
+            assert calls == []  # a whole answer holds no stream back: nothing to pace
+            body = json.dumps(STREAM).encode()
+            assert (await request(app, "POST", "/v1/completions", body, RID)).status == 200
+            assert calls == ["load"]
+
+
 async def test_a_handler_error_that_is_not_smgds_is_a_500_and_the_app_keeps_serving() -> None:
     async def broken(call: Any) -> Reply:
         raise KeyError("x")

@@ -13,6 +13,8 @@ from smgd.api.core.pacer import (
     LAG_LOW_S,
     PROBE_S,
     QUIET_PROBE_S,
+    REST_BUSY,
+    REST_PROBE_S,
     LoadPacer,
 )
 
@@ -337,3 +339,66 @@ async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
     assert 0.03 <= held <= 0.03 + 2 * PROBE_S
     assert len(fired) == 1
     assert 0.015 <= fired[0] - start <= 0.015 + 2 * PROBE_S
+
+
+class _CpuClock:
+    """The loop thread's CPU clock of a test: it advances only when the test says so."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+async def test_a_loop_that_barely_uses_a_cpu_is_probed_once_a_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    assert REST_BUSY < 0.4  # the share the work below keeps the thread on a CPU
+    cpu = _CpuClock()
+    pacer = LoadPacer(max_window_s=0.15, cpu_clock=cpu)
+    probes = _ProbeCounter(pacer)
+    working = trio.Event()
+
+    async def work() -> None:
+        # Once set: the loop's thread is on a CPU for 4 of every 10 ms (above REST_BUSY),
+        # yet never late (the work is spread out, no wakeup waits for it).
+        await working.wait()
+        while True:
+            await trio.sleep(0.010)
+            cpu.seconds += 0.004
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        nursery.start_soon(work)
+        await trio.sleep(5 * REST_PROBE_S + QUIET_PROBE_S + PROBE_S / 2)
+        # One quiet probe finds the thread idle; from then on it rests.
+        assert probes.periods == [round(QUIET_PROBE_S / PROBE_S)] + 5 * [
+            round(REST_PROBE_S / PROBE_S)
+        ]
+        working.set()  # seen at the end of the rest probe under way, then probed as before
+        await trio.sleep(REST_PROBE_S)
+        probes.periods.clear()
+        await trio.sleep(1.0)
+        assert probes.periods == round(1.0 / QUIET_PROBE_S) * [round(QUIET_PROBE_S / PROBE_S)]
+        assert pacer.window_s == 0  # busy is not late: nothing is held back
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_streamed_request_wakes_a_resting_pacer_within_a_quiet_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = LoadPacer(max_window_s=0.15, cpu_clock=_CpuClock())
+    probes = _ProbeCounter(pacer)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(QUIET_PROBE_S + 0.2)  # 0.1 s into the first rest probe
+        assert probes.periods == [round(QUIET_PROBE_S / PROBE_S)]
+        start = trio.current_time()
+        pacer.expect_load()
+        await trio.sleep(QUIET_PROBE_S - 0.001)
+        assert len(probes.at) == 1  # not before its time
+        await trio.sleep(0.002)
+        assert probes.at[1:] == [pytest.approx(start + QUIET_PROBE_S)]
+        pacer.expect_load()  # a probe already due sooner is left alone
+        nursery.cancel_scope.cancel()

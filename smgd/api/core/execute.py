@@ -375,6 +375,8 @@ def stream(
     """The SSE body; ``writer`` (one choice only) lets events skip the ASGI stack; ``cutoff``
     ends the stream with its error event."""
     cutoff = cutoff or _NEVER_CUT
+    if pacer is not None:
+        pacer.expect_load()
     if len(jobs) == 1:
         return _stream_one(jobs[0], state, render, keepalive_s, pacer, writer, cutoff)
     assert nursery is not None, "n > 1 streams need the app nursery for their pumps"

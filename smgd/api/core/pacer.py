@@ -26,7 +26,11 @@ and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 
 While the loop keeps up (its lag within the noise of an idle loop, nothing waiting on a tick)
 the pacer probes ten times less often (``QUIET_PROBE_S``): an idle or lightly loaded daemon
-should not wake 100 times a second for a measurement that says "no window".
+should not wake 100 times a second for a measurement that says "no window". While the loop's
+thread also used almost no CPU (``REST_BUSY``) it probes once a second (``REST_PROBE_S``), and
+a streamed request that starts meanwhile (:meth:`LoadPacer.expect_load`) brings the next probe
+back within ``QUIET_PROBE_S``: on this machine every wakeup of an otherwise idle trio loop costs
+0.1-0.3 ms of CPU, so ten probes a second were what an idle daemon spent.
 """
 
 from __future__ import annotations
@@ -50,6 +54,19 @@ PROBE_S = 0.010
 # window needs ~200 ms of lagging samples to open anyway (SMOOTHING), the direct gate ~1 s
 # (SUSTAINED_SMOOTHING).
 QUIET_PROBE_S = 0.100
+# How often it is sampled while it keeps up and its thread was on a CPU for under REST_BUSY of
+# the last probe's time. Measured on this 2-core VM (2026-12-05, `perf stat -e task-clock` of an
+# idle `smgd serve`): 10 wakeups a second at QUIET_PROBE_S cost 4.5 ms of CPU a second, ~450 µs
+# each (a bare trio loop sleeping 100 ms: ~320 µs per wakeup; `time.sleep`: ~50), and that is all
+# an idle daemon spent. Behind a slow engine (SGLang's CPU scheduler: 25-130 tokens/s) it was
+# tens of µs per token. A second is the longest a load that arrives between requests goes
+# unseen: streamed requests pull the probe in (expect_load), and the direct gate needs about a
+# second of lag anyway (SUSTAINED_SMOOTHING).
+REST_PROBE_S = 1.0
+# The busy share under which the loop rests: a loop on a CPU for a tenth of the time is far
+# from the saturation windows are for (16 streams on the mock: 3-4 %; 256: ~20 %, and probed
+# as before).
+REST_BUSY = 0.1
 # Below this lag the loop is keeping up: no coalescing. 1 ms is above the scheduling noise of an
 # idle or lightly loaded loop (16 streams stay at one token per event) and far below one step.
 LAG_LOW_S = 0.001
@@ -101,6 +118,7 @@ class LoadPacer:
         self._ticking = False
         # The cancel scope of the pacer task's current probe while it is a quiet (long) one.
         self._quiet_probe: trio.CancelScope | None = None
+        self._busy = 1.0  # the loop thread's CPU share over the last probe
 
     @property
     def direct_window_s(self) -> float:
@@ -177,6 +195,24 @@ class LoadPacer:
         if probe is not None and tick * PROBE_S < probe.deadline:
             probe.deadline = tick * PROBE_S
 
+    def expect_load(self) -> None:
+        """A streamed request starts: a resting pacer probes again within ``QUIET_PROBE_S``.
+
+        One comparison per request; without it, a burst that arrives at a resting loop would be
+        seen up to ``REST_PROBE_S`` late.
+        """
+        probe = self._quiet_probe
+        if probe is not None:
+            soon = trio.current_time() + QUIET_PROBE_S
+            if soon < probe.deadline:
+                probe.deadline = soon
+
+    def _probe_s(self) -> float:
+        """The next probe's length: short under lag, long while quiet, longest while resting."""
+        if not self._quiet():
+            return PROBE_S
+        return REST_PROBE_S if self._busy < REST_BUSY else QUIET_PROBE_S
+
     def _quiet(self) -> bool:
         """The loop keeps up (no window, its last wakeup on time) and nothing waits on a tick.
 
@@ -224,18 +260,16 @@ class LoadPacer:
             while True:
                 start = trio.current_time()
                 cpu_start = self._cpu_clock()
-                quiet = self._quiet()
-                with trio.CancelScope(
-                    deadline=start + (QUIET_PROBE_S if quiet else PROBE_S)
-                ) as probe:
-                    # A stream that parks or asks for a callback during a quiet probe pulls
-                    # its deadline in (_tick_by), so no tick is ever late.
-                    self._quiet_probe = probe if quiet else None
+                length = self._probe_s()
+                with trio.CancelScope(deadline=start + length) as probe:
+                    # A stream that parks or asks for a callback during a long probe pulls its
+                    # deadline in (_tick_by), so no tick is ever late.
+                    self._quiet_probe = probe if length > PROBE_S else None
                     await trio.sleep_forever()
                 self._quiet_probe = None
                 now = trio.current_time()
                 wall = now - start
-                busy = (self._cpu_clock() - cpu_start) / wall if wall > 0 else 1.0
+                self._busy = busy = (self._cpu_clock() - cpu_start) / wall if wall > 0 else 1.0
                 periods = max(1, round((probe.deadline - start) / PROBE_S))
                 self.observe(now - probe.deadline, periods, busy)
                 self._release(now)
