@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,42 @@ def test_descendants_walks_the_whole_tree_only() -> None:
     assert procstat.descendants(12, stats) == [12]
 
 
-def test_cpu_seconds_of_this_process_grows_with_work() -> None:
-    before = procstat.cpu_seconds([os.getpid()])
-    start = sum(os.times()[:2])
+def test_cpu_of_this_process_grows_with_work_to_the_nanosecond() -> None:
+    before = procstat.cpu_sample([os.getpid()])
+    start = time.process_time()
     x = 0
-    while sum(os.times()[:2]) - start < 0.05:
+    while time.process_time() - start < 0.05:
         x += 1
-    after = procstat.cpu_seconds([os.getpid()])
-    assert after - before >= 0.03
+    spent = time.process_time() - start
+    delta = procstat.cpu_between(before, procstat.cpu_sample([os.getpid()]))
+    assert delta.grain_s == 1e-9  # every thread was read to the nanosecond
+    assert spent <= delta.seconds <= spent + 0.02
     assert procstat.rss_kib([os.getpid()]) > 1000
+
+
+def _sample(ticks: dict[int, int], threads: dict[int, dict[int, int]]) -> procstat.CpuSample:
+    return procstat.CpuSample(ticks, threads)
+
+
+def test_cpu_between_falls_back_to_ticks_where_nanoseconds_are_incomplete() -> None:
+    tick = 1 / procstat.CLOCK_TICKS
+    before = _sample({1: 10, 2: 10, 3: 5}, {1: {1: 100, 11: 50}, 2: {2: 100, 21: 900}, 3: {3: 7}})
+    # 1: both threads still there -> nanoseconds. 2: thread 21 exited (its time is only in the
+    # ticks). 4: new -> its ticks, whole. 3: gone -> nothing.
+    after = _sample({1: 11, 2: 12, 4: 3}, {1: {1: 400, 11: 60, 12: 5}, 2: {2: 200}, 4: {4: 9}})
+    delta = procstat.cpu_between(before, after)
+    assert delta.seconds == pytest.approx(315e-9 + 2 * tick + 3 * tick)
+    assert delta.grain_s == tick
+    only_ns = procstat.cpu_between(_sample({1: 10}, {1: {1: 100}}), _sample({1: 10}, {1: {1: 350}}))
+    assert only_ns == procstat.CpuDelta(250e-9, 1e-9)
+    # No schedstat in this kernel (no threads read): ticks.
+    assert procstat.cpu_between(_sample({1: 10}, {1: {}}), _sample({1: 13}, {1: {}})).seconds == (
+        pytest.approx(3 * tick)
+    )
+
+
+def test_parse_schedstat() -> None:
+    assert procstat.parse_schedstat("227980068 39535284 1069\n") == 227980068
 
 
 # --- stats --------------------------------------------------------------------------------

@@ -1,14 +1,21 @@
 """CPU time and memory of a process tree, read from ``/proc`` (Linux only).
 
 CPU per token is the benchmark's robust number on a noisy shared machine: wall-clock
-latencies move with whatever else runs, but the user+system time a process spends per token
-does not. :func:`tree_cpu` sums ``utime + stime`` over a process and its live descendants;
-take it before and after a run and subtract. Time of children that already exited is counted
-through ``cutime``/``cstime`` of the parent only after they are reaped, which is why the
-benchmark keeps every measured process alive across a point.
+latencies move with whatever else runs, but the CPU time a process spends per token does
+not. :func:`cpu_sample` reads it for a set of processes; :func:`cpu_between` subtracts two
+samples. Time of children that already exited is counted through ``cutime``/``cstime`` of the
+parent only after they are reaped, which is why the benchmark keeps every measured process
+alive across a point.
 
-The parsers (:func:`parse_stat`, :func:`parse_status_kib`) are pure so they can be tested on
-literal ``/proc`` text.
+Two clocks: ``utime + stime`` in ``/proc/<pid>/stat`` covers the whole process, exited threads
+included, but in clock ticks (10 ms); ``/proc/<pid>/task/<tid>/schedstat`` gives each live
+thread's time on a CPU in nanoseconds. A front end behind a slow engine spends a few clock
+ticks in a whole point (smgd behind SGLang's CPU scheduler: 6 ticks in 30 s), so a tick is
+a sixth of the figure; the nanosecond sum is used wherever it is complete (every thread of
+the first sample still alive at the second), the ticks elsewhere.
+
+The parsers (:func:`parse_stat`, :func:`parse_status_kib`, :func:`parse_schedstat`) are pure so
+they can be tested on literal ``/proc`` text.
 """
 
 from __future__ import annotations
@@ -85,14 +92,71 @@ def all_stats() -> list[Stat]:
     return out
 
 
-def cpu_seconds(pids: Iterable[int]) -> float:
-    """Summed user+system CPU seconds of ``pids`` (processes that are gone count 0)."""
-    ticks = 0
+def parse_schedstat(text: str) -> int:
+    """Nanoseconds on a CPU from a ``schedstat`` line (run time, wait time, timeslices)."""
+    return int(text.split()[0])
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """The CPU time of some processes at one moment (:func:`cpu_sample`)."""
+
+    ticks: dict[int, int]  # pid -> utime + stime, in clock ticks: the whole process
+    threads: dict[int, dict[int, int]]  # pid -> tid -> ns on a CPU; {} where unreadable
+
+
+def _thread_ns(pid: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    try:
+        tids = [entry.name for entry in (PROC / str(pid) / "task").iterdir()]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out[int(tid)] = parse_schedstat(
+                (PROC / str(pid) / "task" / tid / "schedstat").read_text()
+            )
+        except (OSError, ValueError, IndexError):
+            continue  # exited since the listing, or no schedstat in this kernel
+    return out
+
+
+def cpu_sample(pids: Iterable[int]) -> CpuSample:
+    ticks: dict[int, int] = {}
+    threads: dict[int, dict[int, int]] = {}
     for pid in pids:
         st = read_stat(pid)
-        if st is not None:
-            ticks += st.utime + st.stime
-    return ticks / CLOCK_TICKS
+        if st is None:
+            continue  # gone: it counts in neither sample
+        threads[pid] = _thread_ns(pid)
+        ticks[pid] = st.utime + st.stime
+    return CpuSample(ticks, threads)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuDelta:
+    seconds: float
+    grain_s: float  # the resolution: a clock tick if any process was read in ticks, else 1 ns
+
+
+def cpu_between(before: CpuSample, after: CpuSample) -> CpuDelta:
+    """CPU the processes of ``after`` spent since ``before``.
+
+    Per process: the nanosecond sum of its threads when every thread of ``before`` is still
+    alive (an exited thread's time is only in the ticks); otherwise the ticks. A process
+    that is new in ``after`` counts whole; one gone by then counts nothing.
+    """
+    total = 0.0
+    grain = 1e-9
+    for pid, ticks in after.ticks.items():
+        old_threads = before.threads.get(pid)
+        new_threads = after.threads[pid]
+        if old_threads and new_threads and old_threads.keys() <= new_threads.keys():
+            total += (sum(new_threads.values()) - sum(old_threads.values())) / 1e9
+        else:
+            total += (ticks - before.ticks.get(pid, 0)) / CLOCK_TICKS
+            grain = 1 / CLOCK_TICKS
+    return CpuDelta(total, grain)
 
 
 def rss_kib(pids: Iterable[int], key: str = "VmRSS") -> int:

@@ -42,9 +42,10 @@ def derive(point: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     out["offered_tokens_per_s"] = round(offered, 1)
     out["delivered_fraction"] = _r(_div(float(point["tokens_per_s"]), offered), 3)
     out["cpu_us_per_token"] = _r(_div(float(point["server_cpu_s"]) * 1e6, tokens))
-    # /proc counts CPU in clock ticks (10 ms at USER_HZ=100), so a light point (the floor at
-    # C=1 spends well under one tick in a short run) can read 0; this is the figure's grain.
-    out["cpu_grain_us_per_token"] = _r(_div(1e6 / procstat.CLOCK_TICKS, tokens), 2)
+    # The figure's resolution: 1 ns where every thread's schedstat was read, else a clock
+    # tick (10 ms at USER_HZ=100), where a light point can read 0 (procstat's docstring).
+    grain_s = float(point.get("server_cpu_grain_s", 1 / procstat.CLOCK_TICKS))
+    out["cpu_grain_us_per_token"] = _r(_div(grain_s * 1e6, tokens), 9)
     # Per SSE event (or per delivery for the floor): unlike per token, this does not drop when
     # a loaded server coalesces several tokens into one event.
     out["cpu_us_per_chunk"] = _r(

@@ -221,7 +221,7 @@ async def _sample_rss(pids: Callable[[], list[int]], peak: list[int]) -> None:
 async def measure_http_point(spec: dict[str, Any], measured: Measured) -> dict[str, Any]:
     """Run one load point; add the server's CPU, the mock's CPU and the server's peak RSS."""
     server_pids, mock_pids = measured.server(), measured.mock()
-    cpu0, mock0 = procstat.cpu_seconds(server_pids), procstat.cpu_seconds(mock_pids)
+    cpu0, mock0 = procstat.cpu_sample(server_pids), procstat.cpu_sample(mock_pids)
     peak = [procstat.rss_kib(server_pids)]
     t0 = trio.current_time()
     async with trio.open_nursery() as nursery:
@@ -229,8 +229,11 @@ async def measure_http_point(spec: dict[str, Any], measured: Measured) -> dict[s
         result = await run_loadgen(spec)
         nursery.cancel_scope.cancel()
     elapsed = trio.current_time() - t0
-    result["server_cpu_s"] = round(procstat.cpu_seconds(measured.server()) - cpu0, 3)
-    result["mock_cpu_s"] = round(procstat.cpu_seconds(measured.mock()) - mock0, 3)
+    server_cpu = procstat.cpu_between(cpu0, procstat.cpu_sample(measured.server()))
+    result["server_cpu_s"] = round(server_cpu.seconds, 6)
+    result["server_cpu_grain_s"] = server_cpu.grain_s
+    mock_cpu = procstat.cpu_between(mock0, procstat.cpu_sample(measured.mock()))
+    result["mock_cpu_s"] = round(mock_cpu.seconds, 6)
     result["elapsed_s"] = round(elapsed, 3)
     result["peak_rss_kib"] = peak[0]
     # The 1-minute load average after the point: other work on a shared machine skews latency.

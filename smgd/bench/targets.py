@@ -288,12 +288,13 @@ async def _floor_point(
             if not ready.startswith("SMGD_READY"):
                 raise RuntimeError(f"floor mock did not start:\n{mock.tail()}")
             mock_pids = mock.tree()
-            cpu0 = procstat.cpu_seconds(mock_pids)
+            cpu0 = procstat.cpu_sample(mock_pids)
             await floor.process.stdin.send_all(b"GO\n")
             with trio.fail_after(spec.time_limit_s + 30.0):
                 line = await lines.next()
             result: dict[str, Any] = msgspec.json.decode(line)
-            result["mock_cpu_s"] = round(procstat.cpu_seconds(mock_pids) - cpu0, 3)
+            mock_cpu = procstat.cpu_between(cpu0, procstat.cpu_sample(mock_pids))
+            result["mock_cpu_s"] = round(mock_cpu.seconds, 6)
             result["elapsed_s"] = result["wall_s"]
             result["loadavg_1m"] = round(os.getloadavg()[0], 2)
             return result
