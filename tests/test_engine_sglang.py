@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from smgd.engines.base import EngineState
+from smgd.engines.base import EngineState, _check_vocabulary
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest
 from smgd.wire.common import FinishReason
 
@@ -276,3 +276,18 @@ async def test_a_burst_of_submits_goes_to_the_engine_in_one_sender_pass() -> Non
             trio.lowlevel.remove_instrument(steps)
     # One pass for the burst, one or two more for the aborts of the streams left early.
     assert 1 <= steps.steps <= 4, steps.steps
+
+
+@pytest.mark.parametrize(
+    ("ids", "culprit"),
+    [([0, 5, 999], None), ([], None), ([5, -1, 1000], -1), ([5, 1000, -1], 1000), ([-3], -3)],
+)
+def test_the_vocabulary_check_names_the_first_id_outside_it(
+    ids: list[int], culprit: int | None
+) -> None:
+    if culprit is None:
+        _check_vocabulary(ids, 1000, "prompt")
+        return
+    with pytest.raises(InvalidRequest, match=rf"token id {culprit} is outside") as info:
+        _check_vocabulary(ids, 1000, "prompt")
+    assert info.value.param == "prompt"
