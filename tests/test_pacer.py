@@ -318,12 +318,14 @@ async def test_a_quiet_loop_is_probed_ten_times_less_often(
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("resting", [False, True])
 async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, resting: bool
 ) -> None:
-    # A stream that holds while the pacer sleeps a long quiet probe must wake at its window's
-    # tick, not at the end of the probe. (The window is forced open, the loop kept quiet.)
-    pacer = LoadPacer(max_window_s=0.03, cpu_clock=trio.current_time)
+    # A stream that holds while the pacer sleeps a long quiet probe (or, with its thread
+    # idle, a rest probe of a second) must wake at its window's tick, not at the end of the
+    # probe. (The window is forced open, the loop kept quiet.)
+    pacer = LoadPacer(max_window_s=0.03, cpu_clock=_CpuClock() if resting else trio.current_time)
     probes = _ProbeCounter(pacer)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
