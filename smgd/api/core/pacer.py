@@ -116,8 +116,9 @@ class LoadPacer:
         # :meth:`call_at`); run by the pacer task, synchronously, at that tick.
         self._due: dict[int, list[Callable[[], None]]] = {}
         self._ticking = False
-        # The cancel scope of the pacer task's current probe while it is a quiet (long) one.
-        self._quiet_probe: trio.CancelScope | None = None
+        # The cancel scope of the pacer task's current probe while it is a long one (quiet or
+        # resting), which a tick due sooner pulls in.
+        self._long_probe: trio.CancelScope | None = None
         self._busy = 1.0  # the loop thread's CPU share over the last probe
 
     @property
@@ -151,7 +152,7 @@ class LoadPacer:
         due = self._due.get(tick)
         if due is None:
             self._due[tick] = [callback]
-            self._tick_by(tick)
+            self._wake_by(tick * PROBE_S)
         else:
             due.append(callback)
         return True
@@ -173,7 +174,7 @@ class LoadPacer:
         lot = self._buckets.get(tick)
         if lot is None:
             lot = self._buckets[tick] = trio.lowlevel.ParkingLot()
-            self._tick_by(tick)
+            self._wake_by(tick * PROBE_S)
         await lot.park()
 
     def _release(self, now: float) -> None:
@@ -189,11 +190,11 @@ class LoadPacer:
         """Streams parked right now (for tests and the status page)."""
         return sum(len(lot) for lot in self._buckets.values()) + sum(map(len, self._due.values()))
 
-    def _tick_by(self, tick: int) -> None:
-        """Make sure the pacer task wakes by ``tick`` (it may be in a quiet, long probe)."""
-        probe = self._quiet_probe
-        if probe is not None and tick * PROBE_S < probe.deadline:
-            probe.deadline = tick * PROBE_S
+    def _wake_by(self, when: float) -> None:
+        """Make sure the pacer task wakes by trio time ``when`` (it may be in a long probe)."""
+        probe = self._long_probe
+        if probe is not None and when < probe.deadline:
+            probe.deadline = when
 
     def expect_load(self) -> None:
         """A streamed request starts: a resting pacer probes again within ``QUIET_PROBE_S``.
@@ -201,11 +202,8 @@ class LoadPacer:
         One comparison per request; without it, a burst that arrives at a resting loop would be
         seen up to ``REST_PROBE_S`` late.
         """
-        probe = self._quiet_probe
-        if probe is not None:
-            soon = trio.current_time() + QUIET_PROBE_S
-            if soon < probe.deadline:
-                probe.deadline = soon
+        if self._long_probe is not None:
+            self._wake_by(trio.current_time() + QUIET_PROBE_S)
 
     def _probe_s(self) -> float:
         """The next probe's length: short under lag, long while quiet, longest while resting."""
@@ -263,10 +261,10 @@ class LoadPacer:
                 length = self._probe_s()
                 with trio.CancelScope(deadline=start + length) as probe:
                     # A stream that parks or asks for a callback during a long probe pulls its
-                    # deadline in (_tick_by), so no tick is ever late.
-                    self._quiet_probe = probe if length > PROBE_S else None
+                    # deadline in (_wake_by), so no tick is ever late.
+                    self._long_probe = probe if length > PROBE_S else None
                     await trio.sleep_forever()
-                self._quiet_probe = None
+                self._long_probe = None
                 now = trio.current_time()
                 wall = now - start
                 self._busy = busy = (self._cpu_clock() - cpu_start) / wall if wall > 0 else 1.0
@@ -276,5 +274,5 @@ class LoadPacer:
         finally:
             # Nobody may stay parked on a pacer that stopped ticking.
             self._ticking = False
-            self._quiet_probe = None
+            self._long_probe = None
             self._release(math.inf)
