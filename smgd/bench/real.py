@@ -78,6 +78,7 @@ SGLANG_FLAGS = (
     "--grammar-backend", "none",
     "--cuda-graph-backend-decode=disabled",
     "--cuda-graph-backend-prefill=disabled",
+    "--sleep-on-idle",
 )  # fmt: skip
 # 64 MiB of KV cache holds 65k tokens of the tiny model: 64 streams of 128 tokens many times.
 VLLM_KV_BYTES = 64 * 1024 * 1024
