@@ -55,6 +55,8 @@ SCHEDULER_ARGS = [
     "--cuda-graph-backend-decode=disabled",
     "--cuda-graph-backend-prefill=disabled",
     "--skip-tokenizer-init",
+    # An idle scheduler otherwise spins a core, which every other test process then lacks.
+    "--sleep-on-idle",
 ]  # fmt: skip
 
 
