@@ -6,6 +6,9 @@ After the first token a stream is never replayed: the failure is reported instea
 from __future__ import annotations
 
 import json
+import logging
+
+import pytest
 
 from .fake_engine import (
     MODEL,
@@ -33,13 +36,20 @@ async def test_streamed_request_moves_to_another_engine_before_its_first_token()
     assert bad.requests[0].rid != good.requests[0].rid  # a fresh engine rid for the retry
 
 
-async def test_non_streamed_request_moves_to_another_engine() -> None:
+async def test_non_streamed_request_moves_to_another_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     bad, good = DiesBeforeFirstToken("a"), FakeEngine("b")
-    async with open_app(bad, good) as (app, _):
-        reply = await post(app, "/v1/completions", BODY)
+    with caplog.at_level(logging.WARNING, logger="smgd.api"):
+        async with open_app(bad, good) as (app, _):
+            reply = await post(app, "/v1/completions", BODY)
     assert reply.status == 200, reply.body
     assert reply.json()["usage"]["completion_tokens"] == 6
     assert len(good.requests) == 1
+    # The operator's trace of the move: which request, which engine failed, where it went.
+    rid = bad.requests[0].rid
+    moves = [r.getMessage() for r in caplog.records if "retrying on" in r.getMessage()]
+    assert moves == [f"request {rid}: engine a failed before the first token; retrying on b"]
 
 
 async def test_no_retry_after_the_first_token() -> None:

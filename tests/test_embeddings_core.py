@@ -4,6 +4,7 @@ the mock's vectors, and a failed engine's input moved to another (fake engines).
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from typing import Any
 
@@ -157,10 +158,13 @@ class FakeEmbedder(FakeEngine):
         )  # fmt: skip
 
 
-async def test_an_input_moves_to_another_engine_when_its_engine_dies() -> None:
+async def test_an_input_moves_to_another_engine_when_its_engine_dies(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     bad, good = FakeEmbedder("a", dies=True), FakeEmbedder("b")
-    async with open_app(bad, good) as (app, _):
-        reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": [[5, 6], [7]]})
+    with caplog.at_level(logging.WARNING, logger="smgd.api"):
+        async with open_app(bad, good) as (app, _):
+            reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": [[5, 6], [7]]})
     assert reply.status == 200, reply.body
     assert [d["embedding"] for d in reply.json()["data"]] == [
         mock_embedding([5, 6]),
@@ -168,6 +172,10 @@ async def test_an_input_moves_to_another_engine_when_its_engine_dies() -> None:
     ]
     assert len(good.embedded) == 2
     assert {r.rid for r in bad.embedded}.isdisjoint(r.rid for r in good.embedded)
+    moves = sorted(r.getMessage() for r in caplog.records if "retrying on" in r.getMessage())
+    assert moves == sorted(
+        f"embedding {r.rid}: engine a failed; retrying on b" for r in bad.embedded
+    )
 
 
 async def test_with_no_other_engine_the_failure_is_reported() -> None:

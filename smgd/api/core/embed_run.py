@@ -12,7 +12,6 @@ with the cutoff's error. Nothing is sent to the client meanwhile, so a cancel is
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     from smgd.router import Router
     from smgd.wire.common import EmbedRequest
 
-log = logging.getLogger("smgd.api")
 
 # Engine failures worth another engine (as for completions): the engine died or was not ready.
 _RETRYABLE = (EngineDead, EngineNotReady)
@@ -53,16 +51,12 @@ def _reroute(job: EmbedJob) -> bool:
     """Move a failed job to another ready engine of its model; False if there is none."""
     if job.router is None:
         return False
-    job.tried.add(job.engine.name)
-    moved = other_engine(job.router, job.model, job.request, job.tried)
+    moved = other_engine(
+        job.router, job.model, job.engine, job.request, job.tried, kind="embedding"
+    )
     if moved is None:
         return False
-    engine, request = moved
-    log.warning(
-        "embedding %s: engine %s failed; retrying on %s",
-        job.request.rid, job.engine.name, engine.name,
-    )  # fmt: skip
-    job.engine, job.request = engine, request
+    job.engine, job.request = moved
     return True
 
 

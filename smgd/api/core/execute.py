@@ -194,17 +194,14 @@ def reroute(job: Job, model: str) -> bool:
     """
     if job.router is None or job.choice.completion_tokens:
         return False
-    job.tried.add(job.engine.name)
-    moved = other_engine(job.router, model, job.request, job.tried)
+    moved = other_engine(
+        job.router, model, job.engine, job.request, job.tried,
+        kind="request", when=" before the first token",
+    )  # fmt: skip
     if moved is None:
         return False
-    engine, request = moved
-    log.warning(
-        "request %s: engine %s failed before the first token; retrying on %s",
-        job.request.rid, job.engine.name, engine.name,
-    )  # fmt: skip
-    job.engine, job.request = engine, request
-    job.choice.engine = engine.name  # the metrics count it where it ran
+    job.engine, job.request = moved
+    job.choice.engine = job.engine.name  # the metrics count it where it ran
     return True
 
 

@@ -13,6 +13,7 @@ the HTTP request in headers and logs; each engine request gets its own fixed-len
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from array import array
@@ -25,7 +26,7 @@ from smgd.errors import InvalidRequest, SmgdError
 from smgd.wire.common import FinishReason, TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection
+    from collections.abc import Callable
 
     from smgd.engines.base import EngineClient
     from smgd.engines.stream import RequestStream
@@ -45,6 +46,8 @@ __all__ = [
 # A client id is echoed in headers and every log line: 128 visible characters is enough for
 # any UUID/ULID/trace-id scheme and keeps a hostile header from bloating logs (xLLM caps 256).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+log = logging.getLogger("smgd.api")
 
 _random_bits = random.getrandbits  # Mersenne Twister: no system call per id
 
@@ -70,16 +73,33 @@ _Request = TypeVar("_Request", bound="EngineRequest")
 
 
 def other_engine(
-    router: Router, model: str, request: _Request, tried: Collection[str]
+    router: Router,
+    model: str,
+    failed: EngineClient,
+    request: _Request,
+    tried: set[str],
+    *,
+    kind: str,
+    when: str = "",
 ) -> tuple[EngineClient, _Request] | None:
-    """Another ready engine of ``model`` (none of ``tried``) and ``request`` under a fresh rid,
-    validated there; None if there is no such engine or it cannot take the request."""
+    """``request`` failed on engine ``failed``: another ready engine of ``model`` (none of
+    ``tried``, which gains ``failed``) and ``request`` under a fresh rid, validated there; None
+    if there is no such engine or it cannot take the request.
+
+    A move is logged as a warning: ``<kind> <rid>: engine <failed> failed<when>; retrying on
+    <engine>``.
+    """
+    tried.add(failed.name)
     try:
         engine = router.pick(model, request.prompt_ids, exclude=tuple(tried))
         moved = msgspec.structs.replace(request, rid=new_engine_rid())
         engine.validate(moved)
     except SmgdError:
         return None
+    log.warning(
+        "%s %s: engine %s failed%s; retrying on %s",
+        kind, request.rid, failed.name, when, engine.name,
+    )  # fmt: skip
     return engine, moved
 
 
