@@ -192,6 +192,32 @@ async def test_a_streamed_request_tells_the_pacer_that_load_arrives(
             assert calls == ["load"]
 
 
+async def test_the_pacer_is_idle_exactly_while_no_request_is_in_flight() -> None:
+    # A slow first token keeps the request in flight long enough to look at.
+    engine = FakeEngine(behaviour=Behaviour(first_step_s=0.5))
+    async with open_gateway(engine) as gateway:
+        app = create_app(gateway, environ={})
+        pacer = app.ctx.pacer
+        assert pacer is not None
+        async with lifespan(app), trio.open_nursery() as nursery:
+            assert pacer.idle
+            answered = trio.Event()
+
+            async def ask() -> None:
+                body = json.dumps(STREAM).encode()
+                assert (await request(app, "POST", "/v1/completions", body, RID)).status == 200
+                answered.set()
+
+            nursery.start_soon(ask)
+            with trio.fail_after(5):
+                while engine.in_flight == 0:  # noqa: ASYNC110 - the engine's own counter
+                    await trio.sleep(0.01)
+            assert not pacer.idle
+            with trio.fail_after(5):
+                await answered.wait()
+            assert pacer.idle
+
+
 async def test_a_handler_error_that_is_not_smgds_is_a_500_and_the_app_keeps_serving() -> None:
     async def broken(call: Any) -> Reply:
         raise KeyError("x")

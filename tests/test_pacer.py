@@ -404,3 +404,36 @@ async def test_a_streamed_request_wakes_a_resting_pacer_within_a_quiet_probe(
         assert probes.at[1:] == [pytest.approx(start + QUIET_PROBE_S)]
         pacer.expect_load()  # a probe already due sooner is left alone
         nursery.cancel_scope.cancel()
+
+
+async def test_with_nothing_in_flight_a_resting_pacer_sleeps_until_a_stream_starts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    in_flight = 0
+    pacer = LoadPacer(max_window_s=0.15, cpu_clock=_CpuClock(), idle=lambda: in_flight == 0)
+    probes = _ProbeCounter(pacer)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(3600.0)
+        # One quiet probe found the thread idle and nothing in flight: no probe since.
+        assert probes.periods == [round(QUIET_PROBE_S / PROBE_S)]
+        start = trio.current_time()
+        in_flight = 1
+        pacer.expect_load()
+        await trio.sleep(QUIET_PROBE_S - 0.001)
+        assert len(probes.at) == 1
+        await trio.sleep(0.002)
+        assert probes.at[1:] == [pytest.approx(start + QUIET_PROBE_S)]
+        # While something is in flight the resting pacer probes once a second again...
+        await trio.sleep(3 * REST_PROBE_S)
+        assert probes.at[2:] == [
+            pytest.approx(start + QUIET_PROBE_S + k * REST_PROBE_S) for k in (1, 2, 3)
+        ]
+        assert pacer.window_s == 0
+        # ...and once it ends, the probe under way is the last one.
+        in_flight = 0
+        await trio.sleep(REST_PROBE_S + 0.001)
+        probes.at.clear()
+        await trio.sleep(3600.0)
+        assert probes.at == []
+        nursery.cancel_scope.cancel()

@@ -30,7 +30,9 @@ should not wake 100 times a second for a measurement that says "no window". Whil
 thread also used almost no CPU (``REST_BUSY``) it probes once a second (``REST_PROBE_S``), and
 a streamed request that starts meanwhile (:meth:`LoadPacer.expect_load`) brings the next probe
 back within ``QUIET_PROBE_S``: on this machine every wakeup of an otherwise idle trio loop costs
-0.1-0.3 ms of CPU, so ten probes a second were what an idle daemon spent.
+0.1-4 ms of CPU, so ten probes a second were what an idle daemon spent. While it rests and no
+request is in flight at all (``idle``), it does not probe: there is no load to see, and the
+next streamed request's ``expect_load`` wakes it.
 """
 
 from __future__ import annotations
@@ -98,13 +100,21 @@ SUSTAINED_SMOOTHING = 0.01
 
 class LoadPacer:
     """``cpu_clock``: CPU seconds of the thread the trio loop runs on (tests with a mock clock
-    pass trio's clock, a loop that is always on a CPU)."""
+    pass trio's clock, a loop that is always on a CPU). ``idle``: whether nothing is in flight
+    (default: never), which lets a resting pacer sleep until a streamed request starts."""
 
     def __init__(
-        self, *, max_window_s: float, cpu_clock: Callable[[], float] = time.thread_time
+        self,
+        *,
+        max_window_s: float,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        idle: Callable[[], bool] = lambda: False,
     ) -> None:
         self.max_window_s = max_window_s
         self._cpu_clock = cpu_clock
+        # True while no request is in flight on any engine (the app asks its engines): a
+        # resting pacer then sleeps until expect_load instead of probing once a second.
+        self._idle = idle
         self._last_lag_s = 0.0  # of the latest probe
         self.lag_s = 0.0
         self.sustained_lag_s = 0.0  # the slow average (SUSTAINED_SMOOTHING)
@@ -206,10 +216,18 @@ class LoadPacer:
             self._wake_by(trio.current_time() + QUIET_PROBE_S)
 
     def _probe_s(self) -> float:
-        """The next probe's length: short under lag, long while quiet, longest while resting."""
+        """The next probe's length: short under lag, long while quiet, longest while resting,
+        and without end while resting with nothing in flight (expect_load ends it)."""
         if not self._quiet():
             return PROBE_S
-        return REST_PROBE_S if self._busy < REST_BUSY else QUIET_PROBE_S
+        if self._busy >= REST_BUSY:
+            return QUIET_PROBE_S
+        return math.inf if self.idle else REST_PROBE_S
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is in flight on any engine (as the ``idle`` callable says)."""
+        return self._idle()
 
     def _quiet(self) -> bool:
         """The loop keeps up (no window, its last wakeup on time) and nothing waits on a tick.

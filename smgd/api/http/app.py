@@ -90,7 +90,10 @@ def create_app(gateway: Gateway, *, environ: Mapping[str, str] | None = None) ->
     peers = worker_peers(os.environ if environ is None else environ)
     metrics = RequestMetrics()
     registry = build_registry(gateway, metrics)
-    pacer = LoadPacer(max_window_s=server.coalesce_max_ms / 1000)
+    pacer = LoadPacer(
+        max_window_s=server.coalesce_max_ms / 1000,
+        idle=lambda: not any(engine.in_flight for engine in gateway.router.engines()),
+    )
     ctx = ApiContext(
         gateway=gateway,
         api_keys=load_api_keys(gateway.config, environ),
