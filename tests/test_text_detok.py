@@ -103,6 +103,27 @@ def test_without_keep_held_an_unfinished_character_at_the_end_is_dropped(
     assert "".join(keep.push([i]) for i in ids[:-1]) + keep.flush() == tok().decode(ids[:-1])
 
 
+@settings(max_examples=150, deadline=None)
+@given(ids=IDS, sizes=SIZES, fast=st.booleans())
+def test_without_keep_held_the_text_does_not_depend_on_how_ids_were_batched(
+    ids: list[int], sizes: list[int], fast: bool
+) -> None:
+    """vLLM steps one id at a time; the engine's batches here depend on timing (a batch that
+    ended inside a character once lost its whole text)."""
+    one_by_one = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+    expected = "".join(stream_text(one_by_one, [[i] for i in ids]))
+    batched = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+    assert "".join(stream_text(batched, chunks(ids, sizes))) == expected
+
+
+def test_without_keep_held_a_batch_ending_inside_a_character_keeps_its_complete_text() -> None:
+    ids = tok().encode("ab🦀", add_special_tokens=False)
+    for fast in (True, False):
+        d = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+        assert d.push(ids[:-1]) == ""  # one batch: "ab" and the crab's first bytes
+        assert d.flush() == "ab"
+
+
 def test_skip_special_tokens_option() -> None:
     ids = [*tok().encode("hi", add_special_tokens=False), 5]
     keep = IncrementalDetokenizer(tok(), skip_special_tokens=False)

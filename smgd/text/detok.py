@@ -149,22 +149,30 @@ class IncrementalDetokenizer:
         return full[len(prefix_text) :]
 
     def flush(self) -> str:
-        """Text of ids still held back (an unfinished character decodes to ``"�"``); ""
-        without ``keep_held``."""
+        """Text of ids still held back: an unfinished character at the end decodes to ``"�"``;
+        without ``keep_held`` it is dropped, and the text stops after the last id that did not
+        end inside a character."""
         if self._emitted >= len(self._ids):
-            return ""
-        if not self._keep_held:
-            self._stream = None
-            self._prefix = self._read = self._emitted = len(self._ids)
             return ""
         held = self._emitted
         start = max(self._base, held - _CONTEXT_IDS)
         head = self._decode(self._ids[start:held])
-        full = self._decode(self._ids[start:])
+        end = len(self._ids)
+        full = self._decode(self._ids[start:end])
+        if not self._keep_held:
+            # vLLM steps its detokenizer one id at a time and its text is what the steps
+            # emitted, so it keeps every id up to the last one whose text was complete. Ids
+            # here arrive in batches whose size depends on timing, and a batch ending inside a
+            # character is held whole: walk back to that id so the text does not depend on it.
+            while end > held and (len(full) <= len(head) or full.endswith(_REPLACEMENT)):
+                end -= 1
+                full = self._decode(self._ids[start:end])
         # Terminal: later pushes (there should be none) continue on the fallback path.
         self._stream = None
         self._prefix, self._read = start, len(self._ids)
         self._emitted = len(self._ids)
+        if end == held:
+            return ""
         if full.startswith(head):
             return full[len(head) :]
-        return self._decode(self._ids[held:])
+        return self._decode(self._ids[held:end])
