@@ -171,6 +171,26 @@ class DirectSendTCPServer(TCPServer):
             wrapper.protocol.__class__ = H11Protocol
         self._protocol = wrapper
 
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """The connection is over: drop what refers back to it.
+
+        Its protocol (whose ``send`` is this object's bound method), its state (which names it
+        for the requests), its keep-alive timer and its task group all lead back here, so each
+        closed connection would otherwise be a reference cycle left for the cyclic GC, and its
+        middle generation runs rarely (``GC_THRESHOLDS``, smgd/daemon.py). Nothing runs on the
+        connection any more: hypercorn's ``run`` has closed the stream and its task group ended.
+        """
+        self.state.clear()
+        attributes = vars(self)
+        for name in ("_protocol", "_keep_alive", "idle_task", "_task_group", "on_disconnect"):
+            attributes.pop(name, None)
+
     async def protocol_send(self, event: Event) -> None:
         if type(event) is RawData and self.body_end_written and event.data == BODY_END:
             self.body_end_written = False
