@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -122,6 +123,32 @@ def test_without_keep_held_a_batch_ending_inside_a_character_keeps_its_complete_
         d = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
         assert d.push(ids[:-1]) == ""  # one batch: "ab" and the crab's first bytes
         assert d.flush() == "ab"
+
+
+class _CountingDecoder:
+    """A tokenizer's ``decode`` that counts the ids it was given (the fallback path's only
+    use of the tokenizer)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids_decoded = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.ids_decoded += len(ids)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def test_without_keep_held_a_long_run_of_stray_bytes_flushes_in_one_pass() -> None:
+    """Walking back over held ids decodes a short window per id, not the whole run each time
+    (2,000 stray bytes: ~2 million ids decoded the other way)."""
+    stray = next(i for i in range(1024) if tok().decode([i, i]) == "\ufffd\ufffd")
+    ids = [*tok().encode("hello", add_special_tokens=False), *[stray] * 2000]
+    counting = _CountingDecoder(tok().hf)
+    d = IncrementalDetokenizer(cast(Any, counting), keep_held=False, use_decode_stream=False)
+    assert d.push(ids) == ""  # one batch ending inside a "character"
+    counting.ids_decoded = 0
+    assert d.flush() == "hello"
+    assert counting.ids_decoded < 10 * len(ids)
 
 
 def test_skip_special_tokens_option() -> None:

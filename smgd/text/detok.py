@@ -156,23 +156,39 @@ class IncrementalDetokenizer:
             return ""
         held = self._emitted
         start = max(self._base, held - _CONTEXT_IDS)
-        head = self._decode(self._ids[start:held])
-        end = len(self._ids)
-        full = self._decode(self._ids[start:end])
-        if not self._keep_held:
-            # vLLM steps its detokenizer one id at a time and its text is what the steps
-            # emitted, so it keeps every id up to the last one whose text was complete. Ids
-            # here arrive in batches whose size depends on timing, and a batch ending inside a
-            # character is held whole: walk back to that id so the text does not depend on it.
-            while end > held and (len(full) <= len(head) or full.endswith(_REPLACEMENT)):
-                end -= 1
-                full = self._decode(self._ids[start:end])
+        end = self._complete_end(start, held)
         # Terminal: later pushes (there should be none) continue on the fallback path.
         self._stream = None
         self._prefix, self._read = start, len(self._ids)
         self._emitted = len(self._ids)
         if end == held:
             return ""
+        head = self._decode(self._ids[start:held])
+        full = self._decode(self._ids[start:end])
+        if not self._keep_held and full.endswith(_REPLACEMENT):
+            return ""  # the short window below said complete, the whole text does not
         if full.startswith(head):
             return full[len(head) :]
         return self._decode(self._ids[held:end])
+
+    def _complete_end(self, start: int, held: int) -> int:
+        """Where flush()'s text ends: every id, or without ``keep_held`` the last id whose text
+        did not end inside a character (``held`` if none).
+
+        vLLM steps its detokenizer one id at a time and its text is what the steps emitted,
+        so it keeps every id up to the last one whose text was complete. Ids arrive here in
+        batches whose size depends on timing, and a batch ending inside a character is held
+        whole: walking back to that id keeps the text from depending on the batching. Whether
+        a text ends inside a character shows in its last few ids (a character is at most 4
+        bytes), so each step decodes a short window, not the whole held run: a long run of
+        stray bytes costs a pass over it, not one per id.
+        """
+        end = len(self._ids)
+        if self._keep_held:
+            return end
+        while end > held:
+            window = self._ids[max(start, end - _CONTEXT_IDS) : end]
+            if not self._decode(window).endswith(_REPLACEMENT):
+                break
+            end -= 1
+        return end
