@@ -156,7 +156,7 @@ class IncrementalDetokenizer:
             return ""
         held = self._emitted
         start = max(self._base, held - _CONTEXT_IDS)
-        end = self._complete_end(start, held)
+        end = len(self._ids) if self._keep_held else self._complete_end(start, held)
         # Terminal: later pushes (there should be none) continue on the fallback path.
         self._stream = None
         self._prefix, self._read = start, len(self._ids)
@@ -172,8 +172,8 @@ class IncrementalDetokenizer:
         return self._decode(self._ids[held:end])
 
     def _complete_end(self, start: int, held: int) -> int:
-        """Where flush()'s text ends: every id, or without ``keep_held`` the last id whose text
-        did not end inside a character (``held`` if none).
+        """Where flush()'s text ends without ``keep_held``: after the last id whose text did
+        not end inside a character (``held`` if none).
 
         vLLM steps its detokenizer one id at a time and its text is what the steps emitted,
         so it keeps every id up to the last one whose text was complete. Ids arrive here in
@@ -184,8 +184,6 @@ class IncrementalDetokenizer:
         stray bytes costs a pass over it, not one per id.
         """
         end = len(self._ids)
-        if self._keep_held:
-            return end
         while end > held:
             window = self._ids[max(start, end - _CONTEXT_IDS) : end]
             if not self._decode(window).endswith(_REPLACEMENT):
