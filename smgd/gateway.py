@@ -121,6 +121,7 @@ class Gateway:
                 except ConfigError as exc:
                     exc.path = f"$.engines[{i}].model_dir"
                     raise
+                _ = tokenizer.byte_level  # built now rather than on the first request
                 config_json = _read_json(model_dir / "config.json")
                 cache[key] = ModelText(tokenizer, model_dir, config_json, key)
             for model in engine.models:

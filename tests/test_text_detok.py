@@ -34,6 +34,23 @@ def chunks(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     return out
 
 
+# The detokenizer's three paths: the byte table (byte-level vocabularies such as the tiny
+# model's), DecodeStream (other vocabularies) and the windowed fallback.
+MODES = ("table", "stream", "window")
+
+
+def detok(mode: str = "table", tokenizer: Any = None, **kwargs: Any) -> IncrementalDetokenizer:
+    d = IncrementalDetokenizer(
+        tok() if tokenizer is None else tokenizer,
+        use_byte_table=mode == "table",
+        use_decode_stream=mode != "window",
+        **kwargs,
+    )
+    assert (d._table is not None) == (mode == "table")
+    assert (d._stream is not None) == (mode == "stream")
+    return d
+
+
 def stream_text(d: IncrementalDetokenizer, parts: list[list[int]]) -> list[str]:
     return [d.push(p) for p in parts] + [d.flush()]
 
@@ -45,11 +62,11 @@ SIZES = st.lists(st.integers(1, 4), max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=IDS, sizes=SIZES, skip=st.booleans(), fast=st.booleans())
+@given(ids=IDS, sizes=SIZES, skip=st.booleans(), mode=st.sampled_from(MODES))
 def test_streamed_text_equals_one_shot_decode(
-    ids: list[int], sizes: list[int], skip: bool, fast: bool
+    ids: list[int], sizes: list[int], skip: bool, mode: str
 ) -> None:
-    d = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
+    d = detok(mode, skip_special_tokens=skip)
     assert "".join(stream_text(d, chunks(ids, sizes))) == tok().decode(
         ids, skip_special_tokens=skip
     )
@@ -60,20 +77,21 @@ TEXT = st.text(st.sampled_from("ab c\nçé日本🙂🚀👩‍💻<s>"), max_si
 
 
 @settings(max_examples=100, deadline=None)
-@given(text=TEXT, sizes=SIZES, fast=st.booleans())
+@given(text=TEXT, sizes=SIZES, mode=st.sampled_from(MODES))
 def test_real_text_streams_without_replacement_chars(
-    text: str, sizes: list[int], fast: bool
+    text: str, sizes: list[int], mode: str
 ) -> None:
     ids = tok().encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok(), use_decode_stream=fast)
+    d = detok(mode)
     pieces = stream_text(d, chunks(ids, sizes))
     assert "".join(pieces) == tok().decode(ids)
     assert not any("\ufffd" in p for p in pieces)  # never a broken character mid-stream
 
 
-def test_split_character_is_held_until_complete() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_split_character_is_held_until_complete(mode: str) -> None:
     ids = tok().encode("a🦀b", add_special_tokens=False)
-    d = IncrementalDetokenizer(tok())
+    d = detok(mode)
     out = [d.push([i]) for i in ids]
     assert out[0] == "a"
     assert out[-1] == "b"
@@ -81,46 +99,45 @@ def test_split_character_is_held_until_complete() -> None:
     assert "" in out  # at least one token completed no character
 
 
-def test_incomplete_character_at_end_flushes_as_replacement() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_incomplete_character_at_end_flushes_as_replacement(mode: str) -> None:
     ids = tok().encode("🦀", add_special_tokens=False)
     assert len(ids) > 1
-    d = IncrementalDetokenizer(tok())
+    d = detok(mode)
     assert d.push(ids[:-1]) == ""
     assert d.flush() == tok().decode(ids[:-1])
     assert "\ufffd" in tok().decode(ids[:-1])
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
-def test_without_keep_held_an_unfinished_character_at_the_end_is_dropped(
-    use_decode_stream: bool,
-) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_without_keep_held_an_unfinished_character_at_the_end_is_dropped(mode: str) -> None:
     """vLLM's front end: the output text is what the steps emitted; held bytes are dropped."""
     ids = tok().encode("a🦀", add_special_tokens=False)
-    d = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=use_decode_stream)
+    d = detok(mode, keep_held=False)
     assert "".join(d.push([i]) for i in ids[:-1]) == "a"
     assert d.flush() == ""
     assert d.flush() == ""  # nothing held any more
-    keep = IncrementalDetokenizer(tok(), use_decode_stream=use_decode_stream)
+    keep = detok(mode)
     assert "".join(keep.push([i]) for i in ids[:-1]) + keep.flush() == tok().decode(ids[:-1])
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=IDS, sizes=SIZES, fast=st.booleans())
+@given(ids=IDS, sizes=SIZES, mode=st.sampled_from(MODES))
 def test_without_keep_held_the_text_does_not_depend_on_how_ids_were_batched(
-    ids: list[int], sizes: list[int], fast: bool
+    ids: list[int], sizes: list[int], mode: str
 ) -> None:
     """vLLM steps one id at a time; the engine's batches here depend on timing (a batch that
     ended inside a character once lost its whole text)."""
-    one_by_one = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+    one_by_one = detok(mode, keep_held=False)
     expected = "".join(stream_text(one_by_one, [[i] for i in ids]))
-    batched = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+    batched = detok(mode, keep_held=False)
     assert "".join(stream_text(batched, chunks(ids, sizes))) == expected
 
 
 def test_without_keep_held_a_batch_ending_inside_a_character_keeps_its_complete_text() -> None:
     ids = tok().encode("ab🦀", add_special_tokens=False)
-    for fast in (True, False):
-        d = IncrementalDetokenizer(tok(), keep_held=False, use_decode_stream=fast)
+    for mode in MODES:
+        d = detok(mode, keep_held=False)
         assert d.push(ids[:-1]) == ""  # one batch: "ab" and the crab's first bytes
         assert d.flush() == "ab"
 
@@ -144,27 +161,43 @@ def test_without_keep_held_a_long_run_of_stray_bytes_flushes_in_one_pass() -> No
     stray = next(i for i in range(1024) if tok().decode([i, i]) == "\ufffd\ufffd")
     ids = [*tok().encode("hello", add_special_tokens=False), *[stray] * 2000]
     counting = _CountingDecoder(tok().hf)
-    d = IncrementalDetokenizer(cast(Any, counting), keep_held=False, use_decode_stream=False)
+    d = detok("window", cast(Any, counting), keep_held=False)
     assert d.push(ids) == ""  # one batch ending inside a "character"
     counting.ids_decoded = 0
     assert d.flush() == "hello"
     assert counting.ids_decoded < 10 * len(ids)
 
 
-def test_skip_special_tokens_option() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_special_tokens_option(mode: str) -> None:
     ids = [*tok().encode("hi", add_special_tokens=False), 5]
-    keep = IncrementalDetokenizer(tok(), skip_special_tokens=False)
+    keep = detok(mode, skip_special_tokens=False)
     assert "".join(stream_text(keep, [ids])) == "hi<|im_end|>"
-    drop = IncrementalDetokenizer(tok())
+    drop = detok(mode)
     assert "".join(stream_text(drop, [ids])) == "hi"
 
 
-def test_prompt_priming_does_not_change_output() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_priming_does_not_change_output(mode: str) -> None:
     prompt = tok().encode("Hello there, 日本語 🙂 friend")
     out = tok().encode(" world 🚀 again", add_special_tokens=False)
-    d = IncrementalDetokenizer(tok(), prompt_ids=prompt)
+    d = detok(mode, prompt_ids=prompt)
     assert "".join(stream_text(d, [[i] for i in out])) == tok().decode(out)
     assert d.num_tokens == len(out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("text", ["ab", "abcdefgh"])
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(
+    mode: str, text: str
+) -> None:
+    """DecodeStream primed with ids whose text ends inside a character emits that whole text
+    again on its first step; short prompts (up to 4 ids) were primed whole."""
+    stray = next(i for i in range(1024) if tok().decode([i]) == "\ufffd")
+    prompt = [*tok().encode(text, add_special_tokens=False), stray]
+    out = tok().encode("ok", add_special_tokens=False)
+    d = detok(mode, prompt_ids=prompt)
+    assert "".join(stream_text(d, [[i] for i in out])) == "ok"
 
 
 class _BrokenStream:
@@ -185,21 +218,21 @@ class _BrokenStream:
 def test_decode_stream_error_switches_to_fallback(fail_after: int) -> None:
     text = "Café 🙂 crème brûlée 日本語 done"
     ids = tok().encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok())
+    d = detok("stream")
     d._stream = _BrokenStream(d._stream, fail_after)  # type: ignore[assignment]
     assert "".join(stream_text(d, [[i] for i in ids])) == text
     assert d.using_fallback
 
 
 @settings(max_examples=100, deadline=None)
-@given(ids=IDS, skip=st.booleans(), fast=st.booleans(), fail_after=st.integers(0, 45))
+@given(ids=IDS, skip=st.booleans(), mode=st.sampled_from(MODES), fail_after=st.integers(0, 45))
 def test_push_each_equals_push_of_one_id_at_a_time(
-    ids: list[int], skip: bool, fast: bool, fail_after: int
+    ids: list[int], skip: bool, mode: str, fail_after: int
 ) -> None:
     # Also when DecodeStream fails partway (on its first step, in the middle, or never).
-    one = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
-    each = IncrementalDetokenizer(tok(), skip_special_tokens=skip, use_decode_stream=fast)
-    if fast:
+    one = detok(mode, skip_special_tokens=skip)
+    each = detok(mode, skip_special_tokens=skip)
+    if mode == "stream":
         one._stream = _BrokenStream(one._stream, fail_after)  # type: ignore[assignment]
         each._stream = _BrokenStream(each._stream, fail_after)  # type: ignore[assignment]
     half = len(ids) // 2

@@ -7,6 +7,7 @@ special-token layout, ~2k merged tokens) in a second or two; the slow one builds
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 import pytest
@@ -52,17 +53,33 @@ def _check_vocabulary(model_dir: Path, merged: int) -> None:
     assert _split_tokens(tok.hf, ids) > 10  # characters split across tokens
     # smgd's streaming detokenizer, one id at a time, against tokenizers' own decode: never
     # ahead of it, level with it whenever its text ends on a whole character, and the same
-    # text in the end (both DecodeStream and the fallback path).
-    for decode_stream in (True, False):
-        detok = IncrementalDetokenizer(tok, use_decode_stream=decode_stream)
+    # text in the end (the byte table, DecodeStream and the fallback path).
+    assert tok.byte_level is not None  # a byte-level vocabulary: the table applies
+    for table, decode_stream in ((True, True), (False, True), (False, False)):
+        detok = IncrementalDetokenizer(tok, use_byte_table=table, use_decode_stream=decode_stream)
         streamed = ""
         for k, token_id in enumerate(ids, 1):
             streamed += detok.push([token_id])
             whole = tok.decode(ids[:k])
-            assert whole.startswith(streamed), (decode_stream, k)
+            assert whole.startswith(streamed), (table, decode_stream, k)
             if not whole.endswith("\ufffd"):
-                assert streamed == whole, (decode_stream, k)
+                assert streamed == whole, (table, decode_stream, k)
         assert streamed + detok.flush() == text
+    # The table's pieces are DecodeStream's, for random ids over the whole vocabulary in
+    # random batches (split characters, stray bytes, special tokens), either flush.
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        cuts = sorted(rng.sample(range(1, len(ids) + 1), rng.randrange(1, len(ids) + 1)))
+        batches = [ids[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
+        skip, keep_held = rng.random() < 0.5, rng.random() < 0.5
+        pieces = []
+        for table in (True, False):
+            detok = IncrementalDetokenizer(
+                tok, use_byte_table=table, skip_special_tokens=skip, keep_held=keep_held
+            )
+            pieces.append([*map(detok.push, batches), detok.flush()])
+        assert pieces[0] == pieces[1], (ids, batches, skip, keep_held)
 
 
 def test_small_build_round_trips_and_streams_like_tokenizers_decode(small_dir: Path) -> None:

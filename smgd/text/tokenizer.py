@@ -22,12 +22,14 @@ from the vocabulary and the normalizer / pre-tokenizer, or None where no such bo
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HfTokenizer
 
 from smgd.errors import ConfigError, InvalidRequest
+from smgd.text.bytelevel import ByteLevelVocab
 from smgd.text.chat import ChatTemplate, load_chat_template
 
 if TYPE_CHECKING:
@@ -214,6 +216,14 @@ class Tokenizer:
         self.max_model_len: int | None = _context_len(model_config)
         # Once per tokenizer: a pass over the vocabulary (~30 ms for 150 K entries).
         self.max_token_chars: int | None = max_token_chars(hf)
+
+    @cached_property
+    def byte_level(self) -> ByteLevelVocab | None:
+        """Each id's bytes, for the detokenizer, where the vocabulary is byte-level BPE's.
+
+        Built on first use (~0.1 s for 128k ids); the gateway asks when it loads a model, so
+        no request waits for it."""
+        return ByteLevelVocab.of(self.hf)
 
     def cannot_fit(self, text: str, tokens: int) -> bool:
         """True if ``text`` is surely more than ``tokens`` tokens, decided without tokenizing."""
