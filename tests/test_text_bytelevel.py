@@ -4,6 +4,7 @@ path through it: the same pieces as DecodeStream, and no table where it would be
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +14,15 @@ from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from smgd.assets import TINY_MODEL_DIR
+from smgd.config import load_config
+from smgd.gateway import Gateway
+from smgd.router import Router
 from smgd.text import bytelevel
 from smgd.text.bytelevel import ByteLevelVocab, token_bytes
 from smgd.text.detok import IncrementalDetokenizer
 from smgd.text.tokenizer import Tokenizer, load_tokenizer
+
+REPO_CONFIG = Path(__file__).resolve().parents[1] / "smgd.toml"
 
 
 @functools.cache
@@ -173,3 +179,14 @@ class _Refuse:
     def __getattr__(self, name: str) -> Any:
         self._calls.append(name)
         raise AssertionError(f"the tokenizer's {name} was called")
+
+
+def test_the_gateway_builds_the_table_when_it_loads_a_tokenizer() -> None:
+    """At start-up (and reload), not on the first request that detokenizes."""
+    config = load_config(REPO_CONFIG)
+    gateway = Gateway(config=config, router=Router(config.routing))
+    texts = gateway.stage_texts(config)
+    assert texts
+    for text in texts.values():
+        assert "byte_level" in vars(text.tokenizer)  # cached_property: built already
+        assert text.tokenizer.byte_level is not None  # the mock's tiny vocabulary
