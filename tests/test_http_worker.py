@@ -360,3 +360,29 @@ async def test_responses_running_at_the_graceful_deadline_are_ended_then_cut(
 
 def test_the_daemon_waits_for_the_http_server_longer_than_its_end_grace() -> None:
     assert DRAIN_MARGIN_S > worker_loop.END_GRACE_S
+
+
+async def addresses_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        await app(scope, receive, send)
+        return
+    await receive()
+    body = json.dumps({"client": scope["client"], "server": scope["server"]}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_a_requests_scope_names_both_ends_of_its_connection(
+    monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    """The fast path's scope carries the addresses hypercorn read from the socket."""
+    if not fast:
+        monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, addresses_app, _config())
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            ends = json.loads(await _request(stream, "/addr"))
+            here = stream.socket.getsockname()
+        nursery.cancel_scope.cancel()
+    assert ends == {"client": ["127.0.0.1", here[1]], "server": ["127.0.0.1", port]}

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trio
 from hypercorn.config import Config
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
@@ -73,6 +74,10 @@ def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use()
         "DirectSendTCPServer.protocol's setter swaps in smgd's H11Protocol when run() sets it"
     )
     assert "self.idle_task.restart(" in inspect.getsource(TCPServer.run)
+    # The fast path's scopes take the connection's addresses from the protocol wrapper, which
+    # run() builds with the ones it read from the socket.
+    wrapper = inspect.getsource(ProtocolWrapper.__init__)
+    assert "self.client = client" in wrapper and "self.server = server" in wrapper
     # The fast path (smgd.api.http.fast_path) spawns its requests in the connection's task
     # group, which run() keeps here, and builds a scope with what hypercorn's streams use.
     assert "self._task_group = task_group" in inspect.getsource(TCPServer.run)

@@ -58,7 +58,7 @@ from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
-from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
+from hypercorn.utils import repr_socket_addr, wrap_app
 
 from smgd.api.core.errors import http_error
 from smgd.api.http.direct import BODY_END, CONNECTION_KEY
@@ -170,6 +170,9 @@ class DirectSendTCPServer(TCPServer):
         if type(wrapper.protocol) is HypercornH11Protocol:
             wrapper.protocol.__class__ = H11Protocol
         self._protocol = wrapper
+        # run() read both addresses from the socket just before (two system calls): the fast
+        # path's scopes use the wrapper's copies.
+        self.client, self.server_addr = wrapper.client, wrapper.server
 
     async def run(self) -> None:
         try:
@@ -238,9 +241,6 @@ class DirectSendTCPServer(TCPServer):
         every request (its access log)."""
         if type(self.protocol.protocol) is not H11Protocol or self.config.accesslog is not None:
             return None
-        sock = self.stream.socket
-        self.client = parse_socket_addr(sock.family, sock.getpeername())
-        self.server_addr = parse_socket_addr(sock.family, sock.getsockname())
         return FastPath(self, self._server_headers)
 
     async def _read_until_closed(self) -> None:
