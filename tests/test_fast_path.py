@@ -589,6 +589,11 @@ def _normal(answer: Answer) -> tuple[int, list[bytes], Any]:
         if isinstance(body, dict):
             for key in ("id", "created"):
                 body.pop(key, None)
+            # A model card's `created` is its server's start: the two servers compared here
+            # started apart, sometimes in different seconds.
+            for card in body.get("data") or ():
+                if isinstance(card, dict):
+                    card.pop("created", None)
     else:
         body = [
             {k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e
