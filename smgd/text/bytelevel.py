@@ -55,10 +55,9 @@ _ALPHABET = _byte_alphabet()
 # str.translate table: an alphabet character becomes the Latin-1 character of its byte; a
 # character below 256 that is not in the alphabet becomes U+FFFF, which Latin-1 cannot
 # encode, as cannot every other character outside the alphabet.
-_TO_LATIN1 = {ord(char): byte for char, byte in _ALPHABET.items()}
-for _code in range(256):
-    if chr(_code) not in _ALPHABET:
-        _TO_LATIN1[_code] = 0xFFFF
+_TO_LATIN1 = dict.fromkeys(range(256), 0xFFFF) | {
+    ord(char): byte for char, byte in _ALPHABET.items()
+}
 
 
 def token_bytes(token: str) -> bytes:
@@ -107,10 +106,10 @@ class ByteLevelVocab:
             b"" if (token := to_token(i)) is None else token_bytes(token) for i in range(size)
         ]
         vocab = cls(pieces, frozenset(i for i, token in added.items() if token.special))
-        return vocab if vocab._agrees_with(hf) else None
+        return vocab if vocab._agrees_with(hf, list(added)) else None
 
-    def _agrees_with(self, hf: HfTokenizer) -> bool:
-        """Whether the table decodes as ``hf`` does: every added token and a sample of the
+    def _agrees_with(self, hf: HfTokenizer, added: list[int]) -> bool:
+        """Whether the table decodes as ``hf`` does: every ``added`` token and a sample of the
         other ids alone, and random sequences with and without skipping special tokens.
 
         Samples weight multi-byte pieces and added tokens, where a table could go wrong; the
@@ -118,7 +117,6 @@ class ByteLevelVocab:
         cost: ~0.12 s more for 128k ids.)
         """
         rng = random.Random(0)
-        added = list(hf.get_added_tokens_decoder())
         rare = [i for i, piece in enumerate(self.with_special) if not piece.isascii()] + added
         pool = rare or list(range(self.size))
 
