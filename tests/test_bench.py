@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from smgd.assets import TINY_MODEL_DIR
 from smgd.bench import loadgen, procstat, report
-from smgd.bench.floor import FloorRun, FloorSpec
+from smgd.bench.floor import EVENT, FloorRun, FloorSpec, SseClients
 from smgd.bench.loadgen import Spec, SSEParser
 from smgd.bench.stats import percentile, prefix_lengths, token_errors
 from smgd.bench.workload import Workload, build_prompt
@@ -331,6 +331,30 @@ def test_floor_run_checks_ids_against_the_echo() -> None:
     assert out["chunks"] == 3  # per-request deliveries, not zmq messages
 
 
+def test_the_sse_floor_event_is_one_chunk_the_size_of_smgds_event() -> None:
+    size, _, rest = EVENT.partition(b"\r\n")
+    body, end = rest[: int(size, 16)], rest[int(size, 16) :]
+    assert end == b"\r\n"
+    assert body.startswith(b"data: ") and body.endswith(b"\n\n")
+    # smgd's completion chunk for a one-token text is 194-199 bytes with its "data: " line.
+    assert 190 <= len(body) <= 200
+
+
+def test_sse_clients_hand_every_byte_to_the_sink() -> None:
+    clients = SseClients(3)
+    try:
+        fds = list(clients.free)
+        assert len(set(fds)) == 3
+        for _ in range(50):
+            for fd in fds:
+                clients.write(fd)
+    finally:
+        read = clients.close()
+    assert clients.written == 150 * len(EVENT)
+    assert read == clients.written
+    assert clients.sink.returncode == 0
+
+
 def loadgen_stream(start: float) -> Any:
     from smgd.bench.floor import _Stream
 
@@ -465,7 +489,7 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
             "bench",
             "--quick",
             "--targets",
-            "smgd,floor",
+            "smgd,floor,floor-sse",
             "--concurrency",
             "1,16",
             "--no-plot",
@@ -480,8 +504,11 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert set(doc["targets"]) == {"smgd", "floor"}
+    assert set(doc["targets"]) == {"smgd", "floor", "floor-sse"}
     assert "vllm" not in doc["targets"]
+    for p in doc["targets"]["floor-sse"]:
+        # One event written per delivery, and the client read every byte of them.
+        assert p["sse_bytes_read"] == p["sse_bytes_written"] == p["chunks"] * len(EVENT)
     for name, points in doc["targets"].items():
         assert [p["concurrency"] for p in points] == [1, 16]
         for p in points:
@@ -513,14 +540,14 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
             if name == "smgd":
                 assert p["peak_rss_mib"] > 10
                 assert "rss_per_stream_kib" in p
-    assert {r["vs"] for r in doc["ratios"]} == {"floor"}
+    assert {r["vs"] for r in doc["ratios"]} == {"floor", "floor-sse"}
     # stdout reports the same figures as bench.json: the points table, then the ratio table.
     assert report.table(doc["targets"]) in done.stdout
     assert report.ratio_table(doc["ratios"]) in done.stdout
     points, ratios = _markdown_tables(done.stdout)
     col = {name: i for i, name in enumerate(points[0])}
     by_point = {(row[0], int(row[1])): row for row in points[1:]}
-    assert set(by_point) == {(t, c) for t in ("smgd", "floor") for c in (1, 16)}
+    assert set(by_point) == {(t, c) for t in ("smgd", "floor", "floor-sse") for c in (1, 16)}
     for name, pts in doc["targets"].items():
         for p in pts:
             row = by_point[name, p["concurrency"]]
@@ -531,6 +558,8 @@ def test_quick_bench_run_reports_every_figure_and_no_lost_tokens(tmp_path: Path)
     assert [(row[0], row[1], row[2]) for row in ratios[1:]] == [
         ("smgd", "1", "floor"),
         ("smgd", "16", "floor"),
+        ("smgd", "1", "floor-sse"),
+        ("smgd", "16", "floor-sse"),
     ]
     for row, r in zip(ratios[1:], doc["ratios"], strict=True):
         assert row[3] == f"{r['cpu_per_token']:.2f}"

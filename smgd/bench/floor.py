@@ -6,12 +6,24 @@ every ``BatchTokenIDOutput`` with smgd's codec and demuxes it by rid. Its CPU pe
 decode-only cost, the floor smgd's CPU per token is compared with. Latencies are measured at
 the socket, so the TTFT and inter-token figures are the engine's plus ZMQ's, nothing else.
 
+With ``sse`` set (the ``floor-sse`` target) the floor also writes every delivery to a client,
+as one HTTP/1.1 chunk the size of smgd's completion event, over one loopback TCP connection per
+stream to a sink process that reads and discards (started by the floor; its CPU is the
+client's, not counted). That is the least a front end must spend per token: receive, decode,
+demux, and one small socket write, which on loopback also runs the client's receive path and
+its wakeup. No HTTP parsing, no detokenizing, no rendering.
+
 Run as ``python -m smgd.bench.floor < spec.json``: prints ``BOUND`` once the sockets are bound,
 waits for ``GO`` on stdin (the orchestrator starts the mock in between), runs, prints JSON.
+``python -m smgd.bench.floor --sink PORT N`` is the sink.
 """
 
 from __future__ import annotations
 
+import os
+import select
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +40,16 @@ from smgd.wire.sglang.encode import encode_generate
 # How long one poll waits before re-checking the deadlines: short enough that the hard time
 # limit is honoured promptly, long enough to cost nothing while the engine steps.
 _POLL_MS = 100
+# The event the SSE floor writes per delivery: the size of smgd's completion chunk (a
+# `data: {...}` line of ~195 bytes with a one-token text), framed as one HTTP/1.1 chunk, as
+# smgd's direct path writes it. The bytes' content costs nothing; their count and the one
+# write per event are what the kernel charges.
+_EVENT_BODY = b"data: " + b"x" * 187 + b"\n\n"
+EVENT = b"%x\r\n%b\r\n" % (len(_EVENT_BODY), _EVENT_BODY)
+_SINK_READ = 65536  # one read per readable socket, as the loadgen reads
+# How long the floor waits for its sink's connections: a Python start-up takes well under a
+# second; a sink that never connects fails the point instead of hanging it.
+_SINK_CONNECT_S = 30.0
 
 
 class FloorSpec(msgspec.Struct, kw_only=True):
@@ -40,6 +62,7 @@ class FloorSpec(msgspec.Struct, kw_only=True):
     duration_s: float
     max_requests: int
     time_limit_s: float
+    sse: bool = False  # also write each delivery to a loopback TCP client (floor-sse)
 
 
 @dataclass(slots=True)
@@ -48,6 +71,46 @@ class _Stream:
     last: float = -1.0
     got: int = 0
     ok: bool = True
+    fd: int = -1  # the client connection this stream writes to (SSE floor only)
+
+
+class SseClients:
+    """``n`` loopback TCP connections whose far ends a sink process reads and discards.
+
+    A stream takes a free connection when it starts and gives it back when it ends, as a
+    keep-alive HTTP client reuses its connection. :meth:`close` ends the connections and
+    returns the bytes the sink read, which must equal :attr:`written`.
+    """
+
+    def __init__(self, n: int) -> None:
+        listener = socket.create_server(("127.0.0.1", 0), backlog=n)
+        port = listener.getsockname()[1]
+        self.sink = subprocess.Popen(
+            [sys.executable, "-m", "smgd.bench.floor", "--sink", str(port), str(n)],
+            stdout=subprocess.PIPE,
+        )
+        listener.settimeout(_SINK_CONNECT_S)
+        self.socks = [listener.accept()[0] for _ in range(n)]
+        listener.close()
+        for sock in self.socks:
+            sock.setblocking(True)  # write() blocks rather than handle a partial write
+            # As every HTTP server sets it: a small event goes out at once, not with the next.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.free = [sock.fileno() for sock in self.socks]
+        self.written = 0
+
+    def write(self, fd: int) -> None:
+        """One event on connection ``fd`` (blocking: the sink reads as fast as it arrives)."""
+        view = memoryview(EVENT)
+        while view:
+            view = view[os.write(fd, view) :]
+        self.written += len(EVENT)
+
+    def close(self) -> int:
+        for sock in self.socks:
+            sock.close()
+        out, _ = self.sink.communicate(timeout=30)
+        return int(out or b"-1")
 
 
 @dataclass(slots=True)
@@ -124,7 +187,12 @@ def _encode(spec: FloorSpec, rid: str) -> bytes:
     return encode_generate(GenerateRequest(rid=rid, prompt_ids=spec.prompt_ids, sampling=sampling))
 
 
-def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> dict[str, Any]:
+def run_floor(
+    spec: FloorSpec,
+    push: zmq.Socket[bytes],
+    pull: zmq.Socket[bytes],
+    clients: SseClients | None = None,
+) -> dict[str, Any]:
     run = FloorRun(spec)
     streams: dict[str, _Stream] = {}
     cpu0 = time.process_time()
@@ -134,7 +202,7 @@ def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes])
     def submit(now: float) -> None:
         rid = f"floor-{run.started}"
         run.started += 1
-        streams[rid] = _Stream(start=now)
+        streams[rid] = _Stream(start=now, fd=clients.free.pop() if clients else -1)
         push.send(_encode(spec, rid))
 
     for _ in range(min(spec.concurrency, spec.max_requests)):
@@ -159,16 +227,47 @@ def run_floor(spec: FloorSpec, push: zmq.Socket[bytes], pull: zmq.Socket[bytes])
                 if st is None:
                     continue
                 run.on_tokens(st, delta.token_ids, now, t_stop)
+                if clients is not None and delta.token_ids:
+                    clients.write(st.fd)
                 if delta.finish is not None:
                     del streams[delta.rid]
                     run.on_finish(st)
+                    if clients is not None:
+                        clients.free.append(st.fd)
                     if now < t_stop and run.started < spec.max_requests:
                         submit(now)
     wall = time.monotonic() - t0
     return run.summary(wall, time.process_time() - cpu0)
 
 
+def sink(port: int, n: int) -> int:
+    """The SSE floor's client: ``n`` connections read until closed; prints the bytes read."""
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    poller = select.epoll()
+    open_socks = {}
+    for sock in socks:
+        sock.setblocking(False)
+        poller.register(sock.fileno(), select.EPOLLIN)
+        open_socks[sock.fileno()] = sock
+    total = 0
+    while open_socks:
+        for fd, _ in poller.poll():
+            try:
+                data = os.read(fd, _SINK_READ)
+            except BlockingIOError:
+                continue
+            if data:
+                total += len(data)
+            else:
+                poller.unregister(fd)
+                open_socks.pop(fd).close()
+    print(total, flush=True)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--sink"]:
+        return sink(int(sys.argv[2]), int(sys.argv[3]))
     spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=FloorSpec)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -179,10 +278,18 @@ def main() -> int:
     pull.setsockopt(zmq.RCVHWM, 0)
     push.bind(spec.input_addr)
     pull.bind(spec.output_addr)
+    clients = SseClients(min(spec.concurrency, spec.max_requests)) if spec.sse else None
     print("BOUND", flush=True)
     if sys.stdin.readline().strip() != "GO":
         return 1
-    summary = run_floor(spec, push, pull)
+    summary = run_floor(spec, push, pull, clients)
+    if clients is not None:
+        summary["sse_bytes_written"] = clients.written
+        summary["sse_bytes_read"] = clients.close()
+        if summary["sse_bytes_read"] != clients.written:
+            summary["errors"].append(
+                f"the sink read {summary['sse_bytes_read']} of {clients.written} bytes written"
+            )
     sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
     push.close()
     pull.close()

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("smgd.bench")
 
 DEFAULT_TARGETS = ("smgd", "floor", "vllm")
+# floor-sse: the floor writing each delivery to a loopback TCP client as one SSE chunk: the
+# least any front end spends per token, its write included. On request only (one more mock).
 # smgd-flat: smgd with adaptive coalescing off (server.coalesce_max_ms = 0), every token its
 # own event: the baseline that shows, in one run, what coalescing buys under load. On request
 # only: at the default points the loop is rarely saturated, and it would add a minute.
@@ -42,6 +44,7 @@ DEFAULT_TARGETS = ("smgd", "floor", "vllm")
 # on request only: each starts two servers and two engines (minutes on this machine).
 TARGETS = (
     *DEFAULT_TARGETS,
+    "floor-sse",
     "smgd-flat",
     "smgd-tools",
     "smgd-tools-noparse",
@@ -100,8 +103,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--targets",
         type=_targets,
         default=list(DEFAULT_TARGETS),
-        help="comma-separated subset of smgd,smgd-flat,smgd-tools,smgd-tools-noparse,floor,vllm, "
-        "sglang-real,vllm-real, plus smgd-wN (N = 2..8 workers)",
+        help="comma-separated subset of smgd,smgd-flat,smgd-tools,smgd-tools-noparse,floor,"
+        "floor-sse,vllm,sglang-real,vllm-real, plus smgd-wN (N = 2..8 workers)",
     )
     parser.add_argument("--step-ms", type=float, default=20.0, help="mock engine step time")
     parser.add_argument("--max-batch", type=int, default=256, help="mock engine running batch")
@@ -213,9 +216,12 @@ async def run_all(
             work = t.run_smgd(workload, conc, log_dir, tools=True)
         elif name == "smgd-tools-noparse":
             work = t.run_smgd(workload, conc, log_dir, tools=True, parsers=False)
+        elif name in ("floor", "floor-sse"):
+            work = t.run_floor(workload, conc, log_dir, sse=name == "floor-sse")
+        elif name == "vllm":
+            work = vllm_frontend.run_vllm(workload, conc, log_dir)
         else:
-            runner = {"smgd": t.run_smgd, "floor": t.run_floor, "vllm": vllm_frontend.run_vllm}
-            work = runner[name](workload, conc, log_dir)
+            work = t.run_smgd(workload, conc, log_dir)
         points = await _guarded(work, name, failed)
         if points is not None:
             results[name] = [report.derive(p, workload) for p in points]

@@ -76,19 +76,20 @@ def _is_smgd(name: str) -> bool:
 
 def _baselines(name: str) -> list[str]:
     if name == "smgd":
-        return ["floor", "vllm", "smgd-flat"]
+        return ["floor", "floor-sse", "vllm", "smgd-flat"]
     if name == "smgd-tools":
-        return ["floor", "vllm", "smgd", "smgd-tools-noparse"]
-    return ["floor", "vllm", "smgd"]
+        return ["floor", "floor-sse", "vllm", "smgd", "smgd-tools-noparse"]
+    return ["floor", "floor-sse", "vllm", "smgd"]
 
 
 def ratios(targets: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """Each smgd target vs each baseline at equal concurrency: CPU per token, tok/s, TTFT p50.
 
-    Baselines are the floor and vLLM; for a several-worker target (``smgd-wN``) and the tools
-    workload (``smgd-tools``, ``smgd-tools-noparse``) also the plain one-process ``smgd`` of
-    the same run, for ``smgd-tools`` also its control without parsers (``smgd-tools-noparse``),
-    and for ``smgd`` the same with coalescing off (``smgd-flat``).
+    Baselines are the floors (``floor``, ``floor-sse``) and vLLM; for a several-worker target
+    (``smgd-wN``) and the tools workload (``smgd-tools``, ``smgd-tools-noparse``) also the
+    plain one-process ``smgd`` of the same run, for ``smgd-tools`` also its control without
+    parsers (``smgd-tools-noparse``), and for ``smgd`` the same with coalescing off
+    (``smgd-flat``).
     """
     out: list[dict[str, Any]] = []
     for name, points in targets.items():

@@ -8,6 +8,7 @@
 - ``smgd-tools-noparse``: the control: the same requests and reply on an engine without
   parsers, so the reply comes back as ``content`` (the chat path without the parsing).
 - ``floor``: the bare pyzmq decode loop of :mod:`smgd.bench.floor` on the same mock.
+- ``floor-sse``: the same loop writing each delivery to a loopback TCP client as an SSE chunk.
 - ``vllm``: vLLM's own OpenAI server with a headless mock engine (:mod:`smgd.bench.vllm_frontend`).
 
 Each target function yields one result dict per concurrency (see :mod:`smgd.bench.report`).
@@ -243,8 +244,9 @@ async def _wait_all_workers_ready(port: int, workers: int) -> None:
 
 
 async def _floor_point(
-    workload: Workload, prompt: Prompt, concurrency: int, skip_ids: str, log_dir: Path
+    workload: Workload, prompt: Prompt, concurrency: int, skip_ids: str, log_dir: Path, sse: bool
 ) -> dict[str, Any]:
+    name = f"floor{'-sse' if sse else ''}-c{concurrency}"
     with tempfile.TemporaryDirectory(prefix="smgdf-", dir="/tmp") as tmp:
         spec = FloorSpec(
             input_addr=f"ipc://{tmp}/in.sock",
@@ -256,9 +258,10 @@ async def _floor_point(
             duration_s=workload.duration_s,
             max_requests=workload.max_requests(concurrency),
             time_limit_s=workload.time_limit_s(concurrency),
+            sse=sse,
         )
         floor = await start(
-            f"floor-c{concurrency}",
+            name,
             [sys.executable, "-m", "smgd.bench.floor"],
             log_dir,
             stdin=subprocess.PIPE,
@@ -273,7 +276,7 @@ async def _floor_point(
             if await lines.next() != "BOUND":
                 raise RuntimeError(f"floor did not bind:\n{floor.tail()}")
             mock = await start(
-                f"floor-mock-c{concurrency}",
+                f"{name}-mock",
                 launch.mock_argv(
                     "sglang",
                     spec.input_addr,
@@ -320,7 +323,7 @@ class _LineReader:
 
 
 async def run_floor(
-    workload: Workload, concurrencies: Sequence[int], log_dir: Path
+    workload: Workload, concurrencies: Sequence[int], log_dir: Path, *, sse: bool = False
 ) -> list[dict[str, Any]]:
     from smgd.text.tokenizer import load_tokenizer
 
@@ -331,6 +334,6 @@ async def run_floor(
     skip = ",".join(map(str, sorted(load_tokenizer(model_dir).special_ids)))
     results = []
     for c in concurrencies:
-        log.info("floor point C=%d", c)
-        results.append(await _floor_point(workload, prompt, c, skip, log_dir))
+        log.info("floor point C=%d%s", c, " (SSE writes)" if sse else "")
+        results.append(await _floor_point(workload, prompt, c, skip, log_dir, sse))
     return results
