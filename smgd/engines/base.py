@@ -73,6 +73,13 @@ DECODE_ERROR_STREAK = 8
 # Frames taken off the output socket per wakeup. Bounded so the reader yields to consumers
 # between batches even when an engine floods us; 64 frames = dozens of engine steps.
 RECV_BATCH = 64
+# Rows the reader delivers between two yields. An engine message carries a row for every
+# running request: at C = 1,024 delivering one takes ~12 ms of the loop, and a request that
+# starts or ends meanwhile waits for it at every scheduler pass on its way (several between
+# one response's end and the next request's send), which cost C = 1,024 its delivered share
+# (docs/performance.md, "Issue 21, seventh pass"). A pass every 256 rows (~3 ms) lets them
+# through; a batch of at most 256 rows, every one below C = 256, is delivered without one.
+DELIVER_CHUNK = 256
 
 
 class EngineState(enum.Enum):
@@ -421,12 +428,14 @@ class EngineClient:
 
     async def _reader_task(self) -> None:
         sock = self._output_socket()
+        deliver = self.deliver
         while True:
             batch = await sock.recv_multipart_batch(RECV_BATCH)
             self._last_frame = trio.current_time()
+            delivered = 0  # rows since the last yield
             for frames in batch:
                 try:
-                    self._handle_frames(frames)
+                    deltas = self._decode_frames(frames)
                 except WireError as exc:
                     self._decode_errors += 1
                     self._decode_streak += 1
@@ -434,8 +443,19 @@ class EngineClient:
                     if self._decode_streak >= DECODE_ERROR_STREAK:
                         self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
                         return
-                else:
-                    self._decode_streak = 0
+                    continue
+                self._decode_streak = 0
+                if delivered + len(deltas) <= DELIVER_CHUNK:  # every message below C = 256
+                    for delta in deltas:
+                        deliver(delta)
+                    delivered += len(deltas)
+                    continue
+                for delta in deltas:
+                    if delivered >= DELIVER_CHUNK:
+                        await trio.lowlevel.checkpoint()
+                        delivered = 0
+                    deliver(delta)
+                    delivered += 1
             # No checkpoint here: the next receive yields before it returns a batch (it parks,
             # or it checkpoints after draining), so consumers run between two batches anyway,
             # and one scheduler pass fewer per engine step is measurable at C = 16 and 64
@@ -589,8 +609,16 @@ class EngineClient:
     def _encode_abort(self, rid: str) -> list[bytes]:
         raise NotImplementedError
 
-    def _handle_frames(self, frames: list[Any]) -> None:
+    def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
+        """One output message's deltas, to be delivered in order (the subclass's bookkeeping
+        of the message, such as health answers and queue times, done). Raises WireError."""
         raise NotImplementedError
+
+    def _handle_frames(self, frames: list[Any]) -> None:
+        """Decode one output message and deliver all of it now (tests; the reader task
+        delivers a large message in slices)."""
+        for delta in self._decode_frames(frames):
+            self.deliver(delta)
 
 
 def _check_vocabulary(ids: Sequence[int], vocab: int | None, param: str) -> None:

@@ -658,11 +658,11 @@ class HandshakeEngineClient(EngineClient):
         if delta.finish is not None and self.table is not None:
             self.table.release(delta.rid)
 
-    def _handle_frames(self, frames: list[Any]) -> None:
+    def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
         head = memoryview(frames[0])
         if head.nbytes == len(ENGINE_CORE_DEAD) and head == ENGINE_CORE_DEAD:
             self.die("the engine sent ENGINE_CORE_DEAD")
-            return
+            return ()
         batch = self._wire_outputs(frames)
         if batch.load is not None and self.table is not None:
             self.table.update_load(batch.engine_index, batch.load)
@@ -672,8 +672,7 @@ class HandshakeEngineClient(EngineClient):
                 stream = self._streams.get(rid)
                 if stream is not None:
                     stream.queued_s += waited
-        for delta in batch.deltas:
-            self.deliver(delta)
+        return batch.deltas
 
     def rank_statistics(self) -> list[dict[str, Any]]:
         """Per-rank in-flight count and last reported load (for /metrics and ops)."""

@@ -27,7 +27,7 @@ import zmq
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient
 from smgd.errors import EngineDead
-from smgd.wire.common import EmbedRequest, EngineInfo, EngineRequest
+from smgd.wire.common import EmbedRequest, EngineInfo, EngineRequest, TokenDelta
 from smgd.wire.sglang.decode import decode_output
 from smgd.wire.sglang.encode import (
     encode_abort,
@@ -252,20 +252,24 @@ class SglangEngineClient(EngineClient):
     def _encode_abort(self, rid: str) -> list[bytes]:
         return [encode_abort(rid)]
 
-    def _handle_frames(self, frames: list[Any]) -> None:
+    def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
         result = decode_output(memoryview(frames[0]))  # zero-copy over the zmq frame
         if isinstance(result, list):
             health = self._health_rid
+            if health is None:
+                return result
+            deltas = []
             for delta in result:
-                if health is not None and delta.rid == health:
+                if delta.rid == health:
                     self._health_done.set()
-                    continue
-                self.deliver(delta)
-            return
+                else:
+                    deltas.append(delta)
+            return deltas
         # A busy scheduler answers the oldest pending health check with a HealthCheckOutput
         # whose rid is None (seen live on 0.5.23), so any HealthCheckOutput is the answer.
         if self._health_rid is not None and isinstance(result, HealthCheckOutput):
             self._health_done.set()
+        return ()
 
 
 def _positive(value: object) -> int | None:
