@@ -118,3 +118,54 @@ async def test_a_decode_error_skips_its_message_and_the_rest_of_the_batch_is_del
     assert got == [("r0", [1])]
     assert client._decode_errors == 1
     assert client._decode_streak == 0
+
+
+async def test_first_outputs_go_first_in_a_message_delivered_in_slices() -> None:
+    n = 2 * DELIVER_CHUNK + 10
+    # As an engine orders a step: the running requests, then the ones it just admitted.
+    large = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(n)]
+    small = [TokenDelta(rid=f"r{i}", token_ids=[2]) for i in range(n - 3, n)]
+    client = _client(_messages(large, small))
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, n, got)
+    new = [f"r{i}" for i in range(n - 5, n)]
+    client._fresh.update(new)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(got) < n + len(small):
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    first = [(d.rid, d.token_ids) for d in large if d.rid in new]
+    rest = [(d.rid, d.token_ids) for d in large if d.rid not in new]
+    assert got == first + rest + [(d.rid, d.token_ids) for d in small]
+    assert not client._fresh  # they have had output now
+
+
+async def test_a_small_message_keeps_the_engines_order() -> None:
+    rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(DELIVER_CHUNK)]
+    client = _client(_messages(rows))
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, DELIVER_CHUNK, got)
+    client._fresh.add(f"r{DELIVER_CHUNK - 1}")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(got) < DELIVER_CHUNK:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert got == [(d.rid, d.token_ids) for d in rows]
+
+
+async def test_a_request_is_fresh_from_its_send_until_its_stream_closes() -> None:
+    from tests.engine_harness import collect, request, sglang_pair
+
+    async with sglang_pair() as pair:
+        client = pair.client
+        req = request("fresh-1", [5, 6, 7], max_tokens=3)
+        async with client.open_stream(req):
+            assert "fresh-1" in client._fresh
+        assert "fresh-1" not in client._fresh  # left before any output: closed, forgotten
+        ids, _ = await collect(client, request("fresh-2", [5, 6, 7], max_tokens=3))
+        assert len(ids) == 3
+        assert not client._fresh

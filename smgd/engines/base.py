@@ -157,6 +157,9 @@ class EngineClient:
         # rid -> the request parameter of its structured-output constraint, for the requests
         # that have one: an engine's refusal of the grammar becomes a 400 naming it.
         self._constrained: dict[str, str] = {}
+        # Requests sent and perhaps without output yet: their rows go first when the reader
+        # delivers a message in slices (a superset: cleared there and when a stream closes).
+        self._fresh: set[str] = set()
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[list[bytes]](math.inf)
         self._ready = trio.Event()
         self._dead = trio.Event()
@@ -352,6 +355,7 @@ class EngineClient:
             stream.queued_s = waited
             frames = self._encode_request(req)
             self._streams[req.rid] = stream
+            self._fresh.add(req.rid)
             if isinstance(req, GenerateRequest) and req.sampling.structured is not None:
                 self._constrained[req.rid] = req.sampling.structured.param
             self._requests_total += 1
@@ -362,6 +366,7 @@ class EngineClient:
             finally:
                 still_running = stream.state is StreamState.OPEN
                 self._streams.pop(req.rid, None)
+                self._fresh.discard(req.rid)
                 self._constrained.pop(req.rid, None)
                 if still_running:
                     stream.state = StreamState.CLOSED
@@ -450,6 +455,8 @@ class EngineClient:
                         deliver(delta)
                     delivered += len(deltas)
                     continue
+                if self._fresh:
+                    deltas = self._first_outputs_first(deltas)
                 for delta in deltas:
                     if delivered >= DELIVER_CHUNK:
                         await trio.lowlevel.checkpoint()
@@ -460,6 +467,21 @@ class EngineClient:
             # or it checkpoints after draining), so consumers run between two batches anyway,
             # and one scheduler pass fewer per engine step is measurable at C = 16 and 64
             # (docs/performance.md, "Issue 21, fourth pass").
+
+    def _first_outputs_first(self, deltas: Sequence[TokenDelta]) -> Sequence[TokenDelta]:
+        """``deltas`` with the rows of requests that had no output yet moved to the front
+        (in order; rows of one request keep theirs). An engine puts a step's new requests
+        after its running ones; delivered in slices, their first tokens would wait for every
+        slice before them (docs/performance.md, "Issue 21, seventh pass")."""
+        fresh = self._fresh
+        first: list[TokenDelta] = []
+        rest: list[TokenDelta] = []
+        for delta in deltas:
+            (first if delta.rid in fresh else rest).append(delta)
+        if not first:
+            return deltas
+        fresh.difference_update(delta.rid for delta in first)
+        return first + rest
 
     async def _sender_task(self) -> None:
         sock = self._input_socket()
