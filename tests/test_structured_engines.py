@@ -97,6 +97,12 @@ def open_request(engine: EngineClient, req: GenerateRequest) -> RequestStream:
     return stream
 
 
+def handle(engine: EngineClient, frames: list[Any]) -> None:
+    """One output message decoded and delivered, as the reader task does."""
+    for delta in engine._decode_frames(frames):
+        engine.deliver(delta)
+
+
 def finish_of(stream: RequestStream) -> Finish:
     delta = stream.receive_nowait()
     assert delta is not None
@@ -173,7 +179,7 @@ def test_a_refused_grammar_is_a_400_naming_the_param(
     if isinstance(engine, VllmEngineClient):
         engine._wire_add(request("r1"))  # registers the per-request state it completes
     stream = open_request(engine, request("r1"))
-    engine._handle_frames(frames("r1"))
+    handle(engine, frames("r1"))
     finish = finish_of(stream)
     assert (finish.reason, finish.status_code, finish.param) == (
         FinishReason.ABORT,
@@ -203,7 +209,7 @@ def test_the_same_finish_of_an_unconstrained_request_is_left_alone(
     if isinstance(engine, VllmEngineClient):
         engine._wire_add(request("r1", structured=None))
     stream = open_request(engine, request("r1", structured=None))
-    engine._handle_frames(frames("r1"))
+    handle(engine, frames("r1"))
     assert finish_of(stream).param is None
 
 
@@ -213,8 +219,8 @@ def test_a_vllm_error_after_tokens_is_not_about_the_grammar() -> None:
     assert isinstance(engine, VllmEngineClient)
     engine._wire_add(request("r1"))
     stream = open_request(engine, request("r1"))
-    engine._handle_frames(encode_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r1", [5])])))
-    engine._handle_frames(vllm_error("r1"))
+    handle(engine, encode_outputs(EngineCoreOutputs(outputs=[EngineCoreOutput("r1", [5])])))
+    handle(engine, vllm_error("r1"))
     delta = stream.receive_nowait()
     assert delta is not None and delta.token_ids == [5]
     assert delta.finish is not None
@@ -225,14 +231,14 @@ def test_other_sglang_aborts_of_a_constrained_request_are_left_alone() -> None:
     engine = client(WireFamily.SGLANG)
     stream = open_request(engine, request("r1"))
     other = Finish(reason=FinishReason.ABORT, message="Input too long", status_code=400)
-    engine._handle_frames(sglang_abort("r1", other))
+    handle(engine, sglang_abort("r1", other))
     assert finish_of(stream) == other
 
 
 def test_a_finish_for_one_request_touches_no_other() -> None:
     engine = client(WireFamily.SGLANG)
     first, second = open_request(engine, request("r1")), open_request(engine, request("r2"))
-    engine._handle_frames(sglang_abort("r1", SGLANG_GRAMMAR_ABORT))
+    handle(engine, sglang_abort("r1", SGLANG_GRAMMAR_ABORT))
     assert finish_of(first).param == "response_format"
     engine.deliver(TokenDelta(rid="r2", token_ids=[9], finish=Finish(reason=FinishReason.LENGTH)))
     assert finish_of(second) == Finish(reason=FinishReason.LENGTH)

@@ -636,12 +636,6 @@ class EngineClient:
         of the message, such as health answers and queue times, done). Raises WireError."""
         raise NotImplementedError
 
-    def _handle_frames(self, frames: list[Any]) -> None:
-        """Decode one output message and deliver all of it now (tests; the reader task
-        delivers a large message in slices)."""
-        for delta in self._decode_frames(frames):
-            self.deliver(delta)
-
 
 def _check_vocabulary(ids: Sequence[int], vocab: int | None, param: str) -> None:
     """A 400 naming ``param`` for the first token id outside the engine's vocabulary."""
