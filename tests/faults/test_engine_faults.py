@@ -10,6 +10,8 @@ import httpx
 import pytest
 import trio
 
+from smgd.engines.base import DELIVER_CHUNK
+
 from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream, until
 
 if TYPE_CHECKING:
@@ -70,6 +72,36 @@ async def test_engine_kill9_under_load_ends_every_stream_then_recovers(tmp_path:
         await daemon.wait_ready()
         (relaunched,) = daemon.engine_pids()
         assert relaunched != engine
+        after = await stream(client, "m", "hello again", 8)
+        assert after.error is None and after.done and len(after.chunks) == 8
+
+
+async def test_engine_kill9_while_its_messages_are_delivered_in_slices(tmp_path: Path) -> None:
+    """More streams than one slice: every engine message is delivered in slices, with passes
+    of the loop between them, when the engine dies. Every stream still ends with the error."""
+    n = DELIVER_CHUNK + 44
+    engine_toml = mock_engine_toml("e0", "m", step_ms=STEP_MS) + f"max_batch = {2 * n}\n"
+    async with (
+        serve(tmp_path, daemon_toml(engine_toml)) as daemon,
+        httpx.AsyncClient(
+            base_url=daemon.url,
+            timeout=60,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        ) as client,
+    ):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                results = start_streams(client, nursery, n)
+                await all_under_way(results)
+                (engine,) = daemon.engine_pids()
+                os.kill(engine, signal.SIGKILL)
+        for outcome in results:
+            assert outcome.status == 200
+            assert outcome.error is not None, outcome
+            assert outcome.error["type"] == "engine_error"
+            assert outcome.done and outcome.body_complete
+            assert 0 < len(outcome.chunks) < LONG
+        await daemon.wait_ready()
         after = await stream(client, "m", "hello again", 8)
         assert after.error is None and after.done and len(after.chunks) == 8
 
