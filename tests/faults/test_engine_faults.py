@@ -12,7 +12,15 @@ import trio
 
 from smgd.engines.base import DELIVER_CHUNK
 
-from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream, until
+from .harness import (
+    Daemon,
+    StreamOutcome,
+    daemon_toml,
+    mock_engine_toml,
+    serve,
+    stream,
+    until,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,24 +57,39 @@ async def all_under_way(outcomes: list[StreamOutcome]) -> None:
     await until(under_way, 30)
 
 
+async def kill9_under_load(
+    daemon: Daemon, client: httpx.AsyncClient, n: int
+) -> tuple[list[StreamOutcome], int, float]:
+    """``n`` long streams; once all are under way, SIGKILL the engine. Returns when every
+    stream has ended: their outcomes, the killed pid and when it was killed."""
+    async with trio.open_nursery() as nursery:
+        results = start_streams(client, nursery, n)
+        await all_under_way(results)
+        (engine,) = daemon.engine_pids()
+        os.kill(engine, signal.SIGKILL)
+        killed_at = trio.current_time()
+    return results, engine, killed_at
+
+
+def ended_by_the_engine_error(outcome: StreamOutcome) -> None:
+    """A stream cut short by its engine's death: a 200 whose body ends with an error event,
+    [DONE] and the chunked terminator, after some but not all of its tokens."""
+    assert outcome.status == 200
+    assert outcome.error is not None, outcome
+    assert outcome.error["type"] == "engine_error"
+    assert outcome.done and outcome.body_complete
+    assert 0 < len(outcome.chunks) < LONG
+
+
 async def test_engine_kill9_under_load_ends_every_stream_then_recovers(tmp_path: Path) -> None:
     config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
         with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                results = start_streams(client, nursery, STREAMS)
-                await all_under_way(results)
-                (engine,) = daemon.engine_pids()
-                os.kill(engine, signal.SIGKILL)
-                killed_at = trio.current_time()
+            results, engine, killed_at = await kill9_under_load(daemon, client, STREAMS)
         # Every stream ended within a second of the kill, each with an error event and [DONE].
         for outcome in results:
             assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
-            assert outcome.status == 200
-            assert outcome.error is not None, outcome
-            assert outcome.error["type"] == "engine_error"
-            assert outcome.done and outcome.body_complete
-            assert 0 < len(outcome.chunks) < LONG
+            ended_by_the_engine_error(outcome)
         # Not ready while the engine is down; ready again (a new process) after relaunch.
         assert (await client.get("/readiness")).status_code == 503
         await daemon.wait_ready()
@@ -90,17 +113,9 @@ async def test_engine_kill9_while_its_messages_are_delivered_in_slices(tmp_path:
         ) as client,
     ):
         with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                results = start_streams(client, nursery, n)
-                await all_under_way(results)
-                (engine,) = daemon.engine_pids()
-                os.kill(engine, signal.SIGKILL)
+            results, _, _ = await kill9_under_load(daemon, client, n)
         for outcome in results:
-            assert outcome.status == 200
-            assert outcome.error is not None, outcome
-            assert outcome.error["type"] == "engine_error"
-            assert outcome.done and outcome.body_complete
-            assert 0 < len(outcome.chunks) < LONG
+            ended_by_the_engine_error(outcome)
         await daemon.wait_ready()
         after = await stream(client, "m", "hello again", 8)
         assert after.error is None and after.done and len(after.chunks) == 8
