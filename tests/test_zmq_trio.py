@@ -173,6 +173,81 @@ async def test_slow_consumer_sender_far_ahead_no_loss(
     assert push.statistics().waits > 0  # ...until backpressure parked it
 
 
+# -- the armed receive --------------------------------------------------------------------------
+
+
+def count_events_reads(sock: TrioSocket) -> list[int]:
+    """Wrap ``sock``'s EVENTS reads; the returned list grows by one per read."""
+    reads: list[int] = []
+    getsockopt = sock._getsockopt
+
+    def counting(option: int) -> int:
+        if option == zmq.EVENTS:
+            reads.append(option)
+        return getsockopt(option)
+
+    sock._getsockopt = counting
+    return reads
+
+
+async def test_a_receive_after_a_batch_parks_first_and_misses_nothing(
+    pair: tuple[TrioSocket, TrioSocket],
+) -> None:
+    push, pull = pair
+    reads = count_events_reads(pull)
+    extra_reads: list[int] = []  # per batch: EVENTS reads beyond one per message
+    got: list[int] = []
+
+    async def receiver() -> None:
+        while len(got) < 40:
+            before = len(reads)
+            batch = await pull.recv_multipart_batch()
+            got.extend(num(m[0]) for m in batch)
+            extra_reads.append(len(reads) - before - len(batch))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receiver)
+            for i in range(40):
+                if i % 2:
+                    # Sent while the receiver is parked (an engine step between two idle
+                    # gaps) ...
+                    await trio.testing.wait_all_tasks_blocked()
+                    await push.send_multipart([frame(i)])
+                else:
+                    # ... or while it is between two batches (a step that arrives during
+                    # delivery): the FD armed by the last batch must still report it.
+                    await push.send_multipart([frame(i)])
+                    await trio.sleep(0.002)  # let the I/O thread hand it over
+    assert got == list(range(40))
+    # After the first batch each one ends on an EVENTS read that said "none", so the next
+    # parks at once: one read per message that says "a message", one that says "no more".
+    # (Reading EVENTS before parking, and again after waking, made it four more.)
+    assert extra_reads[1:] == [1] * (len(extra_reads) - 1)
+
+
+async def test_any_other_call_on_the_socket_disarms_the_next_receive(
+    ctx: Ctx, tmp_path: Path
+) -> None:
+    # A send on a two-way socket processes its mailbox, which clears the FD's signal for a
+    # message that arrived meanwhile. A receive that still parked first would wait forever.
+    ep = ipc_endpoint(tmp_path / "d.sock")
+    async with (
+        open_socket(zmq.PAIR, context=ctx) as ours,
+        open_socket(zmq.PAIR, context=ctx) as peer,
+    ):
+        ours.socket.bind(ep)
+        peer.socket.connect(ep)
+        with trio.fail_after(10):
+            await peer.send_multipart([frame(1)])
+            assert [num(m[0]) for m in await ours.recv_multipart_batch()] == [1]
+            await peer.send_multipart([frame(2)])
+            await trio.sleep(0.05)  # the message is queued and the FD signalled
+            ours.send_multipart_nowait([frame(9)])  # eats the signal
+            assert [num(m[0]) for m in await ours.recv_multipart_batch()] == [2]
+            assert num((await peer.recv_multipart())[0]) == 9
+
+
 # -- cancellation -----------------------------------------------------------------------------
 
 
