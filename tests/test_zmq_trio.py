@@ -11,7 +11,7 @@ import os
 import random
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,16 +34,25 @@ def ctx() -> Iterator[Ctx]:
     context.destroy(linger=0)
 
 
+@asynccontextmanager
+async def bound_and_connected(
+    ctx: Ctx, ep: str, bound_type: int, connecting_type: int
+) -> AsyncIterator[tuple[TrioSocket, TrioSocket]]:
+    """(bound, connecting): a socket of ``bound_type`` bound on ``ep``, one connected to it."""
+    async with (
+        open_socket(bound_type, context=ctx) as bound,
+        open_socket(connecting_type, context=ctx) as connecting,
+    ):
+        bound.socket.bind(ep)
+        connecting.socket.connect(ep)
+        yield bound, connecting
+
+
 @pytest.fixture
 async def pair(ctx: Ctx, tmp_path: Path) -> AsyncIterator[tuple[TrioSocket, TrioSocket]]:
     """(push, pull): PULL bound on ipc, PUSH connected."""
     ep = ipc_endpoint(tmp_path / "p.sock")
-    async with (
-        open_socket(zmq.PULL, context=ctx) as pull,
-        open_socket(zmq.PUSH, context=ctx) as push,
-    ):
-        pull.socket.bind(ep)
-        push.socket.connect(ep)
+    async with bound_and_connected(ctx, ep, zmq.PULL, zmq.PUSH) as (pull, push):
         yield push, pull
 
 
@@ -232,12 +241,7 @@ async def test_any_other_call_on_the_socket_disarms_the_next_receive(
     # A send on a two-way socket processes its mailbox, which clears the FD's signal for a
     # message that arrived meanwhile. A receive that still parked first would wait forever.
     ep = ipc_endpoint(tmp_path / "d.sock")
-    async with (
-        open_socket(zmq.PAIR, context=ctx) as ours,
-        open_socket(zmq.PAIR, context=ctx) as peer,
-    ):
-        ours.socket.bind(ep)
-        peer.socket.connect(ep)
+    async with bound_and_connected(ctx, ep, zmq.PAIR, zmq.PAIR) as (ours, peer):
         with trio.fail_after(10):
             await peer.send_multipart([frame(1)])
             assert [num(m[0]) for m in await ours.recv_multipart_batch()] == [1]
