@@ -395,23 +395,30 @@ async def spawn(
         raise TransportError(f"engine {name}: cannot launch {argv[0]!r}: {exc.strerror}") from None
     proc = Process(popen)
     child = Child(name, proc, pid_file)
-    stat = proc_stat(proc.pid)
-    if pid_file is not None and stat is not None:
-        record = PidRecord(
-            engine=name,
-            pid=proc.pid,
-            start=stat.start,
-            smgd_pid=os.getpid(),
-            smgd_start=_own_start(),
-            command=" ".join(argv),
-        )
-        try:
-            write_pid_file(pid_file, record)
-        except OSError as exc:
-            log.warning("[%s] cannot write pid file %s: %s", name, pid_file, exc)
-    nursery.start_soon(child._pump, proc.stdout, "stdout")
-    nursery.start_soon(child._pump, proc.stderr, "stderr")
-    await trio.lowlevel.checkpoint()
+    try:
+        stat = proc_stat(proc.pid)
+        if pid_file is not None and stat is not None:
+            record = PidRecord(
+                engine=name,
+                pid=proc.pid,
+                start=stat.start,
+                smgd_pid=os.getpid(),
+                smgd_start=_own_start(),
+                command=" ".join(argv),
+            )
+            try:
+                write_pid_file(pid_file, record)
+            except OSError as exc:
+                log.warning("[%s] cannot write pid file %s: %s", name, pid_file, exc)
+        nursery.start_soon(child._pump, proc.stdout, "stdout")
+        nursery.start_soon(child._pump, proc.stderr, "stderr")
+        await trio.lowlevel.checkpoint()
+    except BaseException:
+        # Cancelled after the fork (a shutdown or reload while an engine is relaunched): the
+        # caller never gets the child, so nothing else would ever stop or reap it.
+        with trio.CancelScope(shield=True):
+            await child.stop()
+        raise
     return child
 
 

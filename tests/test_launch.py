@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -323,3 +324,27 @@ async def test_a_missing_program_is_a_launch_error_not_an_exit_code() -> None:
     async with trio.open_nursery() as nursery:
         with pytest.raises(TransportError, match="cannot launch '/nonexistent/engine'"):
             await launch.spawn(nursery, "e0", ["/nonexistent/engine"])
+
+
+async def test_a_spawn_cancelled_after_the_fork_stops_and_reaps_what_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shutdown that lands while an engine is being relaunched must not leave it running."""
+    started: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        popen = real_popen(*args, **kwargs)
+        started.append(popen)
+        return popen
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    pid_file = short_ipc_dir() / PID_FILE
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope:
+            scope.cancel()  # spawn's first checkpoint comes after the fork
+            await launch.spawn(nursery, "e0", ["sleep", "60"], pid_file=pid_file)
+    assert scope.cancelled_caught
+    [popen] = started
+    assert popen.returncode == -signal.SIGTERM  # stopped and reaped, not left to __del__
+    assert not pid_file.exists()
