@@ -124,7 +124,7 @@ def _saturate(monkeypatch: pytest.MonkeyPatch, window_s: float) -> None:
 
     def saturated(pacer: LoadPacer, lag_s: float, periods: int = 1, busy: float = 1.0) -> float:
         pacer.lag_s = pacer.sustained_lag_s = 1.0
-        pacer.window_s = window_s
+        pacer.window_s = pacer.direct_window_s = window_s
         return pacer.window_s
 
     monkeypatch.setattr(LoadPacer, "observe", saturated)

@@ -172,6 +172,36 @@ def test_the_table_path_costs_no_decoder_call(monkeypatch: pytest.MonkeyPatch) -
     assert calls == []
 
 
+def test_an_id_met_before_comes_from_the_shared_cache_with_the_same_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fresh = load_tokenizer(TINY_MODEL_DIR)  # its own vocabulary, so its own empty cache
+    assert fresh.byte_level is not None
+    ids = fresh.encode("Café 🦀 ok, café 🦀 ok", add_special_tokens=False)
+    cold = IncrementalDetokenizer(fresh)
+    first = [cold.push([i]) for i in ids]
+    whole = fresh.byte_level.whole_texts(True)
+    table = fresh.byte_level.table(True)
+    # Cached: ids whose bytes alone are whole characters, with that text; never a byte of 🦀.
+    assert whole
+    assert all(text == table[i].decode() and text[-1] != "\ufffd" for i, text in whole.items())
+    assert not any(table[i] in "🦀".encode() for i in whole)
+    assert fresh.byte_level.whole_texts(False) == {}  # the other table's cache is its own
+    decoded: list[int] = []
+    warm = IncrementalDetokenizer(fresh)
+    first_time = warm._first_time
+
+    def recording(token_id: int, piece: bytes) -> str:
+        decoded.append(token_id)
+        return first_time(token_id, piece)
+
+    monkeypatch.setattr(warm, "_first_time", recording)
+    second = [warm.push([i]) for i in ids]
+    assert second == first  # the same piece from every push
+    assert "".join(second) + warm.flush() == fresh.decode(ids)
+    assert decoded and not set(decoded) & set(whole)  # only ids the cache cannot hold
+
+
 class _Refuse:
     def __init__(self, calls: list[Any]) -> None:
         self._calls = calls

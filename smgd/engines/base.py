@@ -569,6 +569,8 @@ class EngineClient:
         """Route one decoded delta to its stream (called by the subclass's frame handler)."""
         stream = self._streams.get(delta.rid)
         if stream is None:
+            if delta.finish is not None:
+                self._forget(delta.rid)
             return  # finished or aborted locally already; late frames are expected
         n = len(delta.token_ids)
         self._tokens_total += n
@@ -578,6 +580,13 @@ class EngineClient:
         stream.push(delta)
         if delta.finish is not None:
             del self._streams[delta.rid]
+            self._forget(delta.rid)
+
+    def _forget(self, rid: str) -> None:
+        """Request ``rid`` ended (its final delta came): drop what the wire client kept of it.
+
+        A hook rather than an override of :meth:`deliver`, which runs once per token. Default:
+        nothing kept."""
 
     def _name_refused_constraint(self, delta: TokenDelta) -> None:
         """A constrained request the engine ended because of its grammar (no backend, a schema

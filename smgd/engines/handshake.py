@@ -653,10 +653,9 @@ class HandshakeEngineClient(EngineClient):
         rank = self.table.release(rid) or self.table.ranks[0]
         return [rank.identity, *self._wire_abort(rid)]
 
-    def deliver(self, delta: TokenDelta) -> None:
-        super().deliver(delta)
-        if delta.finish is not None and self.table is not None:
-            self.table.release(delta.rid)
+    def _forget(self, rid: str) -> None:
+        if self.table is not None:
+            self.table.release(rid)
 
     def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
         head = memoryview(frames[0])

@@ -28,6 +28,13 @@ class StreamState(enum.Enum):
     CLOSED = "closed"  # the consumer closed it (abort sent by the owner)
 
 
+# The members as module constants, for the reader's per-token path: on Python 3.11 reading a
+# member off its enum class goes through a descriptor (~150 ns a read, measured; ~35 ns on
+# 3.12), and push() tests the state twice per token.
+_OPEN = StreamState.OPEN
+_FINISHED = StreamState.FINISHED
+
+
 class RequestStream:
     """Output of one engine request, as the consumer sees it."""
 
@@ -55,13 +62,13 @@ class RequestStream:
 
     # ---- producer side (reader task; synchronous, never blocks)
     def push(self, delta: TokenDelta) -> None:
-        if self.state is not StreamState.OPEN:
+        if self.state is not _OPEN:
             return
         if delta.finish is not None:
-            self.state = StreamState.FINISHED
+            self.state = _FINISHED
         sink = self.sink
         if sink is not None and self._pending is None and sink(delta):
-            if self.state is not StreamState.OPEN:
+            if self.state is not _OPEN:
                 self._wake()
             return
         if self._pending is None:

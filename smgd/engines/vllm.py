@@ -122,6 +122,7 @@ class VllmEngineClient(HandshakeEngineClient):
         return encode_abort([rid])
 
     def _forget(self, rid: str) -> None:
+        super()._forget(rid)
         self._meta.pop(rid, None)
         self._logprobs_k.pop(rid, None)
 
@@ -163,11 +164,6 @@ class VllmEngineClient(HandshakeEngineClient):
         if delta.finish.reason is FinishReason.ERROR and meta is not None and not meta.generated:
             return "its grammar backend failed to compile it (vLLM sends no reason; see its log)"
         return None
-
-    def deliver(self, delta: TokenDelta) -> None:
-        super().deliver(delta)
-        if delta.finish is not None:
-            self._forget(delta.rid)
 
     def die(self, reason: str) -> None:
         super().die(reason)

@@ -72,7 +72,7 @@ def token_bytes(token: str) -> bytes:
 class ByteLevelVocab:
     """Token id -> bytes, one table with special tokens and one without (skipped)."""
 
-    __slots__ = ("size", "with_special", "without_special")
+    __slots__ = ("_whole", "size", "with_special", "without_special")
 
     def __init__(self, with_special: list[bytes], special_ids: frozenset[int]) -> None:
         self.size = len(with_special)
@@ -80,9 +80,20 @@ class ByteLevelVocab:
         self.without_special = [
             b"" if i in special_ids else piece for i, piece in enumerate(with_special)
         ]
+        # Per skip_special_tokens: see whole_texts().
+        self._whole: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def table(self, skip_special_tokens: bool) -> list[bytes]:
         return self.without_special if skip_special_tokens else self.with_special
+
+    def whole_texts(self, skip_special_tokens: bool) -> dict[int, str]:
+        """A cache the detokenizers share and fill: id -> its text, for ids whose bytes alone
+        are whole characters (non-empty text, not ending in a partial one).
+
+        Filled as ids occur, not up front: text for every id of a 128k vocabulary would hold
+        ~8 MB, most of it for ids a deployment never generates.
+        """
+        return self._whole[skip_special_tokens]
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         """What the tokenizer's ``decode`` returns (ids outside the vocabulary decode to

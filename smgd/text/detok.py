@@ -69,6 +69,7 @@ class IncrementalDetokenizer:
         )
         # The byte table and the bytes of ids[_emitted:] (on the table's path only).
         self._table = None if byte_level is None else byte_level.table(skip_special_tokens)
+        self._whole = {} if byte_level is None else byte_level.whole_texts(skip_special_tokens)
         self._held = b""
         # A byte-level text does not depend on the ids before it: no priming.
         prime = self._prime_ids(prompt_ids) if prompt_ids and self._table is None else []
@@ -111,19 +112,22 @@ class IncrementalDetokenizer:
         table = self._table
         if table is not None:
             # Ids outside the table decode to nothing, as in the tokenizer's own decode.
-            size = len(table)
             if len(token_ids) == 1:  # nearly every step
                 token_id = token_ids[0]
-                held = self._held + table[token_id] if 0 <= token_id < size else self._held
+                if not self._held:
+                    # Nearly every token of most text: an id that is whole characters alone,
+                    # met before. Its text without a bytes join and a UTF-8 decode.
+                    whole = self._whole.get(token_id)
+                    if whole is not None:
+                        self._emitted = len(self._ids)
+                        return whole
+                    if 0 <= token_id < len(table):
+                        return self._first_time(token_id, table[token_id])
+                held = self._held + table[token_id] if 0 <= token_id < len(table) else self._held
             else:
+                size = len(table)
                 held = self._held + b"".join([table[i] for i in token_ids if 0 <= i < size])
-            text = held.decode("utf-8", "replace")
-            if not text or text[-1] == _REPLACEMENT:  # nothing yet, or inside a character
-                self._held = held
-                return ""
-            self._held = b""
-            self._emitted = len(self._ids)
-            return text
+            return self._decode_held(held)
         if self._stream is not None:
             try:
                 # The wire decoders give lists; anything else is copied into one.
@@ -136,6 +140,24 @@ class IncrementalDetokenizer:
             self._emitted = len(self._ids)
             return step
         return self._fallback_step()
+
+    def _decode_held(self, held: bytes) -> str:
+        """The text of the held bytes plus the new ones (table path), unless it would end
+        inside a character: then they are all held and the text is ``""``."""
+        text = held.decode("utf-8", "replace")
+        if not text or text[-1] == _REPLACEMENT:  # nothing yet, or inside a character
+            self._held = held
+            return ""
+        self._held = b""
+        self._emitted = len(self._ids)
+        return text
+
+    def _first_time(self, token_id: int, piece: bytes) -> str:
+        """:meth:`_decode_held` of one id with nothing held, which fills the shared cache."""
+        text = self._decode_held(piece)
+        if text:
+            self._whole[token_id] = text
+        return text
 
     def push_each(self, token_ids: Sequence[int]) -> list[str]:
         """``push`` of each id in turn: the text each one completed, in order.

@@ -119,6 +119,16 @@ class LoadPacer:
         self.lag_s = 0.0
         self.sustained_lag_s = 0.0  # the slow average (SUSTAINED_SMOOTHING)
         self.window_s = 0.0
+        # The window for direct-mode streams: open only while the loop stays saturated.
+        #
+        # A direct event skips the task switch and the ASGI stack (~63 against ~80 µs of CPU
+        # per event, measured as in the module's docstring). Holding it back still saves CPU,
+        # but stretches inter-token gaps: worth it once the loop cannot keep up at all, not
+        # below that, nor in a burst of new requests, which lags the loop for a moment and
+        # which held events only slowed (:data:`SUSTAINED_SMOOTHING`). So the gate is the slow
+        # average of the lag, not the window's. An attribute set by :meth:`observe`, not a
+        # property: every direct-mode token reads it (a property costs ~0.1 µs a read).
+        self.direct_window_s = 0.0
         # Tick number (time // PROBE_S) -> streams to wake at that tick. At most
         # max_window_s / PROBE_S + 1 buckets exist at once (16 for the 150 ms default).
         self._buckets: dict[int, trio.lowlevel.ParkingLot] = {}
@@ -130,19 +140,6 @@ class LoadPacer:
         # resting), which a tick due sooner pulls in.
         self._long_probe: trio.CancelScope | None = None
         self._busy = 1.0  # the loop thread's CPU share over the last probe
-
-    @property
-    def direct_window_s(self) -> float:
-        """The window for direct-mode streams: open only while the loop stays saturated.
-
-        A direct event skips the task switch and the ASGI stack (~63 against ~80 µs of CPU
-        per event, measured as in the module's docstring). Holding it back still saves CPU,
-        but stretches inter-token gaps: worth it once the loop cannot keep up at all, not
-        below that, nor in a burst of new requests, which lags the loop for a moment and which
-        held events only slowed (:data:`SUSTAINED_SMOOTHING`). So the gate is the slow
-        average of the lag, not the window's.
-        """
-        return self.window_s if self.sustained_lag_s >= DIRECT_LAG_S else 0.0
 
     @property
     def ticking(self) -> bool:
@@ -266,6 +263,7 @@ class LoadPacer:
         self.sustained_lag_s += SUSTAINED_SMOOTHING * (lag_s - self.sustained_lag_s)
         fraction = (self.lag_s - LAG_LOW_S) / (LAG_HIGH_S - LAG_LOW_S)
         self.window_s = self.max_window_s * min(max(fraction, 0.0), 1.0)
+        self.direct_window_s = self.window_s if self.sustained_lag_s >= DIRECT_LAG_S else 0.0
         return self.window_s
 
     async def run(self) -> None:

@@ -197,8 +197,10 @@ class Choice:
         ids = delta.token_ids
         counted = self.completion_tokens
         self.completion_tokens += len(ids)
-        if delta.completion_tokens is not None:
-            self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
+        reported = delta.completion_tokens
+        # Not max(): a builtin call with two arguments costs ~0.2 µs, per token here.
+        if reported is not None and reported > self.completion_tokens:
+            self.completion_tokens = reported
         if delta.cached_tokens is not None:
             self.cached_tokens = delta.cached_tokens
         if delta.prompt_tokens is not None:

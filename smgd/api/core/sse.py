@@ -91,14 +91,17 @@ class ChunkFormat:
 
         The event of nearly every token, so both sides of the text are built once per choice.
         """
-        events = self._text_events
-        while len(events) <= index:
-            # chunk() itself, cut around its empty text: the layout has one source. Only
-            # constant keys follow the text, so its '""' is the last one in the event.
-            whole = self.chunk(len(events), "")
-            cut = whole.rindex(b'""')
-            events.append((whole[:cut], whole[cut + 2 :]))
-        before, after = events[index]
+        try:
+            before, after = self._text_events[index]
+        except IndexError:  # the choice's first text event (a try costs nothing otherwise)
+            events = self._text_events
+            while len(events) <= index:
+                # chunk() itself, cut around its empty text: the layout has one source. Only
+                # constant keys follow the text, so its '""' is the last one in the event.
+                whole = self.chunk(len(events), "")
+                cut = whole.rindex(b'""')
+                events.append((whole[:cut], whole[cut + 2 :]))
+            before, after = events[index]
         return before + _encoder.encode(text) + after
 
     def reasoning_event(self, index: int, text: str) -> bytes:

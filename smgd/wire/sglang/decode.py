@@ -251,7 +251,8 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
             token_ids=ext_to_ids(outs[i]) if outs is not None else [],
             logprobs=_logprobs(head, i, n) if want_logprobs else None,
             prompt_logprobs=_prompt_logprobs(head, i, n) if want_prompt else None,
-            finish=finish_from_wire(reasons[i]),
+            # The None test inline: a running request (nearly every row) costs no call.
+            finish=None if reasons[i] is None else finish_from_wire(reasons[i]),
             prompt_tokens=prompt[i],
             completion_tokens=completion[i],
             cached_tokens=cached[i],
