@@ -67,10 +67,15 @@ class IncrementalDetokenizer:
         byte_level = (
             tokenizer.byte_level if use_byte_table and isinstance(tokenizer, Tokenizer) else None
         )
-        # The byte table and the bytes of ids[_emitted:] (on the table's path only).
+        # The byte table, and the ids whose text is not out yet with their bytes (on the table's
+        # path only). That path keeps no list of every id: a token's append to a per-request
+        # list is a cache line more per token, cold after an engine step, and the held ids
+        # (a character split across tokens) are all flush() needs.
         self._table = None if byte_level is None else byte_level.table(skip_special_tokens)
         self._whole = {} if byte_level is None else byte_level.whole_texts(skip_special_tokens)
         self._held = b""
+        self._held_ids: list[int] = []
+        self._table_count = 0  # ids pushed on the table's path
         # A byte-level text does not depend on the ids before it: no priming.
         prime = self._prime_ids(prompt_ids) if prompt_ids and self._table is None else []
         self._ids: list[int] = list(prime)  # primed prompt suffix + every output id
@@ -86,7 +91,7 @@ class IncrementalDetokenizer:
     @property
     def num_tokens(self) -> int:
         """Output ids pushed so far."""
-        return len(self._ids) - self._base
+        return self._table_count + len(self._ids) - self._base
 
     @property
     def using_fallback(self) -> bool:
@@ -108,18 +113,17 @@ class IncrementalDetokenizer:
         """Add new output ids; return the newly completed text (possibly ``""``)."""
         if not token_ids:
             return ""
-        self._ids.extend(token_ids)
         table = self._table
         if table is not None:
+            self._table_count += len(token_ids)
             # Ids outside the table decode to nothing, as in the tokenizer's own decode.
             if len(token_ids) == 1:  # nearly every step
                 token_id = token_ids[0]
-                if not self._held:
+                if not self._held_ids:
                     # Nearly every token of most text: an id that is whole characters alone,
                     # met before. Its text without a bytes join and a UTF-8 decode.
                     whole = self._whole.get(token_id)
                     if whole is not None:
-                        self._emitted = len(self._ids)
                         return whole
                     if 0 <= token_id < len(table):
                         return self._first_time(token_id, table[token_id])
@@ -127,7 +131,8 @@ class IncrementalDetokenizer:
             else:
                 size = len(table)
                 held = self._held + b"".join([table[i] for i in token_ids if 0 <= i < size])
-            return self._decode_held(held)
+            return self._decode_held(held, token_ids)
+        self._ids.extend(token_ids)
         if self._stream is not None:
             try:
                 # The wire decoders give lists; anything else is copied into one.
@@ -141,20 +146,21 @@ class IncrementalDetokenizer:
             return step
         return self._fallback_step()
 
-    def _decode_held(self, held: bytes) -> str:
-        """The text of the held bytes plus the new ones (table path), unless it would end
-        inside a character: then they are all held and the text is ``""``."""
+    def _decode_held(self, held: bytes, token_ids: Sequence[int]) -> str:
+        """The text of the held bytes plus the new ones of ``token_ids`` (table path), unless
+        it would end inside a character: then they are all held and the text is ``""``."""
         text = held.decode("utf-8", "replace")
         if not text or text[-1] == _REPLACEMENT:  # nothing yet, or inside a character
             self._held = held
+            self._held_ids.extend(token_ids)
             return ""
         self._held = b""
-        self._emitted = len(self._ids)
+        self._held_ids.clear()
         return text
 
     def _first_time(self, token_id: int, piece: bytes) -> str:
         """:meth:`_decode_held` of one id with nothing held, which fills the shared cache."""
-        text = self._decode_held(piece)
+        text = self._decode_held(piece, (token_id,))
         if text:
             self._whole[token_id] = text
         return text
@@ -206,10 +212,10 @@ class IncrementalDetokenizer:
         """Text of ids still held back: an unfinished character at the end decodes to ``"�"``;
         without ``keep_held`` it is dropped, and the text stops after the last id that did not
         end inside a character."""
+        if self._table is not None:
+            return self._flush_bytes() if self._held_ids else ""
         if self._emitted >= len(self._ids):
             return ""
-        if self._table is not None:
-            return self._flush_bytes()
         held = self._emitted
         start = max(self._base, held - _CONTEXT_IDS)
         end = len(self._ids) if self._keep_held else self._complete_end(start, held)
@@ -232,10 +238,9 @@ class IncrementalDetokenizer:
         last held id that did not end inside a character (as in :meth:`_complete_end`): a
         character is at most 4 bytes, so whether a text ends inside one shows in its last 4
         bytes (a lead byte starts a character whatever precedes it)."""
-        held, table = self._held, self._table
+        held, table, ids = self._held, self._table, self._held_ids
         assert table is not None
-        ids = self._ids[self._emitted :]
-        self._held, self._emitted = b"", len(self._ids)
+        self._held, self._held_ids = b"", []
         if self._keep_held:
             return held.decode("utf-8", "replace")
         end = len(held)

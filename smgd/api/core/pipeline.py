@@ -125,6 +125,7 @@ class Choice:
         "matched",
         "output_ids",
         "parts",
+        "plain_detok",
         "prompt_logprobs",
         "prompt_tokens",
         "reported_finish",
@@ -174,6 +175,10 @@ class Choice:
         # The finish reason the client was sent when a renderer changed it (``tool_calls``).
         self.reported_finish: str | None = None
         self.tokens_seen = 0  # completion_tokens at that event
+        # The detokenizer, when a mid-stream token's text is its push() alone (no stop
+        # strings, no logprobs): apply() then reads it here, not through the TextStream, one
+        # object fewer per token (they are cold after an engine step).
+        self.plain_detok = text.detok if text.plain and logprobs is None else None
 
     @property
     def done(self) -> bool:
@@ -208,10 +213,10 @@ class Choice:
         if self.output_ids is not None:
             self.output_ids.extend(ids)
         finish = delta.finish
-        if finish is None and self.logprobs is None and self.text.plain:
+        if finish is None and (detok := self.plain_detok) is not None:
             # Mid-stream with no stop strings and no logprobs, nearly every token: what the
             # rest of this method would do, without its calls (TextStream.plain).
-            return self.text.detok.push(ids)
+            return detok.push(ids)
         if finish is not None and finish.reason not in _FINISH_TEXT:
             raise engine_finish_error(finish)
         stop_token = (
@@ -298,12 +303,13 @@ class RequestState:
         if choice.completion_tokens == choice.tokens_seen:
             return  # a finish-only or empty delta is not an output event
         choice.tokens_seen = choice.completion_tokens
-        if self.t_first is None:
-            self.t_first = now
-        if choice.t_last is not None:
-            self.gaps.append(now - choice.t_last)
-        else:
+        last = choice.t_last
+        if last is not None:
+            self.gaps.append(now - last)
+        else:  # the choice's first event; the request's first is the first choice's
             choice.t_first = now
+            if self.t_first is None:
+                self.t_first = now
         choice.t_last = now
 
     def fail(self, err: SmgdError) -> None:
