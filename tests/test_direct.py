@@ -15,7 +15,9 @@ import h11
 import httpx
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 
 from smgd.api.core.pacer import LoadPacer
@@ -170,19 +172,69 @@ def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
         class stream:
             socket = left
 
-    writer = DirectWriter(Conn())
+    conn = Conn()
+    writer = DirectWriter(conn)
+    assert conn.direct_writer is writer  # type: ignore[attr-defined]  # what protocol_send holds
     assert writer.write(b"abc")
     assert right.recv(100) == b"3\r\nabc\r\n"
-    writer.backlog += b"pending"
-    assert not writer.write(b"xy")  # joins the backlog behind what waits already
-    assert bytes(writer.backlog) == b"pending2\r\nxy\r\n"
+    writer.hold()  # a send through hypercorn's path is under way
+    assert not writer.write(b"xy")  # waits behind it
+    assert bytes(writer.backlog) == b"2\r\nxy\r\n"
+    writer.release()
+    assert not writer.write(b"z")  # the backlog is still there: behind it, in order
+    assert bytes(writer.backlog) == b"2\r\nxy\r\n1\r\nz\r\n"
+    with pytest.raises(BlockingIOError):  # nothing of them went out
+        right.recv(100, socket.MSG_DONTWAIT)
+    left.close()
     right.close()
-    writer.backlog.clear()
+
+
+def test_direct_writer_stops_on_a_broken_socket() -> None:
+    left, right = socket.socketpair()
+    left.setblocking(False)
+
+    class Conn:
+        send_lock = trio.Lock()
+
+        class stream:
+            socket = left
+
+    writer = DirectWriter(Conn())
+    right.close()
     for _ in range(100):  # the peer is gone: the write fails, once the buffer notices
         if not writer.write(b"z" * 65536):
             break
     assert writer.broken or writer.backlog
     left.close()
+
+
+async def test_a_send_on_the_connections_own_path_holds_its_direct_writer() -> None:
+    # The connection's slow path (a partial write, h11's own sends) holds the writer: a direct
+    # chunk written meanwhile waits behind it instead of overtaking it on the wire.
+    left, right = socket.socketpair()
+    left.setblocking(False)
+
+    class Conn:
+        class stream:
+            socket = left
+
+    writer = DirectWriter(Conn())
+    send, receive = trio.testing.lockstep_stream_pair()  # send_all waits for the reader
+    conn = worker_loop.DirectSendTCPServer(None, HypercornConfig(), None, {}, send)
+    conn.direct_writer = writer
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.protocol_send, RawData(data=b"head"))
+        await trio.testing.wait_all_tasks_blocked()  # in send_all, holding the writer
+        try:
+            assert not writer.write(b"x")
+            assert bytes(writer.backlog) == b"1\r\nx\r\n"
+        finally:  # the send is shielded: it ends only once read, whatever the test found
+            assert await receive.receive_some() == b"head"
+    assert not writer.write(b"y")  # the backlog is the task's to flush: still behind it
+    with pytest.raises(BlockingIOError):
+        right.recv(100, socket.MSG_DONTWAIT)
+    left.close()
+    right.close()
 
 
 # --------------------------------------------------------------------------- end to end

@@ -55,18 +55,33 @@ CONNECTION_KEY = "smgd.connection"
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
-    __slots__ = ("_busy", "_conn", "_fileno", "_send_lock", "backlog", "broken", "writes")
+    __slots__ = ("_busy", "_conn", "_fileno", "_stalled", "backlog", "broken", "writes")
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
-        # Looked up once: the write of every event needs both. fileno() is still called per
+        # Looked up once: the write of every event needs it. fileno() is still called per
         # write, because after the connection closed it is -1 and the number may be reused.
         self._fileno = conn.stream.socket.fileno
-        self._send_lock = conn.send_lock
-        self._busy = False  # flush() is in hypercorn's send path right now
+        # Sends in hypercorn's send path on this connection right now: flush(), or the
+        # connection's own (DirectSendTCPServer.protocol_send holds this writer meanwhile).
+        self._busy = 0
+        # Bytes wait in the backlog, or a send is under way: a new chunk queues behind them.
+        # One flag of the writer's own, so a token's write reads neither the connection's
+        # send lock nor the backlog (objects of their own, cold after an engine step).
+        self._stalled = False
         self.backlog = bytearray()
         self.broken = False
         self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
+        conn.direct_writer = self  # its latest request's: the one protocol_send must hold
+
+    def hold(self) -> None:
+        """A send through hypercorn's path starts: chunks queue until :meth:`release`."""
+        self._busy += 1
+        self._stalled = True
+
+    def release(self) -> None:
+        self._busy -= 1
+        self._stalled = self._busy > 0 or bool(self.backlog)
 
     def write(self, payload: bytes) -> bool:
         """Send ``payload`` as one chunk now; False if it waits in the backlog or the socket broke.
@@ -93,7 +108,7 @@ class DirectWriter:
         return self._send(b"%x\r\n%b\r\n%b" % (len(payload), payload, BODY_END))
 
     def _send(self, frame: bytes) -> bool:
-        if self.backlog or self._busy or self._send_lock.locked():
+        if self._stalled:
             self.backlog += frame
             return False
         fd = self._fileno()
@@ -106,6 +121,7 @@ class DirectWriter:
             return False
         if sent < len(frame):
             self.backlog += frame[sent:]
+            self._stalled = True
             return False
         self.writes += 1
         return True
@@ -115,13 +131,13 @@ class DirectWriter:
         while self.backlog and not self.broken:
             data = bytes(self.backlog)
             self.backlog.clear()
-            self._busy = True
+            self.hold()
             try:
                 # The base class's path on purpose: lock, then send_all, which waits until
                 # the kernel took everything (a broken socket closes the stream there).
                 await TCPServer.protocol_send(self._conn, RawData(data=data))
             finally:
-                self._busy = False
+                self.release()
             if self._fileno() < 0:
                 self.broken = True
 

@@ -61,7 +61,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from smgd.api.core.errors import http_error
-from smgd.api.http.direct import BODY_END, CONNECTION_KEY
+from smgd.api.http.direct import BODY_END, CONNECTION_KEY, DirectWriter
 from smgd.api.http.fast_path import FastPath, ServerHeaders
 
 if TYPE_CHECKING:
@@ -153,6 +153,8 @@ class DirectSendTCPServer(TCPServer):
         # running sets this to stop when its client goes away, and the read loop calls it
         # when it ends.
         self.on_disconnect: Callable[[], None] | None = None
+        # The writer of the latest request with direct writes (smgd.api.http.direct).
+        self.direct_writer: DirectWriter | None = None
         self.disconnected = False
         self._keep_alive = KeepAliveTimer(self)
         # TCPServer only calls restart() and stop() on it, which the timer has.
@@ -191,7 +193,14 @@ class DirectSendTCPServer(TCPServer):
         """
         self.state.clear()
         attributes = vars(self)
-        for name in ("_protocol", "_keep_alive", "idle_task", "_task_group", "on_disconnect"):
+        for name in (
+            "_protocol",
+            "_keep_alive",
+            "idle_task",
+            "_task_group",
+            "on_disconnect",
+            "direct_writer",
+        ):
             attributes.pop(name, None)
 
     async def protocol_send(self, event: Event) -> None:
@@ -205,7 +214,16 @@ class DirectSendTCPServer(TCPServer):
                 return
             if sent:
                 event = RawData(data=data[sent:])
-        await super().protocol_send(event)
+        writer = self.direct_writer
+        if writer is None or type(event) is not RawData:
+            await super().protocol_send(event)
+            return
+        # A direct stream's chunks must not overtake (or split) what goes out here.
+        writer.hold()
+        try:
+            await super().protocol_send(event)
+        finally:
+            writer.release()
 
     async def _read_data(self) -> None:
         try:
