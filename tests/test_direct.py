@@ -145,16 +145,25 @@ async def _reference_text(port: int, tokens: int, http_timeout_s: float = 5.0) -
 # --------------------------------------------------------------------------- unit
 
 
+class _SocketConn:
+    """The parts of smgd's connection a :class:`DirectWriter` uses, on a plain socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.stream = self
+        self.socket = sock
+        self.body_end_written = False
+
+
+def _writer_on_a_socket_pair() -> tuple[DirectWriter, socket.socket, socket.socket]:
+    """A writer on one end of a fresh socket pair: (writer, its end, the reading end)."""
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    return DirectWriter(_SocketConn(left)), left, right
+
+
 def test_direct_writer_applies_only_to_http11_on_smgds_own_loop() -> None:
     with socket.socket() as sock:
-
-        class Conn:
-            send_lock = trio.Lock()
-
-            class stream:
-                socket = sock
-
-        state = {"smgd.connection": Conn()}
+        state = {"smgd.connection": _SocketConn(sock)}
         assert direct_writer({"type": "http", "http_version": "1.1", "state": state}) is not None
         assert direct_writer({"type": "http", "http_version": "1.0", "state": state}) is None
         assert direct_writer({"type": "http", "http_version": "2", "state": state}) is None
@@ -163,18 +172,8 @@ def test_direct_writer_applies_only_to_http11_on_smgds_own_loop() -> None:
 
 
 def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
-    left, right = socket.socketpair()
-    left.setblocking(False)
-
-    class Conn:
-        send_lock = trio.Lock()
-
-        class stream:
-            socket = left
-
-    conn = Conn()
-    writer = DirectWriter(conn)
-    assert conn.direct_writer is writer  # type: ignore[attr-defined]  # what protocol_send holds
+    writer, left, right = _writer_on_a_socket_pair()
+    assert writer._conn.direct_writer is writer  # what the connection's protocol_send holds
     assert writer.write(b"abc")
     assert right.recv(100) == b"3\r\nabc\r\n"
     writer.hold()  # a send through hypercorn's path is under way
@@ -190,16 +189,7 @@ def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
 
 
 def test_direct_writer_stops_on_a_broken_socket() -> None:
-    left, right = socket.socketpair()
-    left.setblocking(False)
-
-    class Conn:
-        send_lock = trio.Lock()
-
-        class stream:
-            socket = left
-
-    writer = DirectWriter(Conn())
+    writer, left, right = _writer_on_a_socket_pair()
     right.close()
     for _ in range(100):  # the peer is gone: the write fails, once the buffer notices
         if not writer.write(b"z" * 65536):
@@ -211,14 +201,7 @@ def test_direct_writer_stops_on_a_broken_socket() -> None:
 async def test_a_send_on_the_connections_own_path_holds_its_direct_writer() -> None:
     # The connection's slow path (a partial write, h11's own sends) holds the writer: a direct
     # chunk written meanwhile waits behind it instead of overtaking it on the wire.
-    left, right = socket.socketpair()
-    left.setblocking(False)
-
-    class Conn:
-        class stream:
-            socket = left
-
-    writer = DirectWriter(Conn())
+    writer, left, right = _writer_on_a_socket_pair()
     send, receive = trio.testing.lockstep_stream_pair()  # send_all waits for the reader
     conn = worker_loop.DirectSendTCPServer(None, HypercornConfig(), None, {}, send)
     conn.direct_writer = writer

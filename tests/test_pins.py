@@ -68,7 +68,7 @@ def test_every_private_attribute_used_exists_with_its_parameters(
 def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use() -> None:
     # TCPServer's constructor sets them; DirectSendTCPServer replaces idle_task with its timer.
     server = DirectSendTCPServer(None, Config(), None, {}, None)
-    assert isinstance(server.send_lock, trio.Lock)  # direct writes check it is free
+    assert isinstance(server.send_lock, trio.Lock)  # its own immediate writes check it is free
     assert isinstance(server.idle_task, KeepAliveTimer)
     assert "self.protocol = ProtocolWrapper(" in inspect.getsource(TCPServer.run), (
         "DirectSendTCPServer.protocol's setter swaps in smgd's H11Protocol when run() sets it"

@@ -384,6 +384,7 @@ class _ClientGone(Exception):
     """A direct write found the client's socket broken."""
 
 
+@dataclass(slots=True, eq=False)
 class _DirectSink:
     """The reader task's side of a direct-mode stream: :meth:`sink` is the stream's sink.
 
@@ -396,39 +397,19 @@ class _DirectSink:
     at the pacer's tick: fewer, fuller events, the same bytes. A finish is never held.
     """
 
-    __slots__ = (
-        "choice",
-        "failures",
-        "held",
-        "last_event",
-        "now",
-        "pacer",
-        "render",
-        "rs",
-        "state",
-        "writer",
-    )
+    rs: RequestStream
+    choice: Choice
+    state: RequestState
+    render: Renderer
+    writer: EventWriter
+    pacer: LoadPacer | None
+    failures: list[Exception] = field(default_factory=list)
+    held: TokenDelta | None = None  # output merged while the window is open
+    last_event: float = -math.inf  # of this stream's last event: none yet, so never held
+    # trio.current_time() is three calls to reach the clock's; this is one (per token).
+    now: Callable[[], float] = field(init=False)
 
-    def __init__(
-        self,
-        rs: RequestStream,
-        choice: Choice,
-        state: RequestState,
-        render: Renderer,
-        writer: EventWriter,
-        pacer: LoadPacer | None,
-    ) -> None:
-        self.rs = rs
-        self.choice = choice
-        self.state = state
-        self.render = render
-        self.writer = writer
-        self.pacer = pacer
-        self.failures: list[Exception] = []
-        self.held: TokenDelta | None = None  # output merged while the window is open
-        # Of this stream's last event: none yet, so the first is never held.
-        self.last_event = -math.inf
-        # trio.current_time() is three calls to reach the clock's; this is one (per token).
+    def __post_init__(self) -> None:
         self.now = trio.lowlevel.current_clock().current_time
 
     def sink(self, delta: TokenDelta) -> bool:
