@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from array import array
 
 import pytest
 
@@ -168,3 +169,28 @@ async def test_the_log_line_of_a_request_is_built_only_when_it_is_written(
     with caplog.at_level(logging.INFO, logger="smgd.api"):
         log_request(state)
     assert len(built) == 1 and "x completions done" in caplog.text
+
+
+def test_output_events_keep_times_and_gaps() -> None:
+    state = RequestState(request_id="x", kind="completions", model="m", created=0, t_start=0.0)
+    c = choice()
+    state.choices.append(c)
+    state.output_event(c, 0.5)  # nothing applied yet: not an output event
+    assert (c.t_first, state.t_first) == (None, None)
+    c.apply(delta(IDS[:1]))
+    state.output_event(c, 1.0)
+    c.apply(delta(IDS[1:3]))
+    state.output_event(c, 1.25)
+    state.output_event(c, 1.5)  # the same tokens again: no event
+    c.apply(delta(IDS[3:4]))
+    assert c.output_event(2.0, state.gaps) is False  # a stream's own call, not the first
+    assert (c.t_first, c.t_last, state.t_first) == (1.0, 2.0, 1.0)
+    assert list(state.gaps) == [0.25, 0.75]
+
+
+def test_a_choices_first_output_event_says_so() -> None:
+    c = choice()
+    gaps = array("d")
+    c.apply(delta(IDS[:1]))
+    assert c.output_event(3.0, gaps) is True
+    assert c.t_first == c.t_last == 3.0 and not gaps

@@ -504,6 +504,8 @@ async def test_a_failure_behind_a_backlog_still_sends_every_earlier_byte_first(
 
         monkeypatch.setattr(direct.DirectWriter, "write", write)
         monkeypatch.setattr(openai.OpenAIRenderer, "delta", delta)
+        # Every event through delta(), not the sink's own frame for mid-stream text.
+        monkeypatch.setattr(openai.OpenAIRenderer, "text_frame", lambda self, choice: None)
         # The client does not read at first, so written events wait in the backlog when the
         # renderer fails; they must reach the client whole, and before the error event.
         events = await post_sse(

@@ -23,7 +23,7 @@ from smgd.wire.common import (
     TokenLogprob,
     TopLogprob,
 )
-from smgd.wire.sglang.arrays import ext_to_ids, ids_to_ext
+from smgd.wire.sglang.arrays import ext_to_ids, exts_to_ids, ids_to_ext
 from smgd.wire.sglang.decode import decode_any, decode_output, decode_request
 from smgd.wire.sglang.encode import (
     encode_abort,
@@ -423,6 +423,43 @@ def test_a_single_id_array_in_any_typecode_decodes() -> None:
         assert ext_to_ids(ext) == [7]
     with pytest.raises(WireError):  # one int64 plus a stray byte
         ext_to_ids(Ext(1, bytes(ids_to_ext([7]).data) + b"\x00"))
+
+
+def _typecode_ext(typecode: str, ids: list[int]) -> Ext:
+    meta = msgspec.msgpack.encode(typecode)
+    return Ext(1, len(meta).to_bytes(4, "big") + meta + array(typecode, ids).tobytes())
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        [
+            ids_to_ext([one]) for one in (0, 1, 65536, (1 << 63) - 1, -(1 << 63))
+        ],  # the whole-column path
+        [ids_to_ext([5])],
+        [],
+        [ids_to_ext([5]), ids_to_ext([]), ids_to_ext([6, 7])],  # lengths differ
+        [ids_to_ext([5, 6]), ids_to_ext([])],  # 28 bytes in all, as two one-id payloads would be
+        [ids_to_ext([5]), _typecode_ext("i", [7]), ids_to_ext([8])],
+        [ids_to_ext([5]), _typecode_ext("b", [1, 2, 3, 4, 5, 6, 7, 8])],  # 14 bytes, not int64
+        [ids_to_ext([5]), Ext(1, memoryview(bytes(ids_to_ext([9]).data)))],
+    ],
+)
+def test_a_column_of_id_arrays_decodes_as_each_of_its_arrays(column: list[Any]) -> None:
+    assert exts_to_ids(column) == [ext_to_ids(ext) for ext in column]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [ids_to_ext([5]), [6]],  # not an ext
+        [ids_to_ext([5]), Ext(2, bytes(ids_to_ext([6]).data))],  # another ext code
+        [ids_to_ext([5]), Ext(1, b"\x00\x00\x00\x02\xa1x" + bytes(8))],  # typecode "x"
+    ],
+)
+def test_a_column_with_a_bad_entry_is_refused(bad: list[Any]) -> None:
+    with pytest.raises(WireError):
+        exts_to_ids(bad)
 
 
 @pytest.mark.parametrize(

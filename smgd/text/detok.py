@@ -74,7 +74,9 @@ class IncrementalDetokenizer:
         self._table = None if byte_level is None else byte_level.table(skip_special_tokens)
         self._whole = {} if byte_level is None else byte_level.whole_texts(skip_special_tokens)
         self._held = b""
-        self._held_ids: list[int] = []
+        # None rather than an empty list while nothing is held: the test on nearly every
+        # token then reads this object's own slot, not a list object of its own (cold).
+        self._held_ids: list[int] | None = None
         self._table_count = 0  # ids pushed on the table's path
         # A byte-level text does not depend on the ids before it: no priming.
         prime = self._prime_ids(prompt_ids) if prompt_ids and self._table is None else []
@@ -119,7 +121,7 @@ class IncrementalDetokenizer:
             # Ids outside the table decode to nothing, as in the tokenizer's own decode.
             if len(token_ids) == 1:  # nearly every step
                 token_id = token_ids[0]
-                if not self._held_ids:
+                if self._held_ids is None:
                     # Nearly every token of most text: an id that is whole characters alone,
                     # met before. Its text without a bytes join and a UTF-8 decode.
                     whole = self._whole.get(token_id)
@@ -152,10 +154,13 @@ class IncrementalDetokenizer:
         text = held.decode("utf-8", "replace")
         if not text or text[-1] == _REPLACEMENT:  # nothing yet, or inside a character
             self._held = held
-            self._held_ids.extend(token_ids)
+            if self._held_ids is None:
+                self._held_ids = list(token_ids)
+            else:
+                self._held_ids.extend(token_ids)
             return ""
         self._held = b""
-        self._held_ids.clear()
+        self._held_ids = None
         return text
 
     def _first_time(self, token_id: int, piece: bytes) -> str:
@@ -213,7 +218,7 @@ class IncrementalDetokenizer:
         without ``keep_held`` it is dropped, and the text stops after the last id that did not
         end inside a character."""
         if self._table is not None:
-            return self._flush_bytes() if self._held_ids else ""
+            return self._flush_bytes() if self._held_ids is not None else ""
         if self._emitted >= len(self._ids):
             return ""
         held = self._emitted
@@ -238,9 +243,9 @@ class IncrementalDetokenizer:
         last held id that did not end inside a character (as in :meth:`_complete_end`): a
         character is at most 4 bytes, so whether a text ends inside one shows in its last 4
         bytes (a lead byte starts a character whatever precedes it)."""
-        held, table, ids = self._held, self._table, self._held_ids
+        held, table, ids = self._held, self._table, self._held_ids or []
         assert table is not None
-        self._held, self._held_ids = b"", []
+        self._held, self._held_ids = b"", None
         if self._keep_held:
             return held.decode("utf-8", "replace")
         end = len(held)

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from smgd.api.core.pipeline import other_engine
-from smgd.api.core.sse import KEEPALIVE
+from smgd.api.core.sse import KEEPALIVE, encode_json
 from smgd.errors import Draining, EngineDead, EngineNotReady, SmgdError
 from smgd.wire.common import TokenDelta
 
 if TYPE_CHECKING:
+    from array import array
     from collections.abc import AsyncGenerator, Callable
     from contextlib import AbstractAsyncContextManager
 
@@ -209,6 +210,11 @@ class Renderer(Protocol):
     """Endpoint-specific SSE bytes (OpenAI chunks, SGLang-native events)."""
 
     def delta(self, choice: Choice, text: str) -> bytes: ...
+    def text_frame(self, choice: Choice) -> tuple[bytes, bytes] | tuple[()] | None:
+        """The bytes around the JSON text of ``choice``'s mid-stream events from now on, when
+        such an event is that text alone (``delta`` returns them with its text between); None
+        while that is not known yet, ``()`` when this renderer's events never are."""
+
     def end(self) -> bytes: ...
     def error(self, err: SmgdError) -> bytes: ...
 
@@ -405,12 +411,21 @@ class _DirectSink:
     pacer: LoadPacer | None
     failures: list[Exception] = field(default_factory=list)
     held: TokenDelta | None = None  # output merged while the window is open
+    # The renderer's text_frame() for this choice, once it gave one: a mid-stream event is then
+    # built here, without the renderer and its format (objects of their own, cold after an
+    # engine step). Asked after each event until it answers.
+    frame: tuple[bytes, bytes] | None = None
+    ask_frame: bool = True
     last_event: float = -math.inf  # of this stream's last event: none yet, so never held
     # trio.current_time() is three calls to reach the clock's; this is one (per token).
     now: Callable[[], float] = field(init=False)
+    # The request's event gaps (RequestState.gaps), kept here: a token's event then reads the
+    # request's state object only for the request's first event.
+    gaps: array[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.now = trio.lowlevel.current_clock().current_time
+        self.gaps = self.state.gaps
 
     def sink(self, delta: TokenDelta) -> bool:
         held = self.held
@@ -436,8 +451,18 @@ class _DirectSink:
         try:
             text = choice.apply(delta)
             self.last_event = now = self.now()
-            self.state.output_event(choice, now)
-            out = self.render.delta(choice, text)
+            if choice.output_event(now, self.gaps):
+                self.state.first_output(now)
+            frame = self.frame
+            if frame is not None and choice.finish_reason is None:
+                out = frame[0] + encode_json(text) + frame[1] if text else b""
+            else:
+                out = self.render.delta(choice, text)
+                if self.ask_frame and choice.finish_reason is None:
+                    answer = self.render.text_frame(choice)
+                    if answer is not None:
+                        self.ask_frame = False
+                        self.frame = answer or None
         except Exception as exc:  # never into the reader task: the stream's task raises it
             self.failures.append(exc)
             self.rs.notify()

@@ -184,6 +184,24 @@ class Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def output_event(self, now: float, gaps: array[float]) -> bool:
+        """Keep the time of an output event (a delta that brought tokens was applied) and its
+        gap since the previous one, appended to ``gaps``; True if it was the choice's first.
+
+        The request's :meth:`RequestState.output_event` calls it; a direct-mode stream calls
+        it itself with the request's gaps, and so reads the request's state only once.
+        """
+        if self.completion_tokens == self.tokens_seen:
+            return False  # a finish-only or empty delta is not an output event
+        self.tokens_seen = self.completion_tokens
+        last = self.t_last
+        self.t_last = now
+        if last is not None:
+            gaps.append(now - last)
+            return False
+        self.t_first = now
+        return True
+
     @property
     def queued_s(self) -> float:
         """How long its engine request queued: for a slot in smgd, then in the engine."""
@@ -300,17 +318,8 @@ class RequestState:
 
     def output_event(self, choice: Choice, now: float) -> None:
         """``choice`` just produced tokens (a delta was applied); keep TTFT and the event gap."""
-        if choice.completion_tokens == choice.tokens_seen:
-            return  # a finish-only or empty delta is not an output event
-        choice.tokens_seen = choice.completion_tokens
-        last = choice.t_last
-        if last is not None:
-            self.gaps.append(now - last)
-        else:  # the choice's first event; the request's first is the first choice's
-            choice.t_first = now
-            if self.t_first is None:
-                self.t_first = now
-        choice.t_last = now
+        if choice.output_event(now, self.gaps):
+            self.first_output(now)  # the request's first event is its first choice's
 
     def fail(self, err: SmgdError) -> None:
         self.error = err.message

@@ -86,6 +86,14 @@ class ChunkFormat:
             self._index.append(str(len(self._index)).encode())
         return self._index[index]
 
+    def text_frame(self, index: int) -> tuple[bytes, bytes]:
+        """The bytes before and after the JSON text of :meth:`text_event`."""
+        try:
+            return self._text_events[index]
+        except IndexError:
+            self.text_event(index, "")
+            return self._text_events[index]
+
     def text_event(self, index: int, text: str) -> bytes:
         """``chunk(index, text)``: an event with no role, finish reason or logprobs.
 

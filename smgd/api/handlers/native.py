@@ -164,6 +164,9 @@ class NativeRenderer:
             out["index"] = choice.index
         return event(out)
 
+    def text_frame(self, choice: Choice) -> tuple[()]:
+        return ()  # every event carries the whole text so far and its meta_info
+
     def end(self) -> bytes:
         return DONE
 

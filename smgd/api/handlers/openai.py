@@ -308,6 +308,13 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
+    def text_frame(self, choice: Choice) -> tuple[bytes, bytes] | tuple[()] | None:
+        if self.tokens is not None:
+            return ()  # every event carries its logprobs
+        if not choice.sent_role:
+            return None  # the first event (role, echo) is still to come
+        return self.fmt.text_frame(choice.index)
+
     def _unsent_logprobs(self, choice: Choice, *, first: bool = False) -> bytes:
         """The logprobs of the chunk (``null`` if none); a completions ``echo`` puts the
         prompt's before the output's in a choice's ``first`` chunk."""
@@ -359,6 +366,11 @@ class ParsedRenderer(OpenAIRenderer):
     ) -> None:
         super().__init__(fmt, state, include_usage=include_usage, tokens=tokens)
         self.parsers = parsers
+
+    def text_frame(self, choice: Choice) -> tuple[bytes, bytes] | tuple[()] | None:
+        if choice.index in self.parsers:
+            return ()  # its text goes through the parser
+        return super().text_frame(choice)
 
     def delta(self, choice: Choice, text: str) -> bytes:
         parser = self.parsers.get(choice.index)

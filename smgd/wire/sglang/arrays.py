@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,6 +21,9 @@ EXT_ARRAY = 1  # msgpack ext code SGLang uses for array.array ("stable wire id")
 Q_META = b"\x00\x00\x00\x02\xa1q"  # ext-1 header for typecode "q": u32 BE len 2 + msgpack "q"
 _ONE_Q_LEN = len(Q_META) + 8  # the payload of an array of one int64
 _unpack_q = struct.Struct("<q").unpack_from  # SGLang's x86-64 hosts write little-endian
+# Each of a run of one-int64 payloads, header skipped: (value,) per payload.
+_iter_one_q = struct.Struct(f"<{len(Q_META)}xq").iter_unpack
+_code, _data = attrgetter("code"), attrgetter("data")
 _LITTLE = sys.byteorder == "little"  # SGLang writes raw native (x86-64: little-endian) int64
 
 
@@ -55,3 +59,27 @@ def ext_to_ids(ext: Any) -> list[int]:
     if not _LITTLE:
         arr.byteswap()
     return arr.tolist()
+
+
+def exts_to_ids(column: list[Any]) -> list[list[int]]:
+    """:func:`ext_to_ids` of each entry of an ``output_ids`` column.
+
+    A column of one-int64 arrays, what every running request gets from a decode step, is
+    checked and decoded as a whole: builtins mapped over it and one ``struct`` pass over the
+    joined payloads, no Python call per row (0.57 us a row on the 2-core test VM otherwise,
+    half an engine message's decode). Any other column goes row by row.
+    """
+    if (
+        _LITTLE
+        and column
+        and set(map(type, column)) == {Ext}
+        and set(map(_code, column)) == {EXT_ARRAY}
+    ):
+        payloads = list(map(_data, column))
+        if set(map(type, payloads)) == {bytes} and set(map(len, payloads)) == {_ONE_Q_LEN}:
+            joined = b"".join(payloads)
+            # Every payload starts with Q_META: byte k of each is at k, k + 14, k + 28, ...
+            n = len(column)
+            if all(joined[k::_ONE_Q_LEN] == Q_META[k : k + 1] * n for k in range(len(Q_META))):
+                return [[value] for (value,) in _iter_one_q(joined)]
+    return [ext_to_ids(ext) for ext in column]

@@ -16,7 +16,7 @@ from msgspec.msgpack import Ext
 
 from smgd.errors import WireError
 from smgd.wire.common import Finish, FinishReason, TokenDelta, TokenLogprob, TopLogprob
-from smgd.wire.sglang.arrays import ext_to_ids
+from smgd.wire.sglang.arrays import exts_to_ids
 from smgd.wire.sglang.structs import (
     MODELED,
     SGLANG_TAGS,
@@ -245,10 +245,11 @@ def _deltas(head: _OutputHead) -> list[TokenDelta]:
         head.output_token_logprobs_idx is not None
     )
     want_prompt = bool(head.input_token_logprobs_val) or bool(head.input_token_logprobs_idx)
+    ids = exts_to_ids(outs) if outs is not None else None
     return [
         TokenDelta(
             rid=rid,
-            token_ids=ext_to_ids(outs[i]) if outs is not None else [],
+            token_ids=ids[i] if ids is not None else [],
             logprobs=_logprobs(head, i, n) if want_logprobs else None,
             prompt_logprobs=_prompt_logprobs(head, i, n) if want_prompt else None,
             # The None test inline: a running request (nearly every row) costs no call.
