@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -75,12 +77,14 @@ def make_client(python: str, model: str) -> VllmEngineClient:
 
 @dataclass
 class KillOutcome:
+    killed: bool = False
     errors: list[EngineDead] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # finish reasons of streams that ended
 
 
-async def kill_under_streams(client: VllmEngineClient) -> KillOutcome:
-    """Open DOOMED_STREAMS streams and SIGKILL the engine core once each has its first delta.
+async def kill_under_streams(client: VllmEngineClient, outcome: KillOutcome) -> None:
+    """Open DOOMED_STREAMS streams and SIGKILL the engine core once each has its first delta;
+    what became of each stream goes into ``outcome`` as it happens.
 
     The tiny model writes 480 tokens in ~0.1 s, and on a loaded machine a task woken "once all
     streams started" can run later than that (CI saw all four streams finish before such a
@@ -90,34 +94,48 @@ async def kill_under_streams(client: VllmEngineClient) -> KillOutcome:
     """
     assert client.child is not None
     core = client.child.pid
+    first_deltas = 0
+
+    async def doomed() -> None:
+        nonlocal first_deltas
+        try:
+            async with client.open_stream(req(DOOMED_TOKENS, ignore_eos=True)) as stream:
+                first = True
+                async for delta in stream:
+                    if first:
+                        first = False
+                        first_deltas += 1
+                        if first_deltas == DOOMED_STREAMS and not outcome.finished:
+                            os.kill(core, signal.SIGKILL)
+                            outcome.killed = True
+                    if delta.finish is not None:
+                        outcome.finished.append(delta.finish.reason.value)
+        except EngineDead as exc:
+            outcome.errors.append(exc)
+
     for _ in range(10):
-        outcome = KillOutcome()
         first_deltas = 0
-        killed = False
-
-        async def doomed(outcome: KillOutcome = outcome) -> None:
-            nonlocal first_deltas, killed
-            try:
-                async with client.open_stream(req(DOOMED_TOKENS, ignore_eos=True)) as stream:
-                    first = True
-                    async for delta in stream:
-                        if first:
-                            first = False
-                            first_deltas += 1
-                            if first_deltas == DOOMED_STREAMS and not outcome.finished:
-                                os.kill(core, signal.SIGKILL)
-                                killed = True
-                        if delta.finish is not None:
-                            outcome.finished.append(delta.finish.reason.value)
-            except EngineDead as exc:
-                outcome.errors.append(exc)
-
+        outcome.errors.clear()
+        outcome.finished.clear()
         async with trio.open_nursery() as nursery:
             for _ in range(DOOMED_STREAMS):
                 nursery.start_soon(doomed)
-        if killed:
-            return outcome
+        if outcome.killed:
+            return
     raise AssertionError("in every round a stream finished before the last one started")
+
+
+@asynccontextmanager
+async def until_engine_dead(client: VllmEngineClient) -> AsyncIterator[None]:
+    """Run ``client`` (ready when the body starts); the body kills its engine, and the client's
+    run failing with EngineDead is what ends the block."""
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            with trio.fail_after(STARTUP_S):
+                await client.wait_ready()
+            yield
+            await trio.sleep_forever()
 
 
 async def test_real_vllm_engine_client() -> None:
@@ -125,36 +143,32 @@ async def test_real_vllm_engine_client() -> None:
     if not python or not model:
         pytest.fail('VLLM_PYTHON / VLLM_MODEL unset: run `eval "$(.ci/vllm-env.sh)"` first')
     client = make_client(python, model)
-    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(client.run)
-            with trio.fail_after(STARTUP_S):
-                await client.wait_ready()
-            assert client.info is not None
-            assert client.info.max_model_len == 512
+    outcome = KillOutcome()
+    async with until_engine_dead(client):
+        assert client.info is not None
+        assert client.info.max_model_len == 512
 
-            ids: list[int] = []
-            async with client.open_stream(req(64, temperature=0.0)) as stream:
-                async for delta in stream:
-                    ids.extend(delta.token_ids)
-                    last = delta
-            assert last.finish is not None
-            assert last.completion_tokens == len(ids)
-            assert last.prompt_tokens == len(PROMPT)
-            if last.finish.reason is FinishReason.STOP:
-                assert ids[-1] == EOS
+        ids: list[int] = []
+        async with client.open_stream(req(64, temperature=0.0)) as stream:
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+                last = delta
+        assert last.finish is not None
+        assert last.completion_tokens == len(ids)
+        assert last.prompt_tokens == len(PROMPT)
+        if last.finish.reason is FinishReason.STOP:
+            assert ids[-1] == EOS
 
-            async with client.open_stream(req(400, ignore_eos=True)) as stream:
-                await stream.receive()
-            assert client.in_flight == 0  # closed locally; vLLM sends nothing for an abort
-            ids = []
-            async with client.open_stream(req(4, temperature=0.0, ignore_eos=True)) as stream:
-                async for delta in stream:
-                    ids.extend(delta.token_ids)
-            assert len(ids) == 4
+        async with client.open_stream(req(400, ignore_eos=True)) as stream:
+            await stream.receive()
+        assert client.in_flight == 0  # closed locally; vLLM sends nothing for an abort
+        ids = []
+        async with client.open_stream(req(4, temperature=0.0, ignore_eos=True)) as stream:
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+        assert len(ids) == 4
 
-            outcome = await kill_under_streams(client)
-            await trio.sleep_forever()  # until the client's run fails with EngineDead
+        await kill_under_streams(client, outcome)
     for _ in range(2):
         if outcome.errors:
             break
@@ -162,13 +176,10 @@ async def test_real_vllm_engine_client() -> None:
         # machine): nothing was proven, so again on a fresh engine.
         print("every stream finished before the kill took effect; again on a fresh engine")
         client = make_client(python, model)
-        with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(client.run)
-                with trio.fail_after(STARTUP_S):
-                    await client.wait_ready()
-                outcome = await kill_under_streams(client)
-                await trio.sleep_forever()
+        outcome = KillOutcome()
+        async with until_engine_dead(client):
+            await kill_under_streams(client, outcome)
+    assert outcome.killed
     assert outcome.errors, "in three tries no stream was still open when the engine died"
     assert client.state is EngineState.DEAD
     # Output the engine sent just before it died can still finish a stream (at its length);
