@@ -411,11 +411,11 @@ class _DirectSink:
     pacer: LoadPacer | None
     failures: list[Exception] = field(default_factory=list)
     held: TokenDelta | None = None  # output merged while the window is open
-    # The renderer's text_frame() for this choice, once it gave one: a mid-stream event is then
-    # built here, without the renderer and its format (objects of their own, cold after an
-    # engine step). Asked after each event until it answers.
-    frame: tuple[bytes, bytes] | None = None
-    ask_frame: bool = True
+    # The renderer's text_frame() for this choice: None until it answers (it is asked after
+    # each event), then the bytes around a mid-stream event's text, which is then built here
+    # without the renderer and its format (objects of their own, cold after an engine step),
+    # or () when the choice's events are never that.
+    frame: tuple[bytes, bytes] | tuple[()] | None = None
     last_event: float = -math.inf  # of this stream's last event: none yet, so never held
     # trio.current_time() is three calls to reach the clock's; this is one (per token).
     now: Callable[[], float] = field(init=False)
@@ -454,15 +454,12 @@ class _DirectSink:
             if choice.output_event(now, self.gaps):
                 self.state.first_output(now)
             frame = self.frame
-            if frame is not None and choice.finish_reason is None:
+            if frame and choice.finish_reason is None:
                 out = frame[0] + encode_json(text) + frame[1] if text else b""
             else:
                 out = self.render.delta(choice, text)
-                if self.ask_frame and choice.finish_reason is None:
-                    answer = self.render.text_frame(choice)
-                    if answer is not None:
-                        self.ask_frame = False
-                        self.frame = answer or None
+                if frame is None and choice.finish_reason is None:
+                    self.frame = self.render.text_frame(choice)
         except Exception as exc:  # never into the reader task: the stream's task raises it
             self.failures.append(exc)
             self.rs.notify()

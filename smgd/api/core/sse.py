@@ -87,12 +87,16 @@ class ChunkFormat:
         return self._index[index]
 
     def text_frame(self, index: int) -> tuple[bytes, bytes]:
-        """The bytes before and after the JSON text of :meth:`text_event`."""
-        try:
-            return self._text_events[index]
-        except IndexError:
-            self.text_event(index, "")
-            return self._text_events[index]
+        """The bytes before and after the JSON text of :meth:`text_event`, built once per
+        choice index."""
+        events = self._text_events
+        while len(events) <= index:
+            # chunk() itself, cut around its empty text: the layout has one source. Only
+            # constant keys follow the text, so its '""' is the last one in the event.
+            whole = self.chunk(len(events), "")
+            cut = whole.rindex(b'""')
+            events.append((whole[:cut], whole[cut + 2 :]))
+        return events[index]
 
     def text_event(self, index: int, text: str) -> bytes:
         """``chunk(index, text)``: an event with no role, finish reason or logprobs.
@@ -102,14 +106,7 @@ class ChunkFormat:
         try:
             before, after = self._text_events[index]
         except IndexError:  # the choice's first text event (a try costs nothing otherwise)
-            events = self._text_events
-            while len(events) <= index:
-                # chunk() itself, cut around its empty text: the layout has one source. Only
-                # constant keys follow the text, so its '""' is the last one in the event.
-                whole = self.chunk(len(events), "")
-                cut = whole.rindex(b'""')
-                events.append((whole[:cut], whole[cut + 2 :]))
-            before, after = events[index]
+            before, after = self.text_frame(index)
         return before + _encoder.encode(text) + after
 
     def reasoning_event(self, index: int, text: str) -> bytes:
