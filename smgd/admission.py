@@ -43,29 +43,41 @@ class Admission:
     def in_use(self) -> int:
         return int(self._limiter.borrowed_tokens)
 
+    def try_acquire(self, owner: object) -> bool:
+        """Take a free in-flight slot for ``owner`` at once; False when none is free."""
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(owner)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def wait_acquire(self, owner: object) -> float:
+        """Queue for a slot for ``owner`` (after :meth:`try_acquire` said no); the seconds it
+        waited. Raises :class:`~smgd.errors.Overloaded` when the queue is full or the wait
+        runs out."""
+        queued_at = trio.current_time()
+        if self.queue_depth >= self.max_queue:
+            self.rejected_total += 1
+            raise Overloaded(f"engine queue is full ({self.max_queue} waiting)", code="queue_full")
+        with trio.move_on_after(self.queue_timeout_s) as scope:
+            await self._limiter.acquire_on_behalf_of(owner)
+        if scope.cancelled_caught:
+            self.rejected_total += 1
+            raise Overloaded(
+                f"no engine capacity within {self.queue_timeout_s:g} s", code="queue_timeout"
+            )
+        return trio.current_time() - queued_at
+
+    def release(self, owner: object) -> None:
+        """Give back the slot ``owner`` holds."""
+        self._limiter.release_on_behalf_of(owner)
+
     @asynccontextmanager
     async def slot(self, owner: object) -> AsyncIterator[float]:
         """Hold one in-flight slot for ``owner`` for the duration of the block; the block gets
         the seconds it waited in the queue (0.0 when a slot was free, the clock unread)."""
-        waited = 0.0
-        try:
-            self._limiter.acquire_on_behalf_of_nowait(owner)
-        except trio.WouldBlock:
-            queued_at = trio.current_time()
-            if self.queue_depth >= self.max_queue:
-                self.rejected_total += 1
-                raise Overloaded(
-                    f"engine queue is full ({self.max_queue} waiting)", code="queue_full"
-                ) from None
-            with trio.move_on_after(self.queue_timeout_s) as scope:
-                await self._limiter.acquire_on_behalf_of(owner)
-            if scope.cancelled_caught:
-                self.rejected_total += 1
-                raise Overloaded(
-                    f"no engine capacity within {self.queue_timeout_s:g} s", code="queue_timeout"
-                ) from None
-            waited = trio.current_time() - queued_at
+        waited = 0.0 if self.try_acquire(owner) else await self.wait_acquire(owner)
         try:
             yield waited
         finally:
-            self._limiter.release_on_behalf_of(owner)
+            self.release(owner)

@@ -138,6 +138,11 @@ class FinishedRequest(Protocol):
     def gaps(self) -> Sequence[float]: ...
 
 
+# Up to this many values, observe_many bisects each value rather than each bound: the bounds
+# of the histograms here number 10-30, and a value's bisect costs about a bound's.
+_FEW_VALUES = 8
+
+
 @dataclass
 class Buckets:
     """A cumulative-on-export histogram: per-bucket counts plus sum, no locks."""
@@ -156,7 +161,14 @@ class Buckets:
 
     def observe_many(self, values: Iterable[float]) -> None:
         """Bulk observe: one C-level sort and a bisect per bound, not a Python call per value
-        (a 1000-event request's gaps cost ~50 us instead of ~800 us)."""
+        (a 1000-event request's gaps cost ~50 us instead of ~800 us). A few values go one by
+        one: a bisect each is cheaper than a pass over every bound."""
+        if not isinstance(values, list | tuple):
+            values = list(values)
+        if len(values) <= _FEW_VALUES:
+            for value in values:
+                self.observe(value)
+            return
         ordered = sorted(values)
         below = 0
         for i, bound in enumerate(self.bounds):

@@ -162,31 +162,36 @@ def test_a_reloaded_name_keeps_its_id_and_a_new_one_gets_the_next() -> None:
 
 def test_requests_count_waiting_then_running_then_nothing() -> None:
     table = LoraTable(None, [])
-    with table.counting("a") as sent:
-        assert (dict(table.waiting), dict(table.running)) == ({"a": 1}, {})
-        sent()
-        assert (dict(table.waiting), dict(table.running)) == ({}, {"a": 1})
+    table.begin("a")
+    assert (dict(table.waiting), dict(table.running)) == ({"a": 1}, {})
+    table.sent("a")
+    assert (dict(table.waiting), dict(table.running)) == ({}, {"a": 1})
+    table.end("a", sent=True)
     assert (dict(table.waiting), dict(table.running)) == ({}, {})
-    with pytest.raises(RuntimeError), table.counting("a"):
-        raise RuntimeError  # never sent (admission refused it): its waiting count goes too
+    table.begin("a")
+    table.end("a", sent=False)  # never sent (admission refused it): its waiting count goes too
     assert not table.waiting
-    with table.counting(None) as sent:
-        sent()
+    table.begin(None)
+    table.sent(None)
     assert not table.running
+    table.end(None, sent=True)
+    assert (dict(table.waiting), dict(table.running)) == ({}, {})
 
 
 def test_an_engines_own_queues_decide_running_and_waiting_for_what_smgd_has_in_flight() -> None:
     table = LoraTable(None, [])
-    with table.counting("a") as a, table.counting("b") as b, table.counting("c") as c:
-        a()
-        b()
-        c()
-        with table.counting("q"):  # still in smgd's admission queue
-            assert table.busy() == ({"a", "b", "c"}, {"q"})  # no report yet: sent = running
-            table.report(0, ["a", "stale"], ["b"])  # c was sent after this report
-            assert table.busy() == ({"a", "c"}, {"b", "q"})
-            table.report(1, ["b"], [])  # another rank runs b
-            assert table.busy() == ({"a", "b", "c"}, {"b", "q"})
+    for name in "abc":
+        table.begin(name)
+        table.sent(name)
+    table.begin("q")  # still in smgd's admission queue
+    assert table.busy() == ({"a", "b", "c"}, {"q"})  # no report yet: sent = running
+    table.report(0, ["a", "stale"], ["b"])  # c was sent after this report
+    assert table.busy() == ({"a", "c"}, {"b", "q"})
+    table.report(1, ["b"], [])  # another rank runs b
+    assert table.busy() == ({"a", "b", "c"}, {"b", "q"})
+    table.end("q", sent=False)
+    for name in "abc":
+        table.end(name, sent=True)
     assert table.busy() == (set(), set())  # a report never outlives the requests
 
 
@@ -266,10 +271,10 @@ def test_lora_requests_info_has_vllms_name_labels_and_timestamp_value() -> None:
     plain.lora.enabled = False
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LoraInfoCollector(lambda: clients(a, b, plain), clock=lambda: 1764680000.5))
-    with a.lora.counting("sql") as sent:
-        sent()
-        with b.lora.counting("chat"):
-            text = generate_latest(registry).decode()
+    a.lora.begin("sql")
+    a.lora.sent("sql")
+    b.lora.begin("chat")
+    text = generate_latest(registry).decode()
     assert "# TYPE smgd_lora_requests_info gauge" in text
     line = (
         'smgd_lora_requests_info{max_lora="8",running_lora_adapters="sql",'

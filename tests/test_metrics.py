@@ -275,12 +275,20 @@ async def test_admission_queue_shows_in_load(autojump_clock: trio.abc.Clock) -> 
     assert value(samples, "smgd_engine_queue_depth", engine="fake", wire="fake") == 2
 
 
-def test_buckets_match_prometheus_client_histogram() -> None:
-    rng = random.Random(7)
-    values = [rng.choice(ITL_BUCKETS) for _ in range(50)]  # exact boundaries: le is inclusive
-    values += [rng.lognormvariate(-3, 2) for _ in range(500)]
+@pytest.mark.parametrize(
+    ("on_bounds", "between", "as_tuple"),
+    # A few values are observed one by one, many through one sort: both paths, either type.
+    [(50, 500, False), (3, 2, False), (1, 0, True), (0, 8, False), (4, 5, True), (0, 0, False)],
+)
+def test_buckets_match_prometheus_client_histogram(
+    on_bounds: int, between: int, as_tuple: bool
+) -> None:
+    rng = random.Random(7 + on_bounds + between)
+    # exact boundaries: le is inclusive
+    values = [rng.choice(ITL_BUCKETS) for _ in range(on_bounds)]
+    values += [rng.lognormvariate(-3, 2) for _ in range(between)]
     ours = Buckets(ITL_BUCKETS)
-    ours.observe_many(values)
+    ours.observe_many(tuple(values) if as_tuple else values)
     registry = CollectorRegistry()
     reference = Histogram("x_seconds", "x", buckets=ITL_BUCKETS, registry=registry)
     for x in values:

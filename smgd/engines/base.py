@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from contextlib import asynccontextmanager
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -59,7 +58,8 @@ from smgd.wire.common import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import Sequence
+    from contextlib import AbstractAsyncContextManager
 
     from smgd.config import EngineConfig
     from smgd.wire.common import LoraAdapter
@@ -321,57 +321,46 @@ class EngineClient:
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
 
-    @asynccontextmanager
-    async def open_stream(self, req: EngineRequest) -> AsyncIterator[RequestStream]:
+    def open_stream(self, req: EngineRequest) -> AbstractAsyncContextManager[RequestStream]:
         """Submit a request; yield its output stream; abort it on the engine if it is left early.
+
+        ``async with engine.open_stream(req) as stream``: the engine must be ready and take
+        the request (:meth:`validate`), and the request waits for an admission slot. Leaving
+        the block before the stream finished (client gone, stop string hit, error) sends an
+        abort and closes the stream locally at once: vLLM and TokenSpeed never answer an
+        abort, and SGLang's late answer is simply dropped. The outbox is unbounded, so the
+        abort is queued synchronously and cannot be lost to a cancellation.
 
         A request with a LoRA adapter counts as waiting for it until sent, then running
         (:class:`~smgd.engines.lora.LoraTable`), until the block is left.
         """
-        lora = req.lora if isinstance(req, GenerateRequest) else None  # embeddings: no adapter
-        with self.lora.counting(lora) as sent:
-            async with self._open_stream(req, sent) as stream:
-                yield stream
+        return _OpenStream(self, req)
 
-    @asynccontextmanager
-    async def _open_stream(
-        self, req: EngineRequest, sent: Callable[[], None]
-    ) -> AsyncIterator[RequestStream]:
-        """:meth:`open_stream`; ``sent`` is called once the request is in the outbox.
-
-        Leaving the block before the stream finished (client gone, stop string hit, error)
-        sends an abort from ``finally`` and closes the stream locally at once: vLLM and
-        TokenSpeed never answer an abort, and SGLang's late answer is simply dropped. The
-        outbox is unbounded, so the abort is queued synchronously and cannot be lost to a
-        cancellation.
-        """
-        if not self.ready:
+    def _submit(self, req: EngineRequest, waited: float) -> RequestStream:
+        """Put an admitted request in the outbox; its stream."""
+        if not self.ready:  # it may have died (or begun draining) while it queued
             raise EngineNotReady(f"engine {self.name} is {self.state_name}")
-        self.validate(req)
-        async with self.admission.slot(req.rid) as waited:
-            if not self.ready:  # it may have died (or begun draining) while we queued
-                raise EngineNotReady(f"engine {self.name} is {self.state_name}")
-            stream = RequestStream(req.rid, self.name, prompt_tokens=len(req.prompt_ids))
-            stream.queued_s = waited
-            frames = self._encode_request(req)
-            self._streams[req.rid] = stream
-            self._fresh.add(req.rid)
-            if isinstance(req, GenerateRequest) and req.sampling.structured is not None:
-                self._constrained[req.rid] = req.sampling.structured.param
-            self._requests_total += 1
-            self._outbox_send.send_nowait(frames)
-            sent()
-            try:
-                yield stream
-            finally:
-                still_running = stream.state is StreamState.OPEN
-                self._streams.pop(req.rid, None)
-                self._fresh.discard(req.rid)
-                self._constrained.pop(req.rid, None)
-                if still_running:
-                    stream.state = StreamState.CLOSED
-                    if self.state is EngineState.READY:  # draining included: it is alive
-                        self._outbox_send.send_nowait(self._encode_abort(req.rid))
+        stream = RequestStream(req.rid, self.name, prompt_tokens=len(req.prompt_ids))
+        stream.queued_s = waited
+        frames = self._encode_request(req)
+        self._streams[req.rid] = stream
+        self._fresh.add(req.rid)
+        if isinstance(req, GenerateRequest) and req.sampling.structured is not None:
+            self._constrained[req.rid] = req.sampling.structured.param
+        self._requests_total += 1
+        self._outbox_send.send_nowait(frames)
+        return stream
+
+    def _withdraw(self, rid: str, stream: RequestStream) -> None:
+        """A submitted request's block was left: forget it, and abort it if still running."""
+        still_running = stream.state is StreamState.OPEN
+        self._streams.pop(rid, None)
+        self._fresh.discard(rid)
+        self._constrained.pop(rid, None)
+        if still_running:
+            stream.state = StreamState.CLOSED
+            if self.state is EngineState.READY:  # draining included: it is alive
+                self._outbox_send.send_nowait(self._encode_abort(rid))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -646,9 +635,59 @@ class EngineClient:
         raise NotImplementedError
 
 
+class _OpenStream:
+    """:meth:`EngineClient.open_stream`'s block. A class rather than generator-based context
+    managers: it runs once per request, and the three it replaces (the stream's, the admission
+    slot's, the adapter count's) cost ~10 µs together, this ~1."""
+
+    __slots__ = ("_admitted", "_engine", "_lora", "_req", "_stream")
+
+    def __init__(self, engine: EngineClient, req: EngineRequest) -> None:
+        self._engine = engine
+        self._req = req
+        self._lora = req.lora if isinstance(req, GenerateRequest) else None  # embeddings: none
+        self._admitted = False
+        self._stream: RequestStream | None = None
+
+    async def __aenter__(self) -> RequestStream:
+        engine, req = self._engine, self._req
+        engine.lora.begin(self._lora)
+        try:
+            if not engine.ready:
+                raise EngineNotReady(f"engine {engine.name} is {engine.state_name}")
+            engine.validate(req)
+            admission, rid = engine.admission, req.rid
+            waited = 0.0 if admission.try_acquire(rid) else await admission.wait_acquire(rid)
+            self._admitted = True
+            self._stream = engine._submit(req, waited)
+        except BaseException:
+            self._leave()
+            raise
+        engine.lora.sent(self._lora)
+        return self._stream
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        engine, stream = self._engine, self._stream
+        try:
+            if stream is not None:
+                engine._withdraw(self._req.rid, stream)
+        finally:
+            if self._admitted:
+                engine.admission.release(self._req.rid)
+            engine.lora.end(self._lora, sent=stream is not None)
+
+
 def _check_vocabulary(ids: Sequence[int], vocab: int | None, param: str) -> None:
     """A 400 naming ``param`` for the first token id outside the engine's vocabulary."""
-    if vocab is None:
+    if vocab is None or not ids:
+        return
+    # Two C-level passes (~0.6 µs for a 64-id prompt; the loop below costs ~3 µs, and every
+    # request is checked twice: when it is planned and when it is sent). The loop only runs
+    # to name the offending id.
+    if min(ids) >= 0 and max(ids) < vocab:
         return
     for tid in ids:
         if not 0 <= tid < vocab:

@@ -13,14 +13,13 @@ Launch flags for ``[engines.lora]`` are :func:`lora_args`.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from smgd.config import resolve_path
 from smgd.wire.common import LoraAdapter
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     from smgd.config import Config, EngineConfig, LoraConfig
 
@@ -122,30 +121,21 @@ class LoraTable:
         return running, reported_waiting | set(self.waiting)
 
     # ---- request counts (EngineClient.open_stream)
-    @contextmanager
-    def counting(self, name: str | None) -> Iterator[Callable[[], None]]:
-        """Count a request of adapter ``name`` (None: the base model, not counted) as waiting
-        for the block, running once the yielded function says it was sent."""
-        if name is None:
-            yield _nothing
-            return
-        counts = self.waiting
-        counts[name] += 1
+    def begin(self, name: str | None) -> None:
+        """A request of adapter ``name`` (None: the base model, not counted) waits in smgd's
+        admission until :meth:`sent`; :meth:`end` once it is over, either way."""
+        if name is not None:
+            self.waiting[name] += 1
 
-        def sent() -> None:
-            nonlocal counts
-            _drop(counts, name)
-            counts = self.running
-            counts[name] += 1
+    def sent(self, name: str | None) -> None:
+        """The request :meth:`begin` counted is in the engine's outbox: running now."""
+        if name is not None:
+            _drop(self.waiting, name)
+            self.running[name] += 1
 
-        try:
-            yield sent
-        finally:
-            _drop(counts, name)
-
-
-def _nothing() -> None:
-    pass
+    def end(self, name: str | None, *, sent: bool) -> None:
+        if name is not None:
+            _drop(self.running if sent else self.waiting, name)
 
 
 def _drop(counts: Counter[str], name: str) -> None:
