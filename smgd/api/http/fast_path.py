@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
@@ -152,7 +153,7 @@ class FastPath:
             return bytes(await stream.receive_some(max_bytes))
         try:
             with trio.CancelScope() as self._wake:
-                return bytes(await stream.receive_some(max_bytes))
+                return await _receive_later(stream, max_bytes)
         finally:
             self._wake = None
         return None
@@ -307,6 +308,28 @@ class FastPath:
             await self._conn.stream.send_eof()
         if self._wake is not None:
             self._wake.cancel()  # the read loop reads on under the linger deadline
+
+
+async def _receive_later(stream: Any, max_bytes: int) -> bytes:
+    """``stream.receive_some(max_bytes)`` for a read that cannot be served yet: the next
+    request on a connection whose request runs (its client waits for the answer first).
+
+    It waits for the socket before reading, where trio's ``receive_some`` reads first and
+    waits on ``EAGAIN``: that read is a system call and an exception per request for nothing
+    (with trio's wrappers about 5 µs here). Errors end the read as ``receive_some``'s would.
+    """
+    sock = stream.socket
+    while True:
+        fd = sock.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("the connection's socket was closed")
+        await trio.lowlevel.wait_readable(fd)
+        try:
+            return os.read(fd, max_bytes)
+        except BlockingIOError:
+            continue  # woken with nothing to read after all
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"the connection broke: {exc}") from exc
 
 
 class _Response:
