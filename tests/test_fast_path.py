@@ -15,6 +15,7 @@ from typing import Any
 import h11
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed
 from hypercorn.protocol.h11 import H11Protocol
@@ -883,3 +884,46 @@ async def test_connections_that_ended_in_every_way_leave_no_task_behind() -> Non
             start = trio.current_time()
             stop.set()
     assert trio.current_time() - start < 1
+
+
+# -- the busy connection's read: wait for the socket, then read ---------------------------
+
+
+async def test_a_busy_connections_read_returns_what_arrives_then_the_end() -> None:
+    left, right = trio.socket.socketpair()
+    ours, theirs = trio.SocketStream(left), trio.SocketStream(right)
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def read() -> None:
+            got.append(await fast_path._receive_later(ours, 1024))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # nothing sent yet: it waits, it does not spin or return early
+        await theirs.send_all(b"GET / HTTP/1.1\r\n")
+    assert got == [b"GET / HTTP/1.1\r\n"]
+    await theirs.aclose()
+    assert await fast_path._receive_later(ours, 1024) == b""  # the peer's end, as receive_some
+    await ours.aclose()
+
+
+async def test_a_busy_connections_read_fails_as_receive_some_does() -> None:
+    left, right = trio.socket.socketpair()
+    ours, theirs = trio.SocketStream(left), trio.SocketStream(right)
+    async with trio.open_nursery() as nursery:
+        failures: list[BaseException] = []
+
+        async def read() -> None:
+            try:
+                await fast_path._receive_later(ours, 1024)
+            except trio.ClosedResourceError as exc:
+                failures.append(exc)
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await ours.aclose()  # closed by another task while the read waits
+    assert len(failures) == 1
+    with pytest.raises(trio.ClosedResourceError):
+        await fast_path._receive_later(ours, 1024)  # and on a socket already closed
+    await theirs.aclose()

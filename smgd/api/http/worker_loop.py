@@ -15,11 +15,13 @@ between. A streaming task still yields once per event, waiting for the engine's 
 
 :func:`serve` is the worker loop that uses it: lifespan, listeners on hypercorn's sockets
 (host:port binds and ``fd://`` binds for socket activation; plain TCP only, smgd serves no
-TLS), graceful shutdown on ``shutdown_trigger`` within ``config.graceful_timeout``. It is
-built from hypercorn's own parts (``Lifespan``, ``WorkerContext``, ``TCPServer``). Requests of
-the common shape are read by smgd's fast path (:mod:`smgd.api.http.fast_path`) before
-hypercorn's protocol sees them; the first one that is not moves the connection to hypercorn's
-parsing and ASGI interface, unchanged.
+TLS) with smgd's accept loop (:mod:`smgd.api.http.accepting`, which takes every waiting
+connection at each wakeup, where trio's takes one per scheduler pass), graceful shutdown on
+``shutdown_trigger`` within ``config.graceful_timeout``. It is built from hypercorn's own parts
+(``Lifespan``, ``WorkerContext``, ``TCPServer``). Requests of the common shape are read by
+smgd's fast path (:mod:`smgd.api.http.fast_path`) before hypercorn's protocol sees them; the
+first one that is not moves the connection to hypercorn's parsing and ASGI interface,
+unchanged.
 
 Graceful shutdown ends responses properly even when they outlast it: at the graceful
 deadline ``end_responses`` asks the app to end what still runs (smgd's streams send their
@@ -61,6 +63,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from smgd.api.core.errors import http_error
+from smgd.api.http.accepting import serve_sockets
 from smgd.api.http.direct import BODY_END, CONNECTION_KEY, DirectWriter
 from smgd.api.http.fast_path import FastPath, ServerHeaders
 
@@ -426,10 +429,8 @@ async def serve(
                 sockets = config.create_sockets()
                 for sock in sockets.insecure_sockets:
                     sock.listen(config.backlog)
-            listeners = []
             binds = []
             for sock in sockets.insecure_sockets:
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 bind = repr_socket_addr(sock.family, sock.getsockname())
                 binds.append(f"http://{bind}")
                 await config.log.info(f"Running on http://{bind}")
@@ -448,7 +449,12 @@ async def serve(
                         accepting.start_soon(_raise_on, shutdown_trigger)
                     accepting.start_soon(_raise_on, context.terminate.wait)
                     accepting.start_soon(
-                        partial(trio.serve_listeners, server, listeners, handler_nursery=handlers)
+                        partial(
+                            serve_sockets,
+                            server,
+                            list(sockets.insecure_sockets),
+                            handler_nursery=handlers,
+                        )
                     )
             except* _Shutdown:
                 pass

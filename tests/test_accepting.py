@@ -1,0 +1,161 @@
+"""smgd's accept loop (smgd.api.http.accepting) on real loopback sockets."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from smgd.api.http import accepting
+
+
+def _listener(backlog: int = 128) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+    return sock
+
+
+def _connect(port: int, n: int) -> list[socket.socket]:
+    """n clients whose handshakes the kernel completed: they wait in the accept queue."""
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+
+
+async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None:
+    listener = _listener()
+    clients = _connect(listener.getsockname()[1], 50)
+    passes = 0
+    started_at: list[int] = []
+    all_started = trio.Event()
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while True:
+            passes += 1
+            await trio.lowlevel.checkpoint()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        started_at.append(passes)
+        if len(started_at) == 50:
+            all_started.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count_passes)
+        nursery.start_soon(
+            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
+        )
+        with trio.fail_after(5):
+            await all_started.wait()
+        nursery.cancel_scope.cancel()
+    # trio's serve_listeners starts one a pass: 50 connections over 50 passes.
+    assert max(started_at) - min(started_at) <= 1
+    assert listener.fileno() == -1  # closed when the loop ends
+    for client in clients:
+        client.close()
+
+
+async def test_a_burst_over_the_batch_is_taken_over_several_wakeups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(accepting, "ACCEPT_BATCH", 2)
+    listener = _listener()
+    clients = _connect(listener.getsockname()[1], 7)
+    echoed: list[bytes] = []
+    all_echoed = trio.Event()
+
+    async def echo(stream: trio.SocketStream) -> None:
+        data = await stream.receive_some(100)
+        echoed.append(data)
+        await stream.send_all(data.upper())
+        if len(echoed) == 7:
+            all_echoed.set()
+
+    for i, client in enumerate(clients):
+        client.sendall(b"hello %d" % i)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: accepting.serve_sockets(echo, [listener], handler_nursery=nursery)
+        )
+        with trio.fail_after(5):
+            await all_echoed.wait()
+        nursery.cancel_scope.cancel()
+    assert sorted(echoed) == sorted(b"hello %d" % i for i in range(7))
+    for i, client in enumerate(clients):
+        assert client.recv(100) == b"HELLO %d" % i
+        assert client.recv(100) == b""  # the stream is closed once its handler returns
+        client.close()
+
+
+class _FailingFirst(socket.socket):
+    """A listener whose first accepts fail with the given errnos."""
+
+    failures: list[int]
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures:
+            code = self.failures.pop(0)
+            raise OSError(code, errno.errorcode[code])
+        return super().accept()
+
+
+def _failing_listener(failures: list[int]) -> _FailingFirst:
+    sock = _FailingFirst(socket.AF_INET, socket.SOCK_STREAM)
+    sock.failures = failures
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+async def test_running_out_of_descriptors_waits_and_retries(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener = _failing_listener([errno.EMFILE])
+    client = socket.create_connection(listener.getsockname())
+    handled_at: list[float] = []
+    handled = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        handled_at.append(trio.current_time())
+        handled.set()
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
+        )
+        await handled.wait()
+        nursery.cancel_scope.cancel()
+    assert handled_at[0] - start >= accepting.CAPACITY_RETRY_S
+    assert "EMFILE" in caplog.text
+    client.close()
+
+
+async def test_an_aborted_connection_is_skipped_and_an_unknown_error_ends_the_loop() -> None:
+    listener = _failing_listener([errno.ECONNABORTED])
+    client = socket.create_connection(listener.getsockname())
+    handled = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        handled.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
+        )
+        with trio.fail_after(5):
+            await handled.wait()
+        nursery.cancel_scope.cancel()
+    client.close()
+
+    broken = _failing_listener([errno.EBADF])
+    other = socket.create_connection(broken.getsockname())
+    with pytest.raises(ExceptionGroup) as caught, trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await accepting.serve_sockets(handler, [broken], handler_nursery=nursery)
+    assert caught.group_contains(OSError, match="EBADF")
+    assert broken.fileno() == -1
+    other.close()
