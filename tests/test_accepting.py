@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -22,6 +23,26 @@ def _listener(backlog: int = 128) -> socket.socket:
 def _connect(port: int, n: int) -> list[socket.socket]:
     """n clients whose handshakes the kernel completed: they wait in the accept queue."""
     return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+
+
+async def _serve_until(
+    done: trio.Event,
+    handler: accepting.Handler,
+    listener: socket.socket,
+    *,
+    also: Callable[[], Awaitable[object]] | None = None,
+) -> None:
+    """Run the accept loop on ``listener`` (and ``also``, a task to run beside it) until
+    ``done`` is set (5 s at most), then stop it."""
+    async with trio.open_nursery() as nursery:
+        if also is not None:
+            nursery.start_soon(also)
+        nursery.start_soon(
+            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
+        )
+        with trio.fail_after(5):
+            await done.wait()
+        nursery.cancel_scope.cancel()
 
 
 async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None:
@@ -43,14 +64,7 @@ async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None
             all_started.set()
         await trio.sleep_forever()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(count_passes)
-        nursery.start_soon(
-            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
-        )
-        with trio.fail_after(5):
-            await all_started.wait()
-        nursery.cancel_scope.cancel()
+    await _serve_until(all_started, handler, listener, also=count_passes)
     # trio's serve_listeners starts one a pass: 50 connections over 50 passes.
     assert max(started_at) - min(started_at) <= 1
     assert listener.fileno() == -1  # closed when the loop ends
@@ -76,13 +90,7 @@ async def test_a_burst_over_the_batch_is_taken_over_several_wakeups(
 
     for i, client in enumerate(clients):
         client.sendall(b"hello %d" % i)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: accepting.serve_sockets(echo, [listener], handler_nursery=nursery)
-        )
-        with trio.fail_after(5):
-            await all_echoed.wait()
-        nursery.cancel_scope.cancel()
+    await _serve_until(all_echoed, echo, listener)
     assert sorted(echoed) == sorted(b"hello %d" % i for i in range(7))
     for i, client in enumerate(clients):
         assert client.recv(100) == b"HELLO %d" % i
@@ -123,12 +131,7 @@ async def test_running_out_of_descriptors_waits_and_retries(
         handled.set()
 
     start = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
-        )
-        await handled.wait()
-        nursery.cancel_scope.cancel()
+    await _serve_until(handled, handler, listener)
     assert handled_at[0] - start >= accepting.CAPACITY_RETRY_S
     assert "EMFILE" in caplog.text
     client.close()
@@ -142,13 +145,7 @@ async def test_an_aborted_connection_is_skipped_and_an_unknown_error_ends_the_lo
     async def handler(stream: trio.SocketStream) -> None:
         handled.set()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: accepting.serve_sockets(handler, [listener], handler_nursery=nursery)
-        )
-        with trio.fail_after(5):
-            await handled.wait()
-        nursery.cancel_scope.cancel()
+    await _serve_until(handled, handler, listener)
     client.close()
 
     broken = _failing_listener([errno.EBADF])
