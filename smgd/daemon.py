@@ -35,6 +35,7 @@ import trio
 from smgd.api.http.server import bind_public, serve_admin, serve_http
 from smgd.errors import ConfigError, SmgdError, TransportError
 from smgd.gateway import Gateway
+from smgd.limits import raise_open_files_limit
 from smgd.logs import announce, setup_logging
 from smgd.sdnotify import notify, watchdog
 from smgd.supervise import EngineSet
@@ -215,6 +216,7 @@ def serve_main(
 ) -> int:
     setup_logging(config.logging)
     tune_gc()
+    raise_open_files_limit()
     worker = current_worker()
     as_supervisor = worker is None and config.server.workers > 1  # of N worker processes
     if worker is not None:

@@ -118,10 +118,10 @@ def _failing_listener(failures: list[int]) -> _FailingFirst:
     return sock
 
 
-async def test_running_out_of_descriptors_waits_and_retries(
+async def test_running_out_of_descriptors_waits_retries_and_says_so_once(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    listener = _failing_listener([errno.EMFILE])
+    listener = _failing_listener([errno.EMFILE, errno.EMFILE, errno.EMFILE])
     client = socket.create_connection(listener.getsockname())
     handled_at: list[float] = []
     handled = trio.Event()
@@ -132,8 +132,10 @@ async def test_running_out_of_descriptors_waits_and_retries(
 
     start = trio.current_time()
     await _serve_until(handled, handler, listener)
-    assert handled_at[0] - start >= accepting.CAPACITY_RETRY_S
-    assert "EMFILE" in caplog.text
+    assert handled_at[0] - start >= 3 * accepting.CAPACITY_RETRY_S
+    failed = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(failed) == 1 and "EMFILE" in failed[0]  # once, not once per retry
+    assert "accepting connections again, after 3 failed tries" in caplog.text
     client.close()
 
 

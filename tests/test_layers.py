@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "smgd.parse.*",
             "smgd.sampling",
             "smgd.worker_id",  # Worker, current_worker, for_worker
+            "smgd.limits",  # the open-files limit
             # LAYERS.md has it in L1; config validates socket paths with its SUN_PATH_MAX,
             # and it imports nothing but errors, so it is a leaf.
             "smgd.ipc",

@@ -108,12 +108,16 @@ async def serve(
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = (),
     wait_ready: bool = True,
+    prefix: tuple[str, ...] = (),
 ) -> AsyncIterator[Daemon]:
-    """Start ``smgd serve`` on ``config_text``; on exit, kill whatever is left of it."""
+    """Start ``smgd serve`` on ``config_text``; on exit, kill whatever is left of it.
+
+    ``prefix``: a command that execs the daemon (``prlimit --nofile=256:``), so its pid is
+    the daemon's."""
     config_path = tmp_path / "smgd.toml"
     config_path.write_text(config_text)
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "smgd", "serve", "--config", str(config_path), *args],
+        [*prefix, sys.executable, "-m", "smgd", "serve", "--config", str(config_path), *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

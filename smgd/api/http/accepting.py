@@ -9,9 +9,10 @@ others, with the daemon under one core). Taking every waiting connection at each
 moves that wait into smgd, where the requests are served in turn: TTFT p99 4.1-7.8 s, p50
 4.94 -> 4.49 s, delivered tokens 35 -> 49 % (docs/performance.md, "Issue 21, twelfth pass").
 
-Errors are trio's: a connection the peer aborted before it was taken is skipped, and running
-out of descriptors or memory (``EMFILE`` and the like) is logged and retried 100 ms later,
-instead of ending the server.
+Errors are handled as trio's loop does: a connection the peer aborted before it was taken is
+skipped, and running out of descriptors or memory (``EMFILE`` and the like) is retried every
+100 ms instead of ending the server; smgd logs it once when it starts and once when accepts
+succeed again (trio logs every retry).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ async def serve_sockets(
 
 async def _accept_from(sock: socket.socket, handler: Handler, handlers: trio.Nursery) -> None:
     sock.setblocking(False)
+    failures = 0  # accepts refused in a row for want of descriptors or memory
     try:
         while True:
             await trio.lowlevel.wait_readable(sock)
@@ -87,14 +89,21 @@ async def _accept_from(sock: socket.socket, handler: Handler, handlers: trio.Nur
                         continue
                     if exc.errno not in CAPACITY_ERRNOS:
                         raise
-                    log.error(
-                        "accept failed: %s (%s); retrying in %.1f s",
-                        errno.errorcode.get(exc.errno or 0, "?"),
-                        exc.strerror,
-                        CAPACITY_RETRY_S,
-                    )
+                    if failures == 0:  # once per episode: it retries ten times a second
+                        log.error(
+                            "accept failed: %s (%s); new connections wait until it succeeds, "
+                            "retrying every %.1f s (raise the open-files limit: "
+                            "docs/troubleshooting.md)",
+                            errno.errorcode.get(exc.errno or 0, "?"),
+                            exc.strerror,
+                            CAPACITY_RETRY_S,
+                        )
+                    failures += 1
                     await trio.sleep(CAPACITY_RETRY_S)
                     break
+                if failures:
+                    log.warning("accepting connections again, after %d failed tries", failures)
+                    failures = 0
                 handlers.start_soon(_handle, conn, handler)
     finally:
         sock.close()
