@@ -135,7 +135,9 @@ async def test_running_out_of_descriptors_waits_retries_and_says_so_once(
     assert handled_at[0] - start >= 3 * accepting.CAPACITY_RETRY_S
     failed = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
     assert len(failed) == 1 and "EMFILE" in failed[0]  # once, not once per retry
-    assert "accepting connections again, after 3 failed tries" in caplog.text
+    assert "accepting connections again: every waiting one taken, after 3 failed tries" in (
+        caplog.text
+    )
     client.close()
 
 
@@ -158,3 +160,21 @@ async def test_an_aborted_connection_is_skipped_and_an_unknown_error_ends_the_lo
     assert caught.group_contains(OSError, match="EBADF")
     assert broken.fileno() == -1
     other.close()
+
+
+def test_a_shortage_is_reported_when_it_starts_and_ends_and_not_at_every_turn() -> None:
+    shortage = accepting.Shortage()
+    assert shortage.drained() is None  # an empty queue with no shortage: nothing to say
+    assert shortage.failed(0.0) == 1  # starts: reported
+    assert shortage.failed(0.1) is None  # retries: counted, not reported
+    assert shortage.failed(0.2) is None
+    assert shortage.drained() == 3  # ends: reported, with its count
+    # It starts again within REPORT_EVERY_S (the edge of the limit): counted silently...
+    assert shortage.failed(1.0) is None
+    assert shortage.failed(1.1) is None
+    assert shortage.drained() is None  # ...and its end is not news either
+    # The next start after REPORT_EVERY_S is reported with every failure since the last
+    # report: the first shortage's two retries, the silent one's two and its own.
+    later = accepting.REPORT_EVERY_S + 0.5
+    assert shortage.failed(later) == 5
+    assert shortage.drained() == 1

@@ -98,5 +98,5 @@ async def test_out_of_descriptors_the_daemon_waits_then_serves_what_waited(
             assert answers == [200]
         log = daemon.log()
         assert log.count("accept failed: EMFILE") == 1, log
-        assert "accepting connections again" in log
+        assert "accepting connections again: every waiting one taken" in log
         assert daemon.proc.returncode is None  # still running

@@ -11,14 +11,15 @@ moves that wait into smgd, where the requests are served in turn: TTFT p99 4.1-7
 
 Errors are handled as trio's loop does: a connection the peer aborted before it was taken is
 skipped, and running out of descriptors or memory (``EMFILE`` and the like) is retried every
-100 ms instead of ending the server; smgd logs it once when it starts and once when accepts
-succeed again (trio logs every retry).
+100 ms instead of ending the server; smgd logs a shortage when it starts and when every
+waiting connection has been taken again, at most once per 10 s (trio logs every retry).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,9 @@ ACCEPT_BATCH = 256
 # rather than spin. trio's serve_listeners uses the same set and delay.
 CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 CAPACITY_RETRY_S = 0.1
+# At most one report of a shortage this often: at the limit's edge a shortage can end and
+# start again many times a second, as connections come and go.
+REPORT_EVERY_S = 10.0
 
 # The connection went away between its handshake and its accept: skip it (trio's list).
 SKIPPED_ERRNOS = frozenset(
@@ -73,9 +77,54 @@ async def serve_sockets(
             nursery.start_soon(_accept_from, sock, handler, handler_nursery)
 
 
+class Shortage:
+    """When to log a shortage of descriptors (or memory) for accepts; sans-IO.
+
+    A shortage lasts from the first failed accept until the kernel's queue is empty again
+    (every waiting connection taken): at the edge of the limit, accepts succeed and fail by
+    turns as descriptors come and go, and each turn is not news. A shortage is reported when
+    it starts, unless the last report is under :data:`REPORT_EVERY_S` old (its failures are
+    then counted into the next report), and its end is reported when its start was.
+    """
+
+    __slots__ = ("_failed", "_last_report", "_reported", "_this", "short")
+
+    def __init__(self) -> None:
+        self.short = False  # a shortage is on
+        self._reported = False  # and its start was logged
+        self._failed = 0  # failed accepts since the last report
+        self._this = 0  # failed accepts in this shortage
+        self._last_report = -math.inf
+
+    def failed(self, now: float) -> int | None:
+        """An accept failed: the failed accepts to report now (since the last report), or
+        None."""
+        self._failed += 1
+        self._this += 1
+        if self.short:
+            return None
+        self.short = True
+        if now - self._last_report < REPORT_EVERY_S:
+            return None
+        self._reported, self._last_report = True, now
+        failed, self._failed = self._failed, 0
+        return failed
+
+    def drained(self) -> int | None:
+        """The queue is empty: the shortage's failed accepts, to report as its end, or None."""
+        if not self.short:
+            return None
+        self.short = False
+        this, self._this = self._this, 0
+        if not self._reported:
+            return None
+        self._reported = False
+        return this
+
+
 async def _accept_from(sock: socket.socket, handler: Handler, handlers: trio.Nursery) -> None:
     sock.setblocking(False)
-    failures = 0  # accepts refused in a row for want of descriptors or memory
+    shortage = Shortage()
     try:
         while True:
             await trio.lowlevel.wait_readable(sock)
@@ -83,27 +132,32 @@ async def _accept_from(sock: socket.socket, handler: Handler, handlers: trio.Nur
                 try:
                     conn, _ = sock.accept()
                 except BlockingIOError:
+                    ended = shortage.drained()
+                    if ended is not None:
+                        log.warning(
+                            "accepting connections again: every waiting one taken, after %d "
+                            "failed tries",
+                            ended,
+                        )
                     break
                 except OSError as exc:
                     if exc.errno in SKIPPED_ERRNOS:
                         continue
                     if exc.errno not in CAPACITY_ERRNOS:
                         raise
-                    if failures == 0:  # once per episode: it retries ten times a second
+                    failed = shortage.failed(trio.current_time())
+                    if failed is not None:
                         log.error(
-                            "accept failed: %s (%s); new connections wait until it succeeds, "
+                            "accept failed: %s (%s)%s; new connections wait until it succeeds, "
                             "retrying every %.1f s (raise the open-files limit: "
                             "docs/troubleshooting.md)",
                             errno.errorcode.get(exc.errno or 0, "?"),
                             exc.strerror,
+                            "" if failed == 1 else f", {failed} times since the last report",
                             CAPACITY_RETRY_S,
                         )
-                    failures += 1
                     await trio.sleep(CAPACITY_RETRY_S)
                     break
-                if failures:
-                    log.warning("accepting connections again, after %d failed tries", failures)
-                    failures = 0
                 handlers.start_soon(_handle, conn, handler)
     finally:
         sock.close()
