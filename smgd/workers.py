@@ -15,7 +15,9 @@ small supervisor and N ordinary smgd daemons do the work:
   burst of connections lands evenly (a shared socket would hand most of a burst to whichever
   worker wakes first, and keep-alive connections stay where they landed). A restarted worker
   gets its socket back, with the connections queued on it meanwhile. Under systemd socket
-  activation every worker shares the activated sockets instead.
+  activation every worker shares the activated sockets instead (and a worker's accept loop
+  takes up to 256 waiting connections per wakeup, so a burst there lands on whichever wakes
+  first).
 - **Signals.** SIGTERM/SIGINT go to every worker (each drains its own streams); a second one
   stops them at once. SIGHUP goes to every worker, and each reloads its share of the new
   config. A reload through worker 0's admin listener (``smgd reload``, ``POST /admin/reload``)
