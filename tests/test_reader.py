@@ -169,3 +169,43 @@ async def test_a_request_is_fresh_from_its_send_until_its_stream_closes() -> Non
         ids, _ = await collect(client, request("fresh-2", [5, 6, 7], max_tokens=3))
         assert len(ids) == 3
         assert not client._fresh
+
+
+async def test_messages_queued_together_reach_each_stream_as_one_delta() -> None:
+    done = Finish(reason=FinishReason.LENGTH)
+    # Three engine steps waiting at once (the reader was busy): r1 finishes in the second.
+    steps = [
+        [TokenDelta(rid="r0", token_ids=[1]), TokenDelta(rid="r1", token_ids=[2])],
+        [TokenDelta(rid="r1", token_ids=[3], finish=done), TokenDelta(rid="r0", token_ids=[4])],
+        [TokenDelta(rid="r2", token_ids=[5]), TokenDelta(rid="r0", token_ids=[6, 7])],
+    ]
+    client = _client(_Batches([[[step] for step in steps]]))
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, 3, got)
+    finished: list[str] = []
+    client._forget = finished.append  # type: ignore[assignment,method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(got) < 3:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    # One delta (one event, one write) per request, in the order requests first appeared.
+    assert got == [("r0", [1, 4, 6, 7]), ("r1", [2, 3]), ("r2", [5])]
+    assert finished == ["r1"]
+    assert set(client._streams) == {"r0", "r2"}
+    assert client._tokens_total == 7
+
+
+async def test_messages_arriving_one_by_one_are_delivered_one_by_one() -> None:
+    steps = [[TokenDelta(rid="r0", token_ids=[k])] for k in range(3)]
+    client = _client(_messages(*steps))
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, 1, got)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(got) < 3:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert got == [("r0", [0]), ("r0", [1]), ("r0", [2])]
