@@ -55,7 +55,6 @@ from smgd.wire.common import (
     FinishReason,
     GenerateRequest,
     TokenDelta,
-    coalesce,
 )
 
 if TYPE_CHECKING:
@@ -427,10 +426,10 @@ class EngineClient:
         while True:
             batch = await sock.recv_multipart_batch(RECV_BATCH)
             self._last_frame = trio.current_time()
-            messages: list[Sequence[TokenDelta]] = []
+            delivered = 0  # rows since the last yield
             for frames in batch:
                 try:
-                    messages.append(self._decode_frames(frames))
+                    deltas = self._decode_frames(frames)
                 except WireError as exc:
                     self._decode_errors += 1
                     self._decode_streak += 1
@@ -440,15 +439,6 @@ class EngineClient:
                         return
                     continue
                 self._decode_streak = 0
-            if len(messages) > 1:
-                # Steps queued while the reader was busy (the loop is saturated): a request's
-                # rows become one delta, so one detokenize, one event and one socket write
-                # carry them all instead of one per step. Only a loop that is behind sees
-                # more than one message, so this costs a stream nothing when it keeps up,
-                # and it is what lets it catch up (docs/performance.md, "thirteenth pass").
-                messages = [coalesce(messages)]
-            delivered = 0  # rows since the last yield
-            for deltas in messages:
                 if delivered + len(deltas) <= DELIVER_CHUNK:  # every message below C = 256
                     for delta in deltas:
                         deliver(delta)

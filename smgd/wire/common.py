@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
 
 
 class StructuredKind(enum.Enum):
@@ -250,25 +247,6 @@ class TokenDelta(msgspec.Struct, kw_only=True):
             self.cached_tokens = later.cached_tokens
         if later.embedding is not None:
             self.embedding = later.embedding
-
-
-def coalesce(messages: Iterable[Sequence[TokenDelta]]) -> list[TokenDelta]:
-    """The deltas of several engine messages, in order, with each request's folded into one.
-
-    A request's rows keep their order (its first row's place, later rows merged into it), so
-    what its stream sees is what it would have seen from the messages one by one, in fewer
-    pieces. Mutates the first row of each request (decoded rows are fresh objects)."""
-    by_rid: dict[str, TokenDelta] = {}
-    out: list[TokenDelta] = []
-    for deltas in messages:
-        for delta in deltas:
-            first = by_rid.get(delta.rid)
-            if first is None:
-                by_rid[delta.rid] = delta
-                out.append(delta)
-            else:
-                first.merge(delta)
-    return out
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
