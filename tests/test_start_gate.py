@@ -8,6 +8,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config as HypercornConfig
@@ -74,8 +75,8 @@ def test_the_pump_wakes_at_least_one() -> None:
 async def _wave(
     gate: StartGate, n: int, clock: list[float], work_s: float
 ) -> list[tuple[int, int]]:
-    """``n`` starts runnable in one pass, each ``work_s`` of (fake) preparation once it goes,
-    with the gate's task running; (start, pass) in the order they went."""
+    """``n`` starts runnable in one pass, each ``work_s`` of (fake) preparation once it goes;
+    (start, pass) in the order they went."""
     counter = PassCounter()
     trio.lowlevel.add_instrument(counter)
     went: list[tuple[int, int]] = []
@@ -86,14 +87,12 @@ async def _wave(
         clock[0] += work_s
 
     try:
-        async with trio.open_nursery() as outer:
-            await outer.start(gate.run)
-            async with trio.open_nursery() as nursery:
-                for i in range(n):
-                    nursery.start_soon(start, i)
-            outer.cancel_scope.cancel()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(start, i)
     finally:
         trio.lowlevel.remove_instrument(counter)
+        gate.close()
     return went
 
 
@@ -144,54 +143,25 @@ async def test_a_waiting_start_that_is_cancelled_leaves_the_line() -> None:
             went.append(i)
             clock[0] += 0.010  # over the budget at once: everyone after waits
 
-    async with trio.open_nursery() as outer:
-        await outer.start(gate.run)
-        async with trio.open_nursery() as nursery:
-            for i in range(5):
-                nursery.start_soon(start, i)
-            for _ in range(2):  # the starts ran (one went), the gate woke the next
-                await trio.lowlevel.checkpoint()
-            waiting = [i for i in range(5) if i not in went]
-            assert waiting  # some wait for later passes
-            scopes[waiting[-1]].cancel()
-        outer.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(start, i)
+        for _ in range(2):  # the starts ran (one went), the pump woke the next
+            await trio.lowlevel.checkpoint()
+        waiting = [i for i in range(5) if i not in went]
+        assert waiting  # some wait for later passes
+        scopes[waiting[-1]].cancel()
+    gate.close()
     assert sorted(went) == sorted(set(range(5)) - {waiting[-1]})
     assert not gate._waiting
 
 
-async def test_a_gate_whose_task_does_not_run_lets_every_start_through() -> None:
+@pytest.mark.parametrize("n", [1, 7])
+async def test_the_gate_stops_counting_passes_when_closed(n: int) -> None:
     clock = [0.0]
     gate = StartGate(clock=lambda: clock[0])
-    for _ in range(20):
-        await gate.enter()
-        clock[0] += MS
-    assert gate.waited == 0
-
-
-async def test_starts_waiting_when_the_gate_stops_go_and_its_instrument_is_removed() -> None:
-    clock = [0.0]
-    gate = StartGate(clock=lambda: clock[0])
-    went: list[int] = []
-
-    async def start(i: int) -> None:
-        await gate.enter()
-        went.append(i)
-        clock[0] += 0.010
-
-    async with trio.open_nursery() as starts, trio.open_nursery() as gates:
-        await gates.start(gate.run)
-        counter = gate._counter
-        for i in range(10):
-            starts.start_soon(start, i)
-        while not gate.waited:
-            await trio.lowlevel.checkpoint()
-        assert len(went) < 10  # some wait in the line
-        gates.cancel_scope.cancel()  # the gate stops with starts in its line
-    assert sorted(went) == list(range(10))
+    await _wave(gate, n, clock, MS)
     assert gate._counter is None
-    passes = counter.passes if counter is not None else -1
-    await trio.lowlevel.checkpoint()
-    assert counter is not None and counter.passes == passes  # no longer counting
 
 
 def test_idle_share_says_saturated_after_a_whole_busy_window_only() -> None:

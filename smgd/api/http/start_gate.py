@@ -25,8 +25,7 @@ TTFT p99 with it), while a loop with headroom, where waves are what sets TTFT, g
 A request alone, or the first of its pass, goes through without waiting: the gate costs a lone
 request a clock read and a few comparisons. Pass boundaries and idle time come from a trio
 instrument (``before_io_wait`` / ``after_io_wait``, once per pass each; trio calls an
-instrument only for the hooks it defines), added while the gate's task (:meth:`StartGate.run`)
-runs; that task also wakes the waiting starts, a slice per pass.
+instrument only for the hooks it defines).
 
 Sans-IO: :class:`Slices` and :class:`IdleShare` decide (clock readings, a pass count and the
 idle time in; "go", "wait" and "saturated" out); the trio parts are :class:`PassCounter` and
@@ -143,10 +142,8 @@ class PassCounter(trio.abc.Instrument):
 class StartGate:
     """Request starts in order, a slice of them per scheduler pass (see the module's doc).
 
-    :meth:`run` is the gate's task (started with ``nursery.start``): it counts passes while
-    it runs and wakes a slice of the waiting starts at every pass while there are any.
-    ``await gate.enter()`` before preparing a request; while the task does not run (before it
-    starts, after it ends) every start goes at once."""
+    ``await gate.enter()`` before preparing a request. A start that waits is woken by the
+    gate's pump, a system task that runs once per pass while starts wait."""
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
@@ -154,15 +151,19 @@ class StartGate:
         self._idle = IdleShare()
         self._counter: PassCounter | None = None
         self._waiting: collections.deque[trio.Event] = collections.deque()
-        self._work = trio.Event()  # set when a start waits
+        self._pumping = False
         self.waited = 0  # starts that waited for a later pass (tests, docs)
+
+    def _counted(self) -> PassCounter:
+        counter = self._counter
+        if counter is None:
+            counter = self._counter = PassCounter(self._clock)
+            trio.lowlevel.add_instrument(counter)
+        return counter
 
     async def enter(self) -> None:
         """Return when this request may start: at once, or in a later pass, in order."""
-        counter = self._counter
-        if counter is None:
-            return
-        now = self._clock()
+        counter, now = self._counted(), self._clock()
         if not self._waiting and (
             self._idle.update(now, counter.idle_s) or self._slices.arrive(now, counter.passes)
         ):
@@ -171,44 +172,40 @@ class StartGate:
         turn = trio.Event()
         self._waiting.append(turn)
         while True:
-            self._work.set()
+            if not self._pumping:
+                self._pumping = True
+                trio.lowlevel.spawn_system_task(self._pump, name="smgd start gate")
             try:
                 await turn.wait()
             except BaseException:
                 if not turn.is_set():
                     self._waiting.remove(turn)  # cancelled while it waited: it goes nowhere
                 raise
-            counter = self._counter
-            if counter is None:
-                return  # the gate stopped
-            now = self._clock()
+            counter, now = self._counted(), self._clock()
             if self._slices.arrive(now, counter.passes, woken=True) or self._idle.saturated:
                 return
             # Woken into a pass whose budget is spent already: first in line for the next.
             turn = trio.Event()
             self._waiting.appendleft(turn)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        counter = PassCounter(self._clock)
-        trio.lowlevel.add_instrument(counter)
-        self._counter = counter
-        try:
-            task_status.started()
-            while True:
-                await self._work.wait()
-                while self._waiting:
-                    await trio.lowlevel.checkpoint()  # a pass: the sender and the reader run
-                    self._idle.update(self._clock(), counter.idle_s)
-                    n = (
-                        len(self._waiting)
-                        if self._idle.saturated
-                        else self._slices.to_wake(counter.passes)
-                    )
-                    for _ in range(min(n, len(self._waiting))):
-                        self._waiting.popleft().set()
-                self._work = trio.Event()
-        finally:
+    def close(self) -> None:
+        """Stop counting passes (the run goes on without the gate)."""
+        if self._counter is not None:
+            trio.lowlevel.remove_instrument(self._counter)
             self._counter = None
-            trio.lowlevel.remove_instrument(counter)
-            while self._waiting:  # nobody waits on a gate that stopped
-                self._waiting.popleft().set()
+
+    async def _pump(self) -> None:
+        try:
+            while self._waiting:
+                await trio.lowlevel.checkpoint()  # a pass: the sender and the reader run
+                counter = self._counted()
+                self._idle.update(self._clock(), counter.idle_s)
+                n = (
+                    len(self._waiting)
+                    if self._idle.saturated
+                    else self._slices.to_wake(counter.passes)
+                )
+                for _ in range(min(n, len(self._waiting))):
+                    self._waiting.popleft().set()
+        finally:
+            self._pumping = False

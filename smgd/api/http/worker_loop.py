@@ -47,6 +47,7 @@ versions they were checked against.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from functools import partial
@@ -427,56 +428,55 @@ async def serve(
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
-    gate = start_gate or StartGate()
-    async with trio.open_nursery() as lifespan_nursery:
-        await lifespan_nursery.start(lifespan.handle_lifespan)
-        # Cancelled with the lifespan, once every handler is done.
-        await lifespan_nursery.start(gate.run)
-        await lifespan.wait_for_startup()
-        async with trio.open_nursery() as handlers:
-            if sockets is None:
-                sockets = config.create_sockets()
+    # The gate counts scheduler passes with a trio instrument, removed when serving ends.
+    with contextlib.closing(start_gate or StartGate()) as gate:
+        async with trio.open_nursery() as lifespan_nursery:
+            await lifespan_nursery.start(lifespan.handle_lifespan)
+            await lifespan.wait_for_startup()
+            async with trio.open_nursery() as handlers:
+                if sockets is None:
+                    sockets = config.create_sockets()
+                    for sock in sockets.insecure_sockets:
+                        sock.listen(config.backlog)
+                binds = []
                 for sock in sockets.insecure_sockets:
-                    sock.listen(config.backlog)
-            binds = []
-            for sock in sockets.insecure_sockets:
-                bind = repr_socket_addr(sock.family, sock.getsockname())
-                binds.append(f"http://{bind}")
-                await config.log.info(f"Running on http://{bind}")
-            task_status.started(binds)
-            server = partial(
-                DirectSendTCPServer,
-                wrapped,
-                config,
-                context,
-                ConnectionState(lifespan_state),
-                server_headers=ServerHeaders(config),
-                start_gate=gate,
-            )
-            try:
-                async with trio.open_nursery() as accepting:
-                    if shutdown_trigger is not None:
-                        accepting.start_soon(_raise_on, shutdown_trigger)
-                    accepting.start_soon(_raise_on, context.terminate.wait)
-                    accepting.start_soon(
-                        partial(
-                            serve_sockets,
-                            server,
-                            list(sockets.insecure_sockets),
-                            handler_nursery=handlers,
+                    bind = repr_socket_addr(sock.family, sock.getsockname())
+                    binds.append(f"http://{bind}")
+                    await config.log.info(f"Running on http://{bind}")
+                task_status.started(binds)
+                server = partial(
+                    DirectSendTCPServer,
+                    wrapped,
+                    config,
+                    context,
+                    ConnectionState(lifespan_state),
+                    server_headers=ServerHeaders(config),
+                    start_gate=gate,
+                )
+                try:
+                    async with trio.open_nursery() as accepting:
+                        if shutdown_trigger is not None:
+                            accepting.start_soon(_raise_on, shutdown_trigger)
+                        accepting.start_soon(_raise_on, context.terminate.wait)
+                        accepting.start_soon(
+                            partial(
+                                serve_sockets,
+                                server,
+                                list(sockets.insecure_sockets),
+                                handler_nursery=handlers,
+                            )
                         )
-                    )
-            except* _Shutdown:
-                pass
-            finally:
-                # Stop accepting; connections in flight get the graceful timeout to finish.
-                await context.terminated.set()
-                deadline = trio.current_time() + config.graceful_timeout
-                if end_responses is not None:
-                    # In the outer nursery, cancelled once the handlers are done: it must
-                    # not keep them waiting for a deadline they have all beaten.
-                    lifespan_nursery.start_soon(_end_at, deadline, end_responses)
-                    deadline += END_GRACE_S
-                handlers.cancel_scope.deadline = deadline
-        await lifespan.wait_for_shutdown()
-        lifespan_nursery.cancel_scope.cancel()
+                except* _Shutdown:
+                    pass
+                finally:
+                    # Stop accepting; connections in flight get the graceful timeout to finish.
+                    await context.terminated.set()
+                    deadline = trio.current_time() + config.graceful_timeout
+                    if end_responses is not None:
+                        # In the outer nursery, cancelled once the handlers are done: it must
+                        # not keep them waiting for a deadline they have all beaten.
+                        lifespan_nursery.start_soon(_end_at, deadline, end_responses)
+                        deadline += END_GRACE_S
+                    handlers.cancel_scope.deadline = deadline
+            await lifespan.wait_for_shutdown()
+            lifespan_nursery.cancel_scope.cancel()
