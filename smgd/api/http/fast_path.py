@@ -13,9 +13,7 @@ the body's messages on a channel (``receive`` is the channel's, so the dispatche
 queued body without a scheduler pass), and a ``send`` that writes the response head
 (:func:`smgd.api.http.h1.response_head`) and the body's chunks straight to the socket through
 the connection's direct write. Streams then write their events themselves
-(:mod:`smgd.api.http.direct`), exactly as on hypercorn's path. A ``POST`` passes the worker
-loop's :class:`~smgd.api.http.start_gate.StartGate` first, which spreads a wave of them over
-scheduler passes.
+(:mod:`smgd.api.http.direct`), exactly as on hypercorn's path.
 
 Everything else goes to hypercorn: the first time the buffer starts with a head that is not
 of the common shape, the connection hands the buffered bytes to hypercorn's protocol and stays
@@ -53,8 +51,6 @@ if TYPE_CHECKING:
 
     from hypercorn.config import Config
     from hypercorn.events import Event
-
-    from smgd.api.http.start_gate import StartGate
 
 __all__ = ["LINGER_S", "Connection", "FastPath", "ServerHeaders"]
 
@@ -119,7 +115,6 @@ class FastPath:
     __slots__ = (
         "_body_left",
         "_conn",
-        "_gate",
         "_headers",
         "_linger_until",
         "_put",
@@ -130,12 +125,9 @@ class FastPath:
         "off",
     )
 
-    def __init__(
-        self, conn: Connection, headers: ServerHeaders, gate: StartGate | None = None
-    ) -> None:
+    def __init__(self, conn: Connection, headers: ServerHeaders) -> None:
         self._conn = conn
         self._headers = headers
-        self._gate = gate
         self.buffer = bytearray()
         self.busy = False  # a request's task runs
         self.off = False  # the connection went to hypercorn for good
@@ -262,8 +254,6 @@ class FastPath:
         keep = False
         try:
             try:
-                if self._gate is not None and scope["method"] == "POST":
-                    await self._gate.enter()  # a wave's starts go a slice per pass
                 await conn.app(
                     scope,
                     receive.receive,

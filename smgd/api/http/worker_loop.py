@@ -47,7 +47,6 @@ versions they were checked against.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from functools import partial
@@ -67,7 +66,6 @@ from smgd.api.core.errors import http_error
 from smgd.api.http.accepting import serve_sockets
 from smgd.api.http.direct import BODY_END, CONNECTION_KEY, DirectWriter
 from smgd.api.http.fast_path import FastPath, ServerHeaders
-from smgd.api.http.start_gate import StartGate
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -141,7 +139,6 @@ class DirectSendTCPServer(TCPServer):
         stream: Any,
         *,
         server_headers: ServerHeaders | None = None,
-        start_gate: StartGate | None = None,
     ) -> None:
         # A state dict of its own, naming this connection: hypercorn copies it into every
         # request's scope, where smgd.api.http.direct finds the connection to write to.
@@ -149,7 +146,6 @@ class DirectSendTCPServer(TCPServer):
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
         self._server_headers = server_headers or ServerHeaders(config)
-        self._start_gate = start_gate
         self.requests = 0  # served on the fast path (for keep_alive_max_requests)
         self.client: tuple[str, int] | None = None
         self.server_addr: tuple[str, int] | None = None
@@ -266,7 +262,7 @@ class DirectSendTCPServer(TCPServer):
         every request (its access log)."""
         if type(self.protocol.protocol) is not H11Protocol or self.config.accesslog is not None:
             return None
-        return FastPath(self, self._server_headers, self._start_gate)
+        return FastPath(self, self._server_headers)
 
     async def _read_until_closed(self) -> None:
         """hypercorn's read loop, without the per-receive ``fail_after(inf)`` when there is no
@@ -412,7 +408,6 @@ async def serve(
     sockets: Sockets | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     end_responses: Callable[[], None] | None = None,
-    start_gate: StartGate | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI ``app`` until ``shutdown_trigger`` returns; started with nursery.start.
@@ -420,63 +415,58 @@ async def serve(
     ``sockets``: already-bound listening sockets (else ``config.create_sockets()``).
     ``end_responses``: called at the graceful deadline, to end the app's responses still
     running (a connection still busy :data:`END_GRACE_S` later is cancelled).
-    ``start_gate``: spreads a wave of requests over scheduler passes (a new one by default;
-    :mod:`smgd.api.http.start_gate`).
     ``task_status.started`` gets the ``http://host:port`` of every listener.
     """
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
-    # The gate counts scheduler passes with a trio instrument, removed when serving ends.
-    with contextlib.closing(start_gate or StartGate()) as gate:
-        async with trio.open_nursery() as lifespan_nursery:
-            await lifespan_nursery.start(lifespan.handle_lifespan)
-            await lifespan.wait_for_startup()
-            async with trio.open_nursery() as handlers:
-                if sockets is None:
-                    sockets = config.create_sockets()
-                    for sock in sockets.insecure_sockets:
-                        sock.listen(config.backlog)
-                binds = []
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as handlers:
+            if sockets is None:
+                sockets = config.create_sockets()
                 for sock in sockets.insecure_sockets:
-                    bind = repr_socket_addr(sock.family, sock.getsockname())
-                    binds.append(f"http://{bind}")
-                    await config.log.info(f"Running on http://{bind}")
-                task_status.started(binds)
-                server = partial(
-                    DirectSendTCPServer,
-                    wrapped,
-                    config,
-                    context,
-                    ConnectionState(lifespan_state),
-                    server_headers=ServerHeaders(config),
-                    start_gate=gate,
-                )
-                try:
-                    async with trio.open_nursery() as accepting:
-                        if shutdown_trigger is not None:
-                            accepting.start_soon(_raise_on, shutdown_trigger)
-                        accepting.start_soon(_raise_on, context.terminate.wait)
-                        accepting.start_soon(
-                            partial(
-                                serve_sockets,
-                                server,
-                                list(sockets.insecure_sockets),
-                                handler_nursery=handlers,
-                            )
+                    sock.listen(config.backlog)
+            binds = []
+            for sock in sockets.insecure_sockets:
+                bind = repr_socket_addr(sock.family, sock.getsockname())
+                binds.append(f"http://{bind}")
+                await config.log.info(f"Running on http://{bind}")
+            task_status.started(binds)
+            server = partial(
+                DirectSendTCPServer,
+                wrapped,
+                config,
+                context,
+                ConnectionState(lifespan_state),
+                server_headers=ServerHeaders(config),
+            )
+            try:
+                async with trio.open_nursery() as accepting:
+                    if shutdown_trigger is not None:
+                        accepting.start_soon(_raise_on, shutdown_trigger)
+                    accepting.start_soon(_raise_on, context.terminate.wait)
+                    accepting.start_soon(
+                        partial(
+                            serve_sockets,
+                            server,
+                            list(sockets.insecure_sockets),
+                            handler_nursery=handlers,
                         )
-                except* _Shutdown:
-                    pass
-                finally:
-                    # Stop accepting; connections in flight get the graceful timeout to finish.
-                    await context.terminated.set()
-                    deadline = trio.current_time() + config.graceful_timeout
-                    if end_responses is not None:
-                        # In the outer nursery, cancelled once the handlers are done: it must
-                        # not keep them waiting for a deadline they have all beaten.
-                        lifespan_nursery.start_soon(_end_at, deadline, end_responses)
-                        deadline += END_GRACE_S
-                    handlers.cancel_scope.deadline = deadline
-            await lifespan.wait_for_shutdown()
-            lifespan_nursery.cancel_scope.cancel()
+                    )
+            except* _Shutdown:
+                pass
+            finally:
+                # Stop accepting; connections in flight get the graceful timeout to finish.
+                await context.terminated.set()
+                deadline = trio.current_time() + config.graceful_timeout
+                if end_responses is not None:
+                    # In the outer nursery, cancelled once the handlers are done: it must
+                    # not keep them waiting for a deadline they have all beaten.
+                    lifespan_nursery.start_soon(_end_at, deadline, end_responses)
+                    deadline += END_GRACE_S
+                handlers.cancel_scope.deadline = deadline
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
