@@ -238,6 +238,83 @@ async def test_a_pipelined_request_for_h11_waits_for_the_fast_one_before_it(
     assert h11_events.responses() == [200]  # only the second went through h11
 
 
+class ReadLoopWakes:
+    """Counts the times a busy connection's read loop was woken with no bytes read (its
+    ``receive`` returned None: a request's end cancelled its wait to make it start the next)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = fast_path.FastPath.receive
+
+        async def counting(fast: fast_path.FastPath, max_bytes: int) -> bytes | None:
+            received = await original(fast, max_bytes)
+            if received is None:
+                self.count += 1
+            return received
+
+        monkeypatch.setattr(fast_path.FastPath, "receive", counting)
+
+
+async def _pipelined_after_a_stream(client: Client, second: bytes) -> tuple[Answer, Answer]:
+    """A stream, then (while it runs) ``second`` sent whole; both answers."""
+    await client.send(_post("/v1/completions", _completion(20)))
+    await trio.sleep(0.01)  # the stream is under way: the read loop waits for the socket
+    await client.send(second)
+    return await client.response(), await client.response()
+
+
+async def test_a_request_waiting_behind_a_stream_starts_at_its_end_without_waking_the_read_loop(
+    h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wakes = ReadLoopWakes(monkeypatch)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with _client(engine) as client:
+        streamed, plain = await _pipelined_after_a_stream(
+            client, _post("/v1/completions", _plain(4), extra=b"x-request-id: next\r\n")
+        )
+        await client.send(_get("/health"))  # and the connection reads on as before
+        health = await client.response("GET")
+    assert streamed.events()[-1] == "[DONE]"
+    assert (plain.status, plain.header(b"x-request-id"), _usage(plain)) == (200, b"next", 4)
+    assert health.json() == {"status": "ok"}
+    assert wakes.count == 0
+    assert h11_events.sent == []
+
+
+async def test_a_request_for_h11_waiting_behind_a_stream_wakes_the_read_loop_to_hand_it_over(
+    h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wakes = ReadLoopWakes(monkeypatch)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with _client(engine) as client:
+        streamed, chunked = await _pipelined_after_a_stream(client, _chunked(_plain(3)))
+    assert streamed.events()[-1] == "[DONE]"
+    assert (chunked.status, _usage(chunked)) == (200, 3)
+    assert wakes.count == 1
+    assert h11_events.responses() == [200]
+
+
+@pytest.mark.parametrize("cut", ["head", "body"])
+async def test_a_request_half_sent_behind_a_stream_is_served_when_its_rest_comes(
+    h11_events: H11Events, cut: str
+) -> None:
+    # At the stream's end the buffer holds part of the next request: its head (the loop
+    # reads the rest before anything starts) or its head and part of its body (it starts,
+    # and the rest of its body follows on its channel).
+    second = _post("/v1/completions", _plain(5), extra=b"x-request-id: halves\r\n")
+    split = second.index(b"\r\n\r\n") - 5 if cut == "head" else len(second) - 6
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with _client(engine) as client:
+        await client.send(_post("/v1/completions", _completion(20)) + second[:split])
+        streamed = await client.response()
+        await trio.sleep(0.02)  # the stream's end has seen the half in the buffer
+        await client.send(second[split:])
+        halves = await client.response()
+    assert streamed.events()[-1] == "[DONE]"
+    assert (halves.status, halves.header(b"x-request-id"), _usage(halves)) == (200, b"halves", 5)
+    assert h11_events.sent == []
+
+
 # --------------------------------------------------------------------------- hand-off to h11
 
 

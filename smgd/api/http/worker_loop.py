@@ -253,6 +253,12 @@ class DirectSendTCPServer(TCPServer):
     def spawn(self, func: Callable[..., Awaitable[None]], *args: Any) -> None:
         self._task_group.spawn(func, *args)
 
+    def begin_request_now(self) -> bool:
+        if self.context.max_requests is not None:
+            return False  # hypercorn's mark_request may set an event: async
+        self._keep_alive.busy()
+        return True
+
     def request_state(self) -> dict[str, Any]:
         """A request's copy of the connection's state (as hypercorn's streams make one)."""
         return dict(self.state)
@@ -343,6 +349,10 @@ class KeepAliveTimer:
 
     async def stop(self) -> None:
         """A request arrived: no timeout while it runs."""
+        self._idle = False
+
+    def busy(self) -> None:
+        """:meth:`stop`, where the caller cannot await (it has no checkpoint either)."""
         self._idle = False
 
     def close(self) -> None:
