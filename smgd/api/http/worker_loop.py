@@ -160,6 +160,7 @@ class DirectSendTCPServer(TCPServer):
         self.direct_writer: DirectWriter | None = None
         self.disconnected = False
         self._keep_alive = KeepAliveTimer(self)
+        self._fast: FastPath | None = None  # the fast path, until hypercorn takes over
         # TCPServer only calls restart() and stop() on it, which the timer has.
         self.idle_task = self._keep_alive  # type: ignore[assignment]
 
@@ -203,6 +204,7 @@ class DirectSendTCPServer(TCPServer):
             "_task_group",
             "on_disconnect",
             "direct_writer",
+            "_fast",
         ):
             attributes.pop(name, None)
 
@@ -274,41 +276,52 @@ class DirectSendTCPServer(TCPServer):
         """hypercorn's read loop, without the per-receive ``fail_after(inf)`` when there is no
         read timeout (a cancel scope per request, ~3 % of the CPU of short requests), and with
         smgd's fast path (:mod:`smgd.api.http.fast_path`) in front of hypercorn's protocol
-        until a request comes that only hypercorn serves."""
-        fast = self._fast_path()
+        until a request comes that only hypercorn serves.
+
+        The fast path may wake the loop while it waits for the socket under a running request
+        (:meth:`FastPath.wake_read_loop`, rare): the loop runs in a cancel scope that the
+        wake cancels, and goes on in a new one."""
+        self._fast = self._fast_path()
         try:
             while True:
-                if fast is not None:
-                    await fast.advance()
-                    if fast.off:  # hypercorn's from here on, from this request's first byte
-                        data = fast.take_buffer()
-                        fast = None
-                        await self.protocol.handle(RawData(data))
-                        continue
-                received: bytes | bytearray | None
-                try:
-                    if fast is not None:
-                        received = await fast.receive(_MAX_RECV)
-                    else:
-                        received = await self.stream.receive_some(_MAX_RECV)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
-                if received is None:  # a request ended with the next one buffered
-                    continue
-                if fast is not None and fast.ending:
-                    if not received:
-                        break
-                    continue  # after a closing answer: dropped (the rest of a 413's body)
-                if fast is not None and received:
-                    fast.buffer += received
-                    continue
-                await self.protocol.handle(RawData(bytes(received)))
-                if not received:
-                    break
+                with trio.CancelScope() as wake:
+                    if self._fast is not None:
+                        self._fast.wake_scope = wake
+                    await self._read_until_woken()
+                    break  # the connection's reading ended
         finally:
-            if fast is not None:
-                fast.disconnected()
+            if self._fast is not None:
+                self._fast.disconnected()
         await self.protocol.handle(Closed())
+
+    async def _read_until_woken(self) -> None:
+        while True:
+            fast = self._fast
+            if fast is not None:
+                await fast.advance()
+                if fast.off:  # hypercorn's from here on, from this request's first byte
+                    data = fast.take_buffer()
+                    self._fast = None
+                    await self.protocol.handle(RawData(data))
+                    continue
+            received: bytes | bytearray
+            try:
+                if fast is not None:
+                    received = await fast.receive(_MAX_RECV)
+                else:
+                    received = await self.stream.receive_some(_MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            if fast is not None and fast.ending:
+                if not received:
+                    return
+                continue  # after a closing answer: dropped (the rest of a 413's body)
+            if fast is not None and received:
+                fast.buffer += received
+                continue
+            await self.protocol.handle(RawData(bytes(received)))
+            if not received:
+                return
 
 
 class KeepAliveTimer:
