@@ -572,6 +572,57 @@ async def test_a_client_hanging_up_mid_stream_aborts_the_engine_request(
     assert len(engine.requests) == 1
 
 
+async def test_a_client_hanging_up_mid_stream_on_h11_after_a_fast_request_aborts_it(
+    h11_events: H11Events,
+) -> None:
+    # The fast path's request task watched for the disconnect until the connection went to
+    # h11; from then on the request through h11 is the one a hang-up cancels.
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            client = Client(stream)
+            await client.send(_post("/v1/completions", _plain(2)))
+            assert _usage(await client.response()) == 2
+            await client.send(_chunked(_completion(1000)))
+            received = b""
+            while received.count(b"data: ") < 5:
+                received += await stream.receive_some(65536)
+            await stream.aclose()
+            await engine.wait_abort(engine.requests[-1].rid)
+    assert h11_events.responses() == [200]
+    assert len(engine.requests) == 2
+
+
+async def test_a_connections_fast_requests_run_one_after_another_in_one_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tasks: list[object] = []
+    original = fast_path.FastPath._run
+
+    async def recording(fast: fast_path.FastPath, scope: Any, receive: Any) -> bool:
+        tasks.append(trio.lowlevel.current_task())
+        return await original(fast, scope, receive)
+
+    monkeypatch.setattr(fast_path.FastPath, "_run", recording)
+    async with _client() as client:
+        for tokens in range(1, 6):
+            await client.send(_post("/v1/completions", _plain(tokens)))
+            assert _usage(await client.response()) == tokens
+        await client.send(
+            _post("/v1/completions", _plain(6)) + _post("/v1/completions", _completion(7))
+        )
+        assert _usage(await client.response()) == 6
+        assert client_events_done(await client.response())
+    assert len(tasks) == 7
+    assert all(task is tasks[0] for task in tasks)
+
+
+def client_events_done(answer: Answer) -> bool:
+    events = answer.events()
+    return answer.status == 200 and events[-1] == "[DONE]"
+
+
 async def test_a_client_hanging_up_before_its_body_ends_starts_no_engine_request() -> None:
     engine = _engine()
     request = _post("/v1/completions", _completion(5))

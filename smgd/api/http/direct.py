@@ -42,7 +42,7 @@ from hypercorn.trio.tcp_server import TCPServer
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["BODY_END", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
+__all__ = ["BODY_END", "CANCELLED_ON_DISCONNECT", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
 
 # The end of a chunked HTTP/1.1 body without trailers, as h11 writes it.
 BODY_END = b"0\r\n\r\n"
@@ -50,6 +50,10 @@ BODY_END = b"0\r\n\r\n"
 # Where smgd's worker loop puts its connection object in the ASGI scope's "state" (hypercorn
 # copies the connection's state dict into every request's scope).
 CONNECTION_KEY = "smgd.connection"
+# An ASGI scope extension the fast path (smgd.api.http.fast_path) sets: the request runs in
+# its connection's request task, whose cancel scope the client's disconnect cancels, so the
+# app needs no scope of its own for that.
+CANCELLED_ON_DISCONNECT = "smgd.cancelled_on_disconnect"
 
 
 class DirectWriter:

@@ -38,8 +38,10 @@ socket write) and the submit run in one scheduler pass.
 
 A client that disconnects cancels its request (a generation's engine request is aborted): on
 smgd's worker loop the connection calls back when its read loop ends
-(``DirectSendTCPServer.on_disconnect``), so no task per request waits for it; under another
-ASGI server (the admin listener's, the tests') a task watches ``receive``.
+(``DirectSendTCPServer.on_disconnect``), so no task per request waits for it: it cancels the
+fast path's request task (a request marked ``CANCELLED_ON_DISCONNECT``) or the scope the
+dispatcher opens for the request (one through hypercorn's protocol); under another ASGI server
+(the admin listener's, the tests') a task watches ``receive``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import trio
 from smgd.api.core.errors import error_body, error_headers, http_error
 from smgd.api.core.pipeline import check_request_id, new_request_id
 from smgd.api.core.prepare import Call
-from smgd.api.http.direct import CONNECTION_KEY, direct_writer
+from smgd.api.http.direct import CANCELLED_ON_DISCONNECT, CONNECTION_KEY, direct_writer
 from smgd.errors import Draining, PayloadTooLarge, SmgdError, Unauthorized
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ BODY_TIMEOUT_S = 60.0
 # The route label of a response to a path or method no route serves (one label, however many
 # paths clients try: the metric's cardinality stays bounded).
 UNMATCHED = "unmatched"
+_NO_EXTENSIONS: dict[str, Any] = {}  # a scope's "extensions" is optional in ASGI
 # The most of a request's path a 404 or 405 quotes back (a path may be kilobytes long).
 QUOTED_PATH_CHARS = 200
 TIMED_OUT = (
@@ -242,6 +245,9 @@ class Dispatcher:
                 nursery.cancel_scope.cancel()
             return
         if conn.disconnected:
+            return
+        if (scope.get("extensions") or _NO_EXTENSIONS).get(CANCELLED_ON_DISCONNECT):
+            await self._answer(scope, outcome, data, limit, send)  # a scope of ours is spared
             return
         with trio.CancelScope() as request_scope:
             conn.on_disconnect = request_scope.cancel

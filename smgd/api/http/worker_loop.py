@@ -301,6 +301,7 @@ class DirectSendTCPServer(TCPServer):
                 await fast.advance()
                 if fast.off:  # hypercorn's from here on, from this request's first byte
                     data = fast.take_buffer()
+                    fast.close()
                     self._fast = None
                     await self.protocol.handle(RawData(data))
                     continue
