@@ -256,10 +256,14 @@ class ReadLoopWakes:
         monkeypatch.setattr(fast_path.FastPath, "wake_read_loop", counting)
 
 
-async def _pipelined_after_a_stream(client: Client, second: bytes) -> tuple[Answer, Answer]:
-    """A stream, then (while it runs) ``second`` sent whole; both answers."""
-    await client.send(_post("/v1/completions", _completion(20)))
-    await trio.sleep(0.01)  # the stream is under way: the read loop waits for the socket
+async def _pipelined_after_a_stream(
+    client: Client, engine: FakeEngine, second: bytes
+) -> tuple[Answer, Answer]:
+    """A stream (~0.5 s on ``engine``), then, once it runs (the read loop waits for the
+    socket under it), ``second`` sent whole; both answers."""
+    await client.send(_post("/v1/completions", _completion(100)))
+    await trio.testing.wait_all_tasks_blocked()  # every task waits: the engine has it
+    assert len(engine.requests) == 1
     await client.send(second)
     return await client.response(), await client.response()
 
@@ -268,10 +272,10 @@ async def test_a_request_waiting_behind_a_stream_starts_at_its_end_without_wakin
     h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wakes = ReadLoopWakes(monkeypatch)
-    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
     async with _client(engine) as client:
         streamed, plain = await _pipelined_after_a_stream(
-            client, _post("/v1/completions", _plain(4), extra=b"x-request-id: next\r\n")
+            client, engine, _post("/v1/completions", _plain(4), extra=b"x-request-id: next\r\n")
         )
         await client.send(_get("/health"))  # and the connection reads on as before
         health = await client.response("GET")
@@ -286,9 +290,9 @@ async def test_a_request_for_h11_waiting_behind_a_stream_wakes_the_read_loop_to_
     h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wakes = ReadLoopWakes(monkeypatch)
-    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
     async with _client(engine) as client:
-        streamed, chunked = await _pipelined_after_a_stream(client, _chunked(_plain(3)))
+        streamed, chunked = await _pipelined_after_a_stream(client, engine, _chunked(_plain(3)))
     assert streamed.events()[-1] == "[DONE]"
     assert (chunked.status, _usage(chunked)) == (200, 3)
     assert wakes.count == 1
