@@ -256,30 +256,31 @@ class ReadLoopWakes:
         monkeypatch.setattr(fast_path.FastPath, "wake_read_loop", counting)
 
 
-async def _pipelined_after_a_stream(
-    client: Client, engine: FakeEngine, second: bytes
-) -> tuple[Answer, Answer]:
-    """A stream (~0.5 s on ``engine``), then, once it runs (the read loop waits for the
-    socket under it), ``second`` sent whole; both answers."""
-    await client.send(_post("/v1/completions", _completion(100)))
-    await trio.testing.wait_all_tasks_blocked()  # every task waits: the engine has it
-    assert len(engine.requests) == 1
-    await client.send(second)
-    return await client.response(), await client.response()
+async def _behind_a_stream(second: bytes, *, then: bytes = b"") -> list[Answer]:
+    """A stream (~0.5 s), then, once it runs (the read loop waits for the socket under it),
+    ``second`` sent whole, and after their answers ``then`` (a GET, if any); every answer."""
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with _client(engine) as client:
+        await client.send(_post("/v1/completions", _completion(100)))
+        await trio.testing.wait_all_tasks_blocked()  # every task waits: the engine has it
+        assert len(engine.requests) == 1
+        await client.send(second)
+        answers = [await client.response(), await client.response()]
+        if then:
+            await client.send(then)
+            answers.append(await client.response("GET"))
+    assert answers[0].events()[-1] == "[DONE]"
+    return answers
 
 
 async def test_a_request_waiting_behind_a_stream_starts_at_its_end_without_waking_the_read_loop(
     h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wakes = ReadLoopWakes(monkeypatch)
-    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
-    async with _client(engine) as client:
-        streamed, plain = await _pipelined_after_a_stream(
-            client, engine, _post("/v1/completions", _plain(4), extra=b"x-request-id: next\r\n")
-        )
-        await client.send(_get("/health"))  # and the connection reads on as before
-        health = await client.response("GET")
-    assert streamed.events()[-1] == "[DONE]"
+    _, plain, health = await _behind_a_stream(
+        _post("/v1/completions", _plain(4), extra=b"x-request-id: next\r\n"),
+        then=_get("/health"),  # and the connection reads on as before
+    )
     assert (plain.status, plain.header(b"x-request-id"), _usage(plain)) == (200, b"next", 4)
     assert health.json() == {"status": "ok"}
     assert wakes.count == 0
@@ -290,10 +291,7 @@ async def test_a_request_for_h11_waiting_behind_a_stream_wakes_the_read_loop_to_
     h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wakes = ReadLoopWakes(monkeypatch)
-    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
-    async with _client(engine) as client:
-        streamed, chunked = await _pipelined_after_a_stream(client, engine, _chunked(_plain(3)))
-    assert streamed.events()[-1] == "[DONE]"
+    _, chunked = await _behind_a_stream(_chunked(_plain(3)))
     assert (chunked.status, _usage(chunked)) == (200, 3)
     assert wakes.count == 1
     assert h11_events.responses() == [200]
