@@ -297,6 +297,55 @@ async def test_a_request_for_h11_waiting_behind_a_stream_wakes_the_read_loop_to_
     assert h11_events.responses() == [200]
 
 
+async def test_a_wake_that_comes_after_the_read_loops_bytes_strikes_nowhere_else(
+    h11_events: H11Events, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race: the read loop's wait for the socket has its bytes (the rest of a request for
+    # h11) and, before the loop runs, the stream before it ends and wakes it. The wake's
+    # cancel must not strike at the loop's next checkpoint (inside hypercorn's handling).
+    paths: list[fast_path.FastPath] = []
+    woken = trio.Event()
+    original_init = fast_path.FastPath.__init__
+    original_receive = fast_path._receive_later
+    original_wake = fast_path.FastPath.wake_read_loop
+
+    def waking(fast: fast_path.FastPath) -> None:
+        original_wake(fast)
+        woken.set()
+
+    def recording_init(fast: fast_path.FastPath, *args: Any) -> None:
+        original_init(fast, *args)
+        paths.append(fast)
+
+    async def racing(stream: Any, max_bytes: int) -> bytes:
+        data = await original_receive(stream, max_bytes)
+        (fast,) = paths
+        if fast.buffer.startswith(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type"):
+            with trio.CancelScope(shield=True):  # the stream ends meanwhile, and wakes us
+                await woken.wait()
+            assert not fast.busy
+            assert fast.wake_scope is not None and fast.wake_scope.cancel_called
+        return data
+
+    monkeypatch.setattr(fast_path.FastPath, "__init__", recording_init)
+    monkeypatch.setattr(fast_path.FastPath, "wake_read_loop", waking)
+    monkeypatch.setattr(fast_path, "_receive_later", racing)
+    chunked = _chunked(_plain(3))
+    head_end = chunked.index(b"\r\n\r\n") + 4
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with _client(engine) as client:
+        await client.send(_post("/v1/completions", _completion(40)))
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(chunked[:head_end])  # the read loop buffers the head
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(chunked[head_end:])  # its wait has these when the wake comes
+        streamed = await client.response()
+        answer = await client.response()
+    assert streamed.events()[-1] == "[DONE]"
+    assert (answer.status, _usage(answer)) == (200, 3)
+    assert h11_events.responses() == [200]
+
+
 async def test_a_connection_reads_its_requests_under_one_cancel_scope(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -265,7 +265,7 @@ class FastPath:
 
     def _begin(self, head: Head) -> None:
         """Start ``head``'s request (its start already noted): its body's first part from the
-        buffer on its channel, its ASGI app in a task of its own."""
+        buffer on its channel, its ASGI app next in the connection's request task."""
         conn = self._conn
         end = head.size + head.length
         body = bytes(self.buffer[head.size : end])
@@ -373,8 +373,8 @@ class FastPath:
         """At a request's end, start the next one already in the buffer (the client sent it
         before reading the end of the answer, as a client does that reuses its connection at
         once: about half the requests of a busy keep-alive connection). The read loop stays
-        where it waits, for the socket; waking it to do this was a cancel, an exception and
-        two epoll changes per such request. False when the read loop must see the buffer (a
+        where it waits, for the socket; waking it to do this was a cancel and an exception
+        through trio's wait per such request. False when the read loop must see the buffer (a
         head for hypercorn, or a start that needs a checkpoint); True when it need not (the
         request started, or its head is still incomplete: the loop reads the rest)."""
         head = parse_head(self.buffer, self._conn.config.h11_max_incomplete_size)

@@ -287,14 +287,19 @@ class DirectSendTCPServer(TCPServer):
                 with trio.CancelScope() as wake:
                     if self._fast is not None:
                         self._fast.wake_scope = wake
-                    await self._read_until_woken()
-                    break  # the connection's reading ended
+                    if await self._read_until_woken(wake):
+                        break  # the connection's reading ended
         finally:
             if self._fast is not None:
                 self._fast.disconnected()
         await self.protocol.handle(Closed())
 
-    async def _read_until_woken(self) -> None:
+    async def _read_until_woken(self, wake: trio.CancelScope) -> bool:
+        """Read and hand on until the reading ends (True) or ``wake`` is cancelled: at the
+        wait for the socket (Cancelled, caught by the caller's scope), or after the wait had
+        its bytes already (False; they are in the buffer). In that second case no checkpoint
+        may follow in the scope, whose cancel would strike there: in the middle of hypercorn's
+        handling of the bytes, or of a body's send to the app."""
         while True:
             fast = self._fast
             if fast is not None:
@@ -312,17 +317,22 @@ class DirectSendTCPServer(TCPServer):
                 else:
                     received = await self.stream.receive_some(_MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return
+                return True
+            if fast is not None and wake.cancel_called:
+                # Woken after the bytes came: they wait in the buffer (an end of the stream
+                # is read again, a socket's end stays), the caller goes on in a new scope.
+                fast.buffer += received
+                return False
             if fast is not None and fast.ending:
                 if not received:
-                    return
+                    return True
                 continue  # after a closing answer: dropped (the rest of a 413's body)
             if fast is not None and received:
                 fast.buffer += received
                 continue
             await self.protocol.handle(RawData(bytes(received)))
             if not received:
-                return
+                return True
 
 
 class KeepAliveTimer:
