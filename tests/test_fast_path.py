@@ -664,14 +664,10 @@ async def test_a_connections_fast_requests_run_one_after_another_in_one_task(
             _post("/v1/completions", _plain(6)) + _post("/v1/completions", _completion(7))
         )
         assert _usage(await client.response()) == 6
-        assert client_events_done(await client.response())
+        streamed = await client.response()
+    assert streamed.status == 200 and streamed.events()[-1] == "[DONE]"
     assert len(tasks) == 7
     assert all(task is tasks[0] for task in tasks)
-
-
-def client_events_done(answer: Answer) -> bool:
-    events = answer.events()
-    return answer.status == 200 and events[-1] == "[DONE]"
 
 
 async def test_a_client_hanging_up_before_its_body_ends_starts_no_engine_request() -> None:

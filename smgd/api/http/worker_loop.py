@@ -373,7 +373,7 @@ class KeepAliveTimer:
 
     async def stop(self) -> None:
         """A request arrived: no timeout while it runs."""
-        self._idle = False
+        self.busy()
 
     def busy(self) -> None:
         """:meth:`stop`, where the caller cannot await (it has no checkpoint either)."""
