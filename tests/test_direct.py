@@ -188,6 +188,70 @@ def test_direct_writer_frames_chunks_and_keeps_order_behind_a_backlog() -> None:
     right.close()
 
 
+def _recorded_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every ``os.write`` from here on, in order (each still done)."""
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def recording(fd: int, data: Any) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", recording)
+    return writes
+
+
+def test_a_held_head_goes_out_with_the_first_chunk_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    writes = _recorded_writes(monkeypatch)
+    writer.hold_head(b"HEAD")
+    assert writer.head_held
+    assert writes == []  # nothing yet: the head waits for the first chunk
+    assert writer.write(b"abc")
+    assert writer.write(b"d")
+    assert writes == [b"HEAD3\r\nabc\r\n", b"1\r\nd\r\n"]
+    assert not writer.head_held
+    assert right.recv(100) == b"HEAD3\r\nabc\r\n1\r\nd\r\n"
+    left.close()
+    right.close()
+
+
+def test_a_held_head_stays_first_when_a_send_is_under_way() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    writer.hold_head(b"HEAD")
+    writer.hold()  # a send through hypercorn's path starts, and ends: the head stays held
+    writer.release()
+    assert writer.head_held
+    writer.hold()
+    assert not writer.write(b"x")  # behind the send under way, with the head before it
+    assert bytes(writer.backlog) == b"HEAD1\r\nx\r\n"
+    writer.release()
+    assert not writer.write(b"y")  # the backlog is still there: behind it, in order
+    assert bytes(writer.backlog) == b"HEAD1\r\nx\r\n1\r\ny\r\n"
+    with pytest.raises(BlockingIOError):
+        right.recv(100, socket.MSG_DONTWAIT)
+    left.close()
+    right.close()
+
+
+def test_a_held_head_sent_alone_or_taken_goes_out_once() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    writer.hold_head(b"HEAD")
+    writer.send_head()  # its deadline: alone
+    writer.send_head()  # gone already: nothing
+    assert writer.write(b"a")
+    assert right.recv(100) == b"HEAD1\r\na\r\n"
+    writer.hold_head(b"NEXT")
+    assert writer.take_head() == b"NEXT"  # the caller sends it, before its own bytes
+    assert writer.take_head() == b""
+    assert writer.write(b"b")
+    assert right.recv(100) == b"1\r\nb\r\n"
+    left.close()
+    right.close()
+
+
 def test_direct_writer_stops_on_a_broken_socket() -> None:
     writer, left, right = _writer_on_a_socket_pair()
     right.close()

@@ -20,12 +20,14 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed
 from hypercorn.protocol.h11 import H11Protocol
 
-from smgd.api.http import fast_path, worker_loop
+from smgd.api.core.pacer import LoadPacer
+from smgd.api.http import dispatch, fast_path, worker_loop
 from smgd.api.http.app import create_app
 from smgd.config import ServerConfig
 
-from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
-from .test_direct import _completion, post_sse, serving
+from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
+from .http_helpers import dechunk
+from .test_direct import _completion, _recorded_writes, post_sse, serving
 
 TIMEOUT_S = 10
 
@@ -606,6 +608,77 @@ async def test_keep_alive_max_requests_closes_the_connection_after_the_last(
     assert [a.status for a in answers] == [200, 200, 200]
     assert [a.header(b"connection") for a in answers] == [None, None, b"close"]
     assert h11_events.sent == []
+
+
+# --------------------------------------------------------------------------- the held head
+
+
+async def test_a_streams_head_goes_out_with_its_first_event_in_one_write(
+    monkeypatch: pytest.MonkeyPatch, h11_events: H11Events
+) -> None:
+    writes = _recorded_writes(monkeypatch)
+    async with _client() as client:
+        for _ in range(2):  # and again on the same connection, with a writer of its own
+            await client.send(_post("/v1/completions", _completion(3)))
+            answer = await client.response()
+            assert answer.status == 200
+            assert answer.header(b"transfer-encoding") == b"chunked"
+            assert answer.events()[-1] == "[DONE]"
+    heads = [w for w in writes if w.startswith(b"HTTP/1.1 ")]
+    assert len(heads) == 2
+    for head in heads:  # the head, then in the same write the first event's chunk
+        assert b"\r\n\r\n" in head and b'data: {"id":' in head, head
+    assert h11_events.sent == []
+
+
+@pytest.mark.parametrize("pacer_ticks", [True, False])
+async def test_a_head_waits_at_most_head_hold_s_for_the_first_event(
+    socket_autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    pacer_ticks: bool,
+) -> None:
+    if not pacer_ticks:  # no deadline can be set: the head goes at once, as it used to
+        monkeypatch.setattr(LoadPacer, "call_at", lambda pacer, when, callback: False)
+    hold_s = dispatch.HEAD_HOLD_S if pacer_ticks else 0.0
+    engine = FakeEngine(behaviour=Behaviour(first_step_s=5.0, step_s=0.01))  # a long prefill
+    async with _client(engine) as client:
+        sent_at = trio.current_time()
+        await client.send(_post("/v1/completions", _completion(2)))
+        first = await client.stream.receive_some(65536)
+        waited = trio.current_time() - sent_at
+        rest = bytearray()
+        while not rest.endswith(b"\r\n0\r\n\r\n"):
+            rest += await client.stream.receive_some(65536)
+        took = trio.current_time() - sent_at
+    assert first.startswith(b"HTTP/1.1 200 ") and first.endswith(b"\r\n\r\n"), first
+    # The pacer's first 10 ms tick at or after the deadline sends it (the loop's lag aside).
+    assert hold_s <= waited < hold_s + 0.1, waited
+    assert b"data: [DONE]" in dechunk(bytes(rest)) and took >= 5.0
+
+
+async def test_a_stream_of_two_choices_sends_its_head_before_its_first_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # n = 2 streams through the dispatcher's send, not directly: that send takes the held
+    # head along.
+    writes = _recorded_writes(monkeypatch)
+    async with _client() as client:
+        await client.send(_post("/v1/completions", _completion(3, n=2)))
+        answer = await client.response()
+    events = answer.events()
+    assert answer.status == 200 and events[-1] == "[DONE]"
+    assert {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}
+    heads = [w for w in writes if w.startswith(b"HTTP/1.1 ")]
+    assert len(heads) == 1 and b"data: " in heads[0], heads
+
+
+async def test_a_stream_that_fails_before_its_first_event_sends_head_then_error() -> None:
+    async with _client(DiesBeforeFirstToken()) as client:
+        await client.send(_post("/v1/completions", _completion(3)))
+        answer = await client.response()  # a strict reader: the head comes first
+    events = answer.events()
+    assert answer.status == 200
+    assert "error" in events[0] and events[-1] == "[DONE]", events
 
 
 # --------------------------------------------------------------------------- disconnects

@@ -9,8 +9,8 @@ has nothing else to send until the stream ends.
 
 So a stream on an HTTP/1.1 connection of smgd's own worker loop
 (:mod:`smgd.api.http.worker_loop`) hands its engine stream a *sink* (``RequestStream.sink``) as
-soon as the body starts (the dispatcher has sent the response head through h11 by then, so
-even the first event, the one that sets TTFT, is direct): the
+soon as the body starts (the dispatcher has sent the response head by then, or handed it to
+the writer, so even the first event, the one that sets TTFT, is direct): the
 reader task applies each delta (detokenize, stop strings), renders the event and writes it as
 a chunk with one ``os.write`` (:class:`DirectWriter`, which :mod:`smgd.api.core.execute` sees
 as its ``EventWriter``). The stream's task sleeps meanwhile and wakes only when the writer
@@ -24,6 +24,11 @@ needs it:
   the task then completes the response through h11, whose own terminator the connection drops;
 - it failed: the task sends the error event the normal way, through h11;
 - the socket broke: the task ends the response, which aborts the engine request.
+
+On smgd's fast path (:mod:`smgd.api.http.fast_path`) the response head is not written alone:
+the writer *holds* it (:meth:`DirectWriter.hold_head`) and the stream's first event takes it
+along, one write where there were two. Every other send of the response takes it first
+(:meth:`DirectWriter.take_head`), and the dispatcher bounds the wait (``HEAD_HOLD_S``).
 
 h11 keeps no count of chunked body bytes, so chunks written beside it leave its state as it
 would be had it written them. Direct mode is off for anything but HTTP/1.1 (close-delimited
@@ -59,7 +64,7 @@ CANCELLED_ON_DISCONNECT = "smgd.cancelled_on_disconnect"
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
-    __slots__ = ("_busy", "_conn", "_fileno", "_stalled", "backlog", "broken", "writes")
+    __slots__ = ("_busy", "_conn", "_fileno", "_head", "_stalled", "backlog", "broken", "writes")
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -74,6 +79,8 @@ class DirectWriter:
         # send lock nor the backlog (objects of their own, cold after an engine step).
         self._stalled = False
         self.backlog = bytearray()
+        # The response head, while it waits to go out with the first chunk (hold_head).
+        self._head = b""
         self.broken = False
         self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
         conn.direct_writer = self  # its latest request's: the one protocol_send must hold
@@ -85,7 +92,36 @@ class DirectWriter:
 
     def release(self) -> None:
         self._busy -= 1
+        self._stalled = self._busy > 0 or bool(self.backlog) or bool(self._head)
+
+    @property
+    def head_held(self) -> bool:
+        """A response head waits here for the first chunk (:meth:`hold_head`)."""
+        return bool(self._head)
+
+    def hold_head(self, head: bytes) -> None:
+        """Keep the response ``head`` to write with the first chunk: one write, not two.
+
+        Until then every chunk path goes through the stalled branch, which puts it first.
+        Whoever sends anything else of this response must :meth:`take_head` before it.
+        """
+        self._head = head
+        self._stalled = True
+
+    def take_head(self) -> bytes:
+        """The held head (``b""`` if none), which the caller now sends before anything else."""
+        head, self._head = self._head, b""
         self._stalled = self._busy > 0 or bool(self.backlog)
+        return head
+
+    def send_head(self) -> None:
+        """Write the held head alone now (no chunk came in time); a no-op once it went.
+
+        Synchronous, for a timer's callback: what the kernel does not take waits in the
+        backlog, which the next chunk's write hands to the stream's task to flush.
+        """
+        if self._head:
+            self._send(b"")
 
     def write(self, payload: bytes) -> bool:
         """Send ``payload`` as one chunk now; False if it waits in the backlog or the socket broke.
@@ -113,8 +149,11 @@ class DirectWriter:
 
     def _send(self, frame: bytes) -> bool:
         if self._stalled:
-            self.backlog += frame
-            return False
+            if self._head:  # the first chunk: the held head goes with it
+                frame = self.take_head() + frame
+            if self._stalled:
+                self.backlog += frame
+                return False
         fd = self._fileno()
         try:
             sent = os.write(fd, frame) if fd >= 0 else 0

@@ -49,7 +49,7 @@ import trio
 from hypercorn.events import Closed, RawData
 
 from smgd.api.core.errors import http_error
-from smgd.api.http.direct import CANCELLED_ON_DISCONNECT
+from smgd.api.http.direct import CANCELLED_ON_DISCONNECT, DirectWriter
 from smgd.api.http.h1 import NEED_DATA, UNSUPPORTED, Head, parse_head, response_head
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class Connection(Protocol):
     requests: int
     disconnected: bool
     on_disconnect: Callable[[], None] | None
+    direct_writer: DirectWriter | None
 
     @property
     def task_group(self) -> Any: ...
@@ -293,6 +294,7 @@ class FastPath:
             "extensions": {CANCELLED_ON_DISCONNECT: True},
         }
         conn.requests += 1
+        conn.direct_writer = None  # the previous request's: this one's app makes its own
         self._job = (scope, receive)
         if not self._serving:
             self._serving = True
@@ -460,9 +462,13 @@ class _Response:
                     raise ValueError(f"a response header has a line break: {name!r}")
             head, self._chunked = response_head(message["status"], headers, extra)
             self.started = True
-            if self._chunked:
-                # At once: a stream's events are written directly, after it.
-                await self._conn.protocol_send(RawData(data=head))
+            writer = conn.direct_writer
+            if self._chunked and writer is not None:
+                # This request's direct writer (the app made it): a stream's first event
+                # takes the head along, one write instead of two per streamed request.
+                writer.hold_head(head)
+            elif self._chunked:
+                await conn.protocol_send(RawData(data=head))
             else:
                 self._head = head  # goes out with the body, in one write
         elif kind == "http.response.body":
@@ -471,9 +477,11 @@ class _Response:
             body: bytes = message.get("body", b"")
             more = message.get("more_body", False)
             if self._chunked:
-                if body:
-                    frame = b"%x\r\n%b\r\n" % (len(body), body)
-                    await self._conn.protocol_send(RawData(data=frame))
+                writer = self._conn.direct_writer
+                head = writer.take_head() if writer is not None else b""
+                if body or head:
+                    frame = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+                    await self._conn.protocol_send(RawData(data=head + frame))
                 if not more:
                     await self._conn.protocol_send(RawData(data=_CHUNK_END))
             elif body or self._head:
