@@ -610,6 +610,61 @@ async def test_keep_alive_max_requests_closes_the_connection_after_the_last(
     assert h11_events.sent == []
 
 
+# --------------------------------------------------------------------------- the inbox
+
+
+def _body(n: int) -> dict[str, Any]:
+    return {"type": "http.request", "body": b"%d" % n, "more_body": True}
+
+
+async def test_the_inbox_hands_messages_over_in_order_within_its_capacity() -> None:
+    inbox = fast_path._Inbox(2, _body(0))
+    inbox.put_nowait(_body(1))
+    with pytest.raises(trio.WouldBlock):  # full: hypercorn's backpressure
+        inbox.put_nowait(_body(2))
+    assert inbox.receive_nowait() == _body(0)
+    assert await inbox.receive() == _body(1)
+    with pytest.raises(trio.WouldBlock):
+        inbox.receive_nowait()
+
+
+async def test_the_inbox_makes_a_full_put_and_an_empty_receive_wait() -> None:
+    inbox = fast_path._Inbox(1, _body(0))
+    got: list[dict[str, Any]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inbox.put, _body(1))
+        await trio.testing.wait_all_tasks_blocked()  # waits for room
+        got.append(await inbox.receive())
+        got.append(await inbox.receive())  # the waiting put's, once it had room
+        nursery.start_soon(lambda: _append(got, inbox.receive()))
+        await trio.testing.wait_all_tasks_blocked()  # waits for a message
+        inbox.put_nowait(_body(2))
+    assert got == [_body(0), _body(1), _body(2)]
+
+
+async def _append(got: list[dict[str, Any]], message: Any) -> None:
+    got.append(await message)
+
+
+async def test_a_closed_inbox_fails_every_put_the_waiting_one_too() -> None:
+    inbox = fast_path._Inbox(1, _body(0))
+    failed: list[BaseException] = []
+
+    async def put() -> None:
+        try:
+            await inbox.put(_body(1))
+        except trio.BrokenResourceError as exc:
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(put)
+        await trio.testing.wait_all_tasks_blocked()  # waits for room
+        inbox.close()  # the request ended without reading its body
+    assert len(failed) == 1
+    with pytest.raises(trio.BrokenResourceError):
+        inbox.put_nowait({"type": "http.disconnect"})
+
+
 # --------------------------------------------------------------------------- the held head
 
 

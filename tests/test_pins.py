@@ -90,9 +90,13 @@ def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use()
     assert [name for name, _ in config.response_headers("h11")] == [b"date", b"server"]
 
 
-async def test_hypercorn_hands_a_request_the_receive_of_a_trio_memory_channel() -> None:
+async def test_hypercorn_hands_a_request_the_receive_of_a_trio_memory_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The dispatcher's read_body takes queued body messages with the channel's receive_nowait,
     # without a scheduler pass; on another kind of receive it would await every message.
+    # (Requests on smgd's fast path get its inbox's, tests/test_fast_path.py.)
+    monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
     seen: list[Any] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

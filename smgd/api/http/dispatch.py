@@ -523,10 +523,12 @@ async def read_body(
 
 
 def _nowait_receiver(receive: Any) -> Callable[[], Any] | None:
-    """The ``receive_nowait`` of the trio memory channel behind hypercorn's ``receive``, if any
-    (hypercorn passes a channel's bound ``receive``: tests/test_pins.py checks it still does)."""
-    channel = getattr(receive, "__self__", None)
-    return channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+    """The ``receive_nowait`` beside ``receive``, if any: of the trio memory channel behind
+    hypercorn's (it passes a channel's bound ``receive``: tests/test_pins.py checks it still
+    does), or of the fast path's inbox (smgd.api.http.fast_path)."""
+    source = getattr(receive, "__self__", None)
+    nowait: Callable[[], Any] | None = getattr(source, "receive_nowait", None)
+    return nowait
 
 
 class _Body:
