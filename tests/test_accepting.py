@@ -72,6 +72,33 @@ async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None
         client.close()
 
 
+@pytest.mark.parametrize("ending", ["returns", "raises", "is cancelled"])
+async def test_a_connection_is_closed_whatever_way_its_handler_ends(ending: str) -> None:
+    server_side, client = socket.socketpair()
+    streams: list[trio.SocketStream] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        streams.append(stream)
+        if ending == "raises":
+            raise ValueError("a handler's bug")
+        if ending == "is cancelled":
+            await trio.sleep_forever()
+
+    with trio.CancelScope() as scope:
+        if ending == "is cancelled":
+            scope.cancel()  # the server shuts down while the connection is served
+        if ending == "raises":
+            with pytest.raises(ValueError, match="bug"):
+                await accepting._handle(server_side, handler)
+        else:
+            await accepting._handle(server_side, handler)
+    [stream] = streams
+    assert stream.socket.fileno() == -1
+    client.settimeout(5)
+    assert client.recv(1) == b""  # the client reads the end of the connection
+    client.close()
+
+
 async def test_a_burst_over_the_batch_is_taken_over_several_wakeups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
