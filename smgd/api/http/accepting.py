@@ -170,6 +170,7 @@ async def _handle(conn: socket.socket, handler: Handler) -> None:
     finally:
         # The socket's close alone, as trio.aclose_forcefully's would be, without its checkpoint
         # in a cancelled scope: a Cancelled raised and caught per connection, for a stream
-        # that hypercorn has nearly always closed already (~5 % of a connection's CPU when
-        # 10,000 streams connect at once, docs/performance.md, "sixteenth pass").
+        # that hypercorn has nearly always closed already (a cProfile of 3,000 streams
+        # connecting at once charged it 13 % of a connection's time, its two requests
+        # included: docs/performance.md, "sixteenth pass").
         stream.socket.close()
