@@ -337,14 +337,7 @@ async def test_the_end_and_terminator_go_out_with_the_last_event_and_h11_adds_no
 ) -> None:
     # The reader writes last event + usage + [DONE] + the body's terminator in one write; h11's
     # own terminator is dropped, or the next response on the connection would be corrupt.
-    writes: list[bytes] = []
-    real_write = os.write
-
-    def recording(fd: int, data: Any) -> int:
-        writes.append(bytes(data))
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", recording)
+    writes = _recorded_writes(monkeypatch)
     engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
     client = h11.Connection(h11.CLIENT)
     bodies: list[bytes] = []
