@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -248,6 +249,30 @@ def test_a_held_head_sent_alone_or_taken_goes_out_once() -> None:
     assert writer.take_head() == b""
     assert writer.write(b"b")
     assert right.recv(100) == b"1\r\nb\r\n"
+    left.close()
+    right.close()
+
+
+def test_a_head_the_kernel_did_not_take_whole_stays_first_for_the_next_send() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    earlier = b""
+    with contextlib.suppress(BlockingIOError):
+        while True:  # a client that has not read earlier answers: its socket is full
+            earlier += b"e" * left.send(b"e" * 65536)
+    head = b"HEAD" * 1024
+    writer.hold_head(head)
+    writer.send_head()  # its deadline: the kernel takes none of it
+    assert not writer.head_held
+    assert bytes(writer.backlog) == head
+    assert not writer.write(b"x")  # behind it
+    assert writer.take_unsent() == head + b"1\r\nx\r\n"  # for the response's next send
+    assert not writer.backlog and not writer.head_held
+    assert writer.take_unsent() == b""
+    received = b""
+    while len(received) < len(earlier):
+        received += right.recv(65536)
+    assert received == earlier  # nothing of the head went out before it
     left.close()
     right.close()
 

@@ -114,11 +114,23 @@ class DirectWriter:
         self._stalled = self._busy > 0 or bool(self.backlog)
         return head
 
+    def take_unsent(self) -> bytes:
+        """The held head and the backlog, cleared: bytes that must precede anything the
+        caller is about to send through the connection's own path (which waits for the
+        socket, so they are sent whole and in order)."""
+        unsent = self._head + self.backlog if self.backlog else self._head
+        self._head = b""
+        self.backlog.clear()
+        self._stalled = self._busy > 0
+        return unsent
+
     def send_head(self) -> None:
         """Write the held head alone now (no chunk came in time); a no-op once it went.
 
-        Synchronous, for a timer's callback: what the kernel does not take waits in the
-        backlog, which the next chunk's write hands to the stream's task to flush.
+        Synchronous, for a timer's callback: what the kernel does not take (a client that
+        has not read earlier answers) waits in the backlog, which the next chunk's write
+        hands to the stream's task to flush, or the response's next send takes first
+        (:meth:`take_unsent`).
         """
         if self._head:
             self._send(b"")

@@ -550,11 +550,12 @@ class _Response:
             body: bytes = message.get("body", b"")
             more = message.get("more_body", False)
             if self._chunked:
+                # The direct writer's head (and what of it the kernel did not take) first.
                 writer = self._conn.direct_writer
-                head = writer.take_head() if writer is not None else b""
-                if body or head:
+                unsent = writer.take_unsent() if writer is not None else b""
+                if body or unsent:
                     frame = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-                    await self._conn.protocol_send(RawData(data=head + frame))
+                    await self._conn.protocol_send(RawData(data=unsent + frame))
                 if not more:
                     await self._conn.protocol_send(RawData(data=_CHUNK_END))
             elif body or self._head:
