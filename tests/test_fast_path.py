@@ -711,7 +711,7 @@ async def test_a_head_waits_at_most_head_hold_s_for_the_first_event(
     assert b"data: [DONE]" in dechunk(bytes(rest)) and took >= 5.0
 
 
-async def test_a_stream_of_two_choices_sends_its_head_before_its_first_event(
+async def test_a_stream_of_two_choices_sends_its_head_with_its_first_event(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # n = 2 streams through the dispatcher's send, not directly: that send takes the held
