@@ -245,8 +245,8 @@ def test_a_held_head_sent_alone_or_taken_goes_out_once() -> None:
     assert writer.write(b"a")
     assert right.recv(100) == b"HEAD1\r\na\r\n"
     writer.hold_head(b"NEXT")
-    assert writer.take_head() == b"NEXT"  # the caller sends it, before its own bytes
-    assert writer.take_head() == b""
+    assert writer.take_unsent() == b"NEXT"  # the caller sends it, before its own bytes
+    assert writer.take_unsent() == b""
     assert writer.write(b"b")
     assert right.recv(100) == b"1\r\nb\r\n"
     left.close()

@@ -28,7 +28,7 @@ needs it:
 On smgd's fast path (:mod:`smgd.api.http.fast_path`) the response head is not written alone:
 the writer *holds* it (:meth:`DirectWriter.hold_head`) and the stream's first event takes it
 along, one write where there were two. Every other send of the response takes it first
-(:meth:`DirectWriter.take_head`), and the dispatcher bounds the wait (``HEAD_HOLD_S``).
+(:meth:`DirectWriter.take_unsent`), and the dispatcher bounds the wait (``HEAD_HOLD_S``).
 
 h11 keeps no count of chunked body bytes, so chunks written beside it leave its state as it
 would be had it written them. Direct mode is off for anything but HTTP/1.1 (close-delimited
@@ -92,6 +92,11 @@ class DirectWriter:
 
     def release(self) -> None:
         self._busy -= 1
+        self._restall()
+
+    def _restall(self) -> None:
+        """A chunk must take the stalled branch while a send is under way, bytes wait in the
+        backlog, or a head waits to go first (one flag, read by every chunk's write)."""
         self._stalled = self._busy > 0 or bool(self.backlog) or bool(self._head)
 
     @property
@@ -103,16 +108,10 @@ class DirectWriter:
         """Keep the response ``head`` to write with the first chunk: one write, not two.
 
         Until then every chunk path goes through the stalled branch, which puts it first.
-        Whoever sends anything else of this response must :meth:`take_head` before it.
+        Whoever sends anything else of this response must :meth:`take_unsent` before it.
         """
         self._head = head
         self._stalled = True
-
-    def take_head(self) -> bytes:
-        """The held head (``b""`` if none), which the caller now sends before anything else."""
-        head, self._head = self._head, b""
-        self._stalled = self._busy > 0 or bool(self.backlog)
-        return head
 
     def take_unsent(self) -> bytes:
         """The held head and the backlog, cleared: bytes that must precede anything the
@@ -121,7 +120,7 @@ class DirectWriter:
         unsent = self._head + self.backlog if self.backlog else self._head
         self._head = b""
         self.backlog.clear()
-        self._stalled = self._busy > 0
+        self._restall()
         return unsent
 
     def send_head(self) -> None:
@@ -162,7 +161,8 @@ class DirectWriter:
     def _send(self, frame: bytes) -> bool:
         if self._stalled:
             if self._head:  # the first chunk: the held head goes with it
-                frame = self.take_head() + frame
+                frame, self._head = self._head + frame, b""
+                self._restall()
             if self._stalled:
                 self.backlog += frame
                 return False

@@ -274,6 +274,7 @@ class FastPath:
         del self.buffer[:end]
         self._body_left = head.length - len(body)
         first = {"type": "http.request", "body": body, "more_body": self._body_left > 0}
+        # Room for the first message at least, which is queued before the app runs.
         self._inbox = inbox = _Inbox(max(1, conn.config.max_app_queue_size), first)
         self.busy = True
         raw_path, _, query = head.target.partition(b"?")
