@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config
 
 from smgd.api.http import worker_loop
@@ -226,6 +227,62 @@ async def test_a_connection_the_server_closes_leaves_no_task_behind(
         start = trio.current_time()
         stop.set()
     assert trio.current_time() - start < 1  # serve() returned without waiting
+
+
+class _EofCounter:
+    """Counts the EOFs the server's side of each connection sends (the client's are not)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.clients: set[int] = set()
+        self.server_eofs = 0
+        original = trio.SocketStream.send_eof
+
+        async def send_eof(stream: trio.SocketStream) -> None:
+            if id(stream) not in self.clients:
+                self.server_eofs += 1
+            await original(stream)
+
+        monkeypatch.setattr(trio.SocketStream, "send_eof", send_eof)
+
+    async def connect(self, port: int) -> trio.SocketStream:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        self.clients.add(id(stream))
+        return stream
+
+
+async def test_a_connection_the_client_ends_closes_without_an_eof_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The client sent its EOF: the server has nothing left to read, and closing the socket
+    # sends its FIN; a shutdown() first would be a system call for nothing.
+    eofs = _EofCounter(monkeypatch)
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, _config())
+        async with await eofs.connect(port) as stream:
+            assert await _request(stream)
+            await stream.send_eof()
+            with trio.fail_after(5):
+                assert await _closed_by_server(stream)
+        nursery.cancel_scope.cancel()
+    assert eofs.server_eofs == 0
+
+
+async def test_a_connection_the_server_ends_sends_its_eof_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "connection: close": hypercorn closes the connection after the response (its
+    # protocol_send(Closed())), and the connection's run closes it again at its end; the
+    # EOF goes out once.
+    eofs = _EofCounter(monkeypatch)
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, _config())
+        async with await eofs.connect(port) as stream:
+            assert await _request(stream, extra="connection: close\r\n")
+            with trio.fail_after(5):
+                assert await _closed_by_server(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert eofs.server_eofs == 1
 
 
 # -- requests h11 refuses: the error envelope as the body, then the connection closes -------

@@ -18,11 +18,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
 from smgd.api.http import worker_loop
-from smgd.api.http.worker_loop import DirectSendTCPServer, KeepAliveTimer
+from smgd.api.http.keep_alive import KeepAlive
+from smgd.api.http.worker_loop import DirectSendTCPServer
 
 # The versions every item below was checked against.
 TESTED = {"hypercorn": "0.18.0", "h11": "0.16.0"}
@@ -38,10 +40,14 @@ PRIVATE: list[tuple[type, str, list[str], str]] = [
     (TCPServer, "_read_data", ["self"],
      "DirectSendTCPServer: its read loop calls on_disconnect and stops the keep-alive timer"),
     (TCPServer, "_initiate_server_close", ["self"],
-     "KeepAliveTimer closes an idle connection with it"),
+     "DirectSendTCPServer closes a connection the keep-alive reaper found idle with it"),
+    (TCPServer, "_close", ["self"],
+     "DirectSendTCPServer._close: once, and without an EOF after the client's"),
     (TrioSingleTask, "restart", ["self", "task_group", "action"],
-     "KeepAliveTimer stands in for TCPServer.idle_task: TCPServer calls restart() and stop()"),
+     "keep_alive.KeepAlive stands in for TCPServer.idle_task: TCPServer calls restart(), stop()"),
     (TrioSingleTask, "stop", ["self"], "as above"),
+    (TaskGroup, "spawn", ["self", "func", "args"],
+     "DirectSendTCPServer.run opens the connection's TaskGroup, which the fast path spawns in"),
     (TCPServer, "_idle_timeout", ["self"],
      "fast_path: a request's end restarts the keep-alive timer with it, as TCPServer does"),
 ]  # fmt: skip
@@ -66,21 +72,29 @@ def test_every_private_attribute_used_exists_with_its_parameters(
 
 
 def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use() -> None:
-    # TCPServer's constructor sets them; DirectSendTCPServer replaces idle_task with its timer.
+    # TCPServer's constructor sets them; DirectSendTCPServer replaces idle_task with its own.
     server = DirectSendTCPServer(None, Config(), None, {}, None)
     assert isinstance(server.send_lock, trio.Lock)  # its own immediate writes check it is free
-    assert isinstance(server.idle_task, KeepAliveTimer)
-    assert "self.protocol = ProtocolWrapper(" in inspect.getsource(TCPServer.run), (
-        "DirectSendTCPServer.protocol's setter swaps in smgd's H11Protocol when run() sets it"
-    )
-    assert "self.idle_task.restart(" in inspect.getsource(TCPServer.run)
-    # The fast path's scopes take the connection's addresses from the protocol wrapper, which
-    # run() builds with the ones it read from the socket.
+    assert isinstance(server.idle_task, KeepAlive)
+    # DirectSendTCPServer.run does what TCPServer.run does for a plain TCP stream, with
+    # ProtocolWrapper's parameters in this order; the fast path's scopes take the connection's
+    # addresses from the wrapper.
+    assert list(inspect.signature(ProtocolWrapper.__init__).parameters) == [
+        "self", "app", "config", "context", "task_group", "state", "ssl", "client", "server",
+        "send", "alpn_protocol",
+    ]  # fmt: skip
     wrapper = inspect.getsource(ProtocolWrapper.__init__)
     assert "self.client = client" in wrapper and "self.server = server" in wrapper
-    # The fast path (smgd.api.http.fast_path) spawns its requests in the connection's task
-    # group, which run() keeps here, and builds a scope with what hypercorn's streams use.
-    assert "self._task_group = task_group" in inspect.getsource(TCPServer.run)
+    run = inspect.getsource(TCPServer.run)
+    for step in (
+        "self.protocol = ProtocolWrapper(",
+        "await self.protocol.initiate()",
+        "await self.idle_task.restart(self._task_group, self._idle_timeout)",
+        "await self._read_data()",
+        "await self._close()",
+        'alpn_protocol = "http/1.1"',  # what run() passes for a stream without TLS
+    ):
+        assert step in run, f"TCPServer.run changed ({step}): check DirectSendTCPServer.run"
     config = Config()
     assert isinstance(config.max_app_queue_size, int)
     assert isinstance(config.keep_alive_max_requests, int)

@@ -27,8 +27,8 @@ cancels; a request that ends with the next one already buffered starts it there,
 waking the read loop.
 
 What the fast path keeps from hypercorn: one request at a time per connection (a pipelined
-request waits in the buffer until the response before it has ended); ``keep-alive`` with the
-connection's :class:`~smgd.api.http.worker_loop.KeepAliveTimer`; ``keep_alive_max_requests``
+request waits in the buffer until the response before it has ended); ``keep-alive`` (the worker
+loop's reaper, :mod:`smgd.api.http.keep_alive`); ``keep_alive_max_requests``
 (then ``connection: close``); the ``date`` and ``server`` headers of ``config``; closing after
 a response whose request body did not fully arrive, after an app error, and once the server
 shuts down. A client that goes away ends the request (``http.disconnect`` in its inbox, and

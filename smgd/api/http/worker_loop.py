@@ -28,11 +28,14 @@ deadline ``end_responses`` asks the app to end what still runs (smgd's streams s
 error event and ``[DONE]``), and only :data:`END_GRACE_S` later are the connections that are
 still busy cancelled, which cuts their bodies.
 
-Keep-alive is the one part done differently (:class:`KeepAliveTimer`): hypercorn starts a new
-idle-timeout task, through ``nursery.start`` and two lock round-trips, every time a
-connection goes idle, i.e. once per request. In a profile of short requests (C=256, 8 tokens
-each) that was ~10 % of smgd's CPU. The timer keeps one task per connection and moves its
-deadline instead.
+Two parts are done differently. Keep-alive: hypercorn starts a new idle-timeout task, through
+``nursery.start`` and two lock round-trips, every time a connection goes idle, i.e. once per
+request (~10 % of smgd's CPU in a profile of short requests, C=256, 8 tokens each); here one
+task closes the idle connections of the whole loop (:mod:`smgd.api.http.keep_alive`). A
+connection's run: :meth:`DirectSendTCPServer.run` is hypercorn's ``TCPServer.run`` for the
+plain TCP stream smgd serves, without its TLS handshake attempt (a cancel scope and a caught
+``AttributeError`` per connection), and its close sends no EOF to a client whose own EOF
+arrived already (the close sends the FIN then; one system call fewer).
 
 Requests h11 cannot parse (a malformed request line, headers over ``h11_max_incomplete_size``,
 a transfer coding other than chunked) and requests with both ``Content-Length`` and
@@ -40,14 +43,13 @@ a transfer coding other than chunked) and requests with both ``Content-Length`` 
 body (hypercorn's own answer has none), then the connection is closed.
 
 Several of these hooks are private to hypercorn (``H11Protocol._create_stream`` and
-``_send_error_response``, ``TCPServer._read_data`` and ``_initiate_server_close``, the idle
-task's ``restart``/``stop``): tests/test_pins.py names each and pins the hypercorn and h11
-versions they were checked against.
+``_send_error_response``, ``TCPServer._read_data``, ``_close`` and ``_initiate_server_close``,
+the idle task's ``restart``/``stop``, what ``TCPServer.run`` sets up): tests/test_pins.py names
+each and pins the hypercorn and h11 versions they were checked against.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -55,26 +57,28 @@ from typing import TYPE_CHECKING, Any
 import h11
 import trio
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h11 import H11Protocol as HypercornH11Protocol
 from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
-from hypercorn.utils import repr_socket_addr, wrap_app
+from hypercorn.utils import parse_socket_addr, repr_socket_addr, wrap_app
 
 from smgd.api.core.errors import http_error
 from smgd.api.http.accepting import serve_sockets
 from smgd.api.http.direct import BODY_END, CONNECTION_KEY, DirectWriter
 from smgd.api.http.fast_path import FastPath, ServerHeaders
+from smgd.api.http.keep_alive import KeepAlive, KeepAliveReaper
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from hypercorn.config import Config, Sockets
     from hypercorn.events import Event
-    from hypercorn.protocol import ProtocolWrapper
 
-__all__ = ["END_GRACE_S", "DirectSendTCPServer", "H11Protocol", "KeepAliveTimer", "serve"]
+__all__ = ["END_GRACE_S", "DirectSendTCPServer", "H11Protocol", "serve"]
 
 # hypercorn's TCPServer reads at most this much per receive (its own MAX_RECV).
 _MAX_RECV = 1 << 16
@@ -139,6 +143,7 @@ class DirectSendTCPServer(TCPServer):
         stream: Any,
         *,
         server_headers: ServerHeaders | None = None,
+        keep_alive: KeepAliveReaper | None = None,
     ) -> None:
         # A state dict of its own, naming this connection: hypercorn copies it into every
         # request's scope, where smgd.api.http.direct finds the connection to write to.
@@ -159,9 +164,14 @@ class DirectSendTCPServer(TCPServer):
         # The writer of the latest request with direct writes (smgd.api.http.direct).
         self.direct_writer: DirectWriter | None = None
         self.disconnected = False
-        self._keep_alive = KeepAliveTimer(self)
+        # The loop's reaper closes this connection when it stays idle; without one (a
+        # connection built by hand) a reaper nobody runs: nothing closes it for idleness.
+        reaper = keep_alive or KeepAliveReaper(config.keep_alive_timeout)
+        self._keep_alive = KeepAlive(reaper, self)
         self._fast: FastPath | None = None  # the fast path, until hypercorn takes over
-        # TCPServer only calls restart() and stop() on it, which the timer has.
+        self._eof_received = False  # the client's EOF was read: it has sent all it will
+        self._stream_closed = False
+        # TCPServer only calls restart() and stop() on it, which KeepAlive has.
         self.idle_task = self._keep_alive  # type: ignore[assignment]
 
     @property
@@ -181,10 +191,59 @@ class DirectSendTCPServer(TCPServer):
         self.client, self.server_addr = wrapper.client, wrapper.server
 
     async def run(self) -> None:
+        """Serve the connection until it closes: what ``TCPServer.run`` does for a plain TCP
+        stream (smgd serves no TLS), without its TLS handshake attempt under a timeout."""
+        sock = self.stream.socket
         try:
-            await super().run()
+            try:
+                client = parse_socket_addr(sock.family, sock.getpeername())
+                server = parse_socket_addr(sock.family, sock.getsockname())
+                async with TaskGroup() as task_group:
+                    self._task_group = task_group
+                    self.protocol = ProtocolWrapper(
+                        self.app,
+                        self.config,
+                        self.context,
+                        task_group,
+                        ConnectionState(self.state),
+                        False,  # ssl
+                        client,
+                        server,
+                        self.protocol_send,
+                        "http/1.1",
+                    )
+                    await self.protocol.initiate()
+                    await self._keep_alive.restart(task_group, self._idle_timeout)
+                    await self._read_data()
+            except OSError:
+                pass  # the client went away (a reset, or gone before its addresses were read)
+            finally:
+                await self._close()
         finally:
             self._let_go()
+
+    async def _close(self) -> None:
+        # Called by run() at the end and by hypercorn's protocol_send(Closed()) before that:
+        # once is enough (a second EOF fails and is caught; a second close is a checkpoint).
+        if self._stream_closed:
+            return
+        self._stream_closed = True
+        if self._eof_received:
+            # Nothing of the client's is left unread: closing the socket sends the FIN.
+            await self.stream.aclose()
+            return
+        await super()._close()
+
+    def close_idle(self) -> None:
+        """The keep-alive reaper found the connection idle: close it, unless a request comes
+        first (the close runs in a task of the connection's task group, shielded)."""
+        if not self.disconnected and not self._stream_closed:
+            self._task_group.spawn(self._close_if_idle)
+
+    async def _close_if_idle(self) -> None:
+        if self._keep_alive.idle and not self.disconnected:
+            with trio.CancelScope(shield=True):
+                await self._initiate_server_close()
 
     def _let_go(self) -> None:
         """The connection is over: drop what refers back to it.
@@ -195,6 +254,7 @@ class DirectSendTCPServer(TCPServer):
         middle generation runs rarely (``GC_THRESHOLDS``, smgd/daemon.py). Nothing runs on the
         connection any more: hypercorn's ``run`` has closed the stream and its task group ended.
         """
+        self._keep_alive.close()  # out of the reaper's table, whatever ended the connection
         self.state.clear()
         attributes = vars(self)
         for name in (
@@ -318,6 +378,9 @@ class DirectSendTCPServer(TCPServer):
                     received = await self.stream.receive_some(_MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 return True
+            if not received:
+                # The client's EOF (or a linger deadline, fast.receive: the EOF went out then).
+                self._eof_received = True
             if fast is not None and wake.cancel_called:
                 # Woken after the bytes came: they wait in the buffer (an end of the stream
                 # is read again, a socket's end stays), the caller goes on in a new scope.
@@ -333,78 +396,6 @@ class DirectSendTCPServer(TCPServer):
             await self.protocol.handle(RawData(bytes(received)))
             if not received:
                 return True
-
-
-class KeepAliveTimer:
-    """Closes a connection that stays idle ``keep_alive_timeout``, or is idle at shutdown.
-
-    It stands in for hypercorn's ``TrioSingleTask`` idle task (``TCPServer`` calls only
-    :meth:`restart` when the connection goes idle and :meth:`stop` when a request arrives),
-    with the same outcome and no task per request: one task per connection waits in a cancel
-    scope with a deadline. The deadline is moved lazily: a request's start and end only note
-    the time (setting a trio deadline costs ~4 µs, twice per request); when the deadline
-    passes early, the task looks at the connection and arms it again, at the idle deadline or,
-    while a request runs, one timeout later. A stream longer than the timeout costs one wakeup
-    per timeout.
-    """
-
-    def __init__(self, server: TCPServer) -> None:
-        self._server = server
-        self._idle = False
-        self._closed = False
-        self._idle_until = math.inf  # while idle: when the connection closes
-        self._scope: trio.CancelScope | None = None  # the waiting task's, once it runs
-        self._started = False
-
-    async def restart(self, task_group: Any, action: Any) -> None:
-        """The connection went idle (``action``, hypercorn's timeout task, is not used)."""
-        self._idle = True
-        now = trio.current_time()
-        if self._server.context.terminated.is_set():
-            # Shutting down: an idle connection closes at once, as hypercorn's would.
-            self._idle_until = now
-            if self._scope is not None:
-                self._scope.deadline = now
-        else:
-            self._idle_until = now + self._server.config.keep_alive_timeout
-        if not self._started:
-            self._started = True
-            task_group.spawn(self._run)
-
-    async def stop(self) -> None:
-        """A request arrived: no timeout while it runs."""
-        self.busy()
-
-    def busy(self) -> None:
-        """:meth:`stop`, where the caller cannot await (it has no checkpoint either)."""
-        self._idle = False
-
-    def close(self) -> None:
-        """The connection's reading ended: the task returns without closing anything."""
-        self._closed = True
-        if self._scope is not None:
-            self._scope.cancel()
-
-    async def _run(self) -> None:
-        deadline = self._idle_until
-        while not self._closed:
-            with trio.CancelScope(deadline=deadline) as self._scope:
-                await self._server.context.terminated.wait()
-                if not self._idle:
-                    # Shutdown during a request: wait for it to end (restart() then moves
-                    # the deadline to now).
-                    await trio.sleep_forever()
-            self._scope = None
-            if self._closed:
-                return
-            now = trio.current_time()
-            if self._idle and (now >= self._idle_until or self._server.context.terminated.is_set()):
-                with trio.CancelScope(shield=True):
-                    await self._server._initiate_server_close()
-                return
-            # Early: a request came and went since the deadline was set, or one runs now.
-            keep_alive: float = self._server.config.keep_alive_timeout
-            deadline = self._idle_until if self._idle else now + keep_alive
 
 
 def _write_now(stream: Any, data: bytes) -> int:
@@ -455,8 +446,11 @@ async def serve(
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
+    reaper = KeepAliveReaper(config.keep_alive_timeout)
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
+        # In the outer nursery: it runs until the connections are done, then is cancelled.
+        await lifespan_nursery.start(reaper.run)
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as handlers:
             if sockets is None:
@@ -476,6 +470,7 @@ async def serve(
                 context,
                 ConnectionState(lifespan_state),
                 server_headers=ServerHeaders(config),
+                keep_alive=reaper,
             )
             try:
                 async with trio.open_nursery() as accepting:
@@ -495,6 +490,7 @@ async def serve(
             finally:
                 # Stop accepting; connections in flight get the graceful timeout to finish.
                 await context.terminated.set()
+                reaper.terminate()  # idle connections close now, busy ones when they are idle
                 deadline = trio.current_time() + config.graceful_timeout
                 if end_responses is not None:
                     # In the outer nursery, cancelled once the handlers are done: it must
