@@ -174,9 +174,12 @@ async def _fake_server(
     pieces: list[str],
     usage: int,
     listeners: list[trio.SocketListener],
+    connections: list[None] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     async def handle(stream: trio.SocketStream) -> None:
+        if connections is not None:
+            connections.append(None)
         buf = b""
         while True:
             while b"\r\n\r\n" not in buf:
@@ -244,6 +247,26 @@ async def test_loadgen_counts_streams_and_lost_tokens(drop: bool, lost: int) -> 
     assert summary["lost_tokens"] >= lost * summary["requests_completed"]
     assert summary["ttft_p50_ms"] >= 15.0  # the fake waits one 20 ms "step" first
     assert 15.0 <= summary["itl_p50_ms"] <= 200.0
+
+
+@pytest.mark.parametrize("new_connections", [False, True])
+async def test_loadgen_opens_a_connection_per_request_only_when_asked(
+    new_connections: bool,
+) -> None:
+    m = 4
+    pieces = [PIECES[i % len(PIECES)] for i in range(m)]
+    listeners: list[trio.SocketListener] = []
+    connections: list[None] = []
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_fake_server, pieces, m, listeners, connections)
+        spec = _spec(port, m, 1)
+        spec.duration_s, spec.max_requests = 10.0, 3
+        spec.new_connections = new_connections
+        summary = await trio.to_thread.run_sync(loadgen.run, spec)
+        nursery.cancel_scope.cancel()
+    assert summary["requests_completed"] == 3
+    assert summary["requests_failed"] == summary["lost_tokens"] == 0
+    assert len(connections) == (3 if new_connections else 1)
 
 
 async def test_loadgen_reports_short_usage_as_lost() -> None:
@@ -805,9 +828,11 @@ def test_plain_loadgen_spec_is_unchanged_by_the_tools_workload() -> None:
     assert set(spec) == {
         "port", "model", "prompt_ids", "max_tokens", "concurrency", "duration_s",
         "max_requests", "time_limit_s", "expected_text", "prefix_lens", "extra",
+        "new_connections",
     }  # fmt: skip
     decoded = loadgen.Spec(**spec)
     assert (decoded.mode, decoded.path) == ("plain", "/v1/completions")
+    assert decoded.new_connections is False
     assert b'"ignore_eos":true' in loadgen.build_request(decoded)
 
 

@@ -69,6 +69,9 @@ class Spec(msgspec.Struct, kw_only=True):
     expected_finish: str = "tool_calls"  # tools: "stop" when the engine parses nothing
     # "count" (a real engine, whose text is not known in advance): plain completions counted
     # by their usage alone (:class:`_CountStream`); expected_text and prefix_lens are unused.
+    # A request's connection closes after its response, and the next request connects anew
+    # (its TTFT counts from before the connect); else connections are kept alive.
+    new_connections: bool = False
 
 
 class _Usage(msgspec.Struct):
@@ -616,6 +619,8 @@ class _Driver:
         except (ProtocolError, msgspec.DecodeError) as exc:
             self._failed(slot, exc)
         slot.stream = None
+        if self.spec.new_connections:
+            self._close(slot)  # the next request connects anew
         self.start(slot, now)
 
     def _failed(self, slot: _Slot, exc: Exception) -> None:

@@ -127,6 +127,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="tokenizer: the packaged 1k-token one (tiny), or a 128k-token byte-level BPE "
         "built offline on first use (~20 s) with real multilingual text as the prompt",
     )
+    parser.add_argument(
+        "--new-connections",
+        action="store_true",
+        help="a new connection for every request (a client without a pool), TTFT from the "
+        "connect; default: keep-alive connections opened before the clock starts",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
@@ -146,6 +152,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, list[int]]:
         max_tokens=max_tokens,
         duration_s=duration,
         vocab=args.vocab,
+        new_connections=args.new_connections,
     )
     return workload, conc
 

@@ -312,6 +312,7 @@ def plot(
     fig.suptitle(
         f"mock engine {workload.step_ms:g} ms/step, batch {workload.max_batch}, "
         f"P={workload.prompt_tokens}, M={workload.max_tokens}"
+        + (", a connection per request" if workload.new_connections else "")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=80)

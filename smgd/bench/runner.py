@@ -179,6 +179,7 @@ def loadgen_spec(
             "tools": TOOLS,
             "expected_tokens": prompt.reply_tokens,
             "expected_finish": prompt.finish_reason,
+            "new_connections": workload.new_connections,
         }
     return {
         "port": port,
@@ -192,6 +193,7 @@ def loadgen_spec(
         "expected_text": prompt.expected_text,
         "prefix_lens": prompt.prefix_lens,
         "extra": extra or {},
+        "new_connections": workload.new_connections,
     }
 
 

@@ -43,6 +43,9 @@ class Workload:
     max_tokens: int = 128
     duration_s: float = 10.0
     vocab: str = "tiny"  # one of VOCABS
+    # Every request on a connection of its own (a client without a connection pool: curl,
+    # scripts): what a connection costs the front end, beside what a request does.
+    new_connections: bool = False
 
     def model_dir(self) -> Path | None:
         """The model dir every target uses for this vocabulary (building the 128k one on first
