@@ -72,6 +72,64 @@ async def test_a_drain_that_completes_finishes_every_stream_and_exits_0(tmp_path
     assert "drain timeout" not in daemon.log()
 
 
+async def _idle_connection(url: str) -> trio.SocketStream:
+    """A keep-alive connection that served one request and now waits for the next."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = await trio.open_tcp_stream(host, int(port))
+    await conn.send_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):  # one JSON body
+        data = await conn.receive_some(1 << 16)
+        assert data, "closed before its answer"
+        answer += data
+    assert answer.startswith(b"HTTP/1.1 200")
+    return conn
+
+
+async def _closed_by_server(conn: trio.SocketStream) -> bool:
+    try:
+        return await conn.receive_some(1 << 16) == b""
+    except trio.BrokenResourceError:
+        return True
+
+
+async def test_idle_keep_alive_connections_close_at_a_drain_and_do_not_hold_it(
+    tmp_path: Path,
+) -> None:
+    # Idle connections close when the drain begins (not after the 75 s keep-alive timeout, and
+    # not at the 20 s drain timeout); the streams on busy ones run to their end.
+    config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS), drain_s=20.0)
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        idle = [await _idle_connection(daemon.url) for _ in range(4)]
+        closed: list[float] = []
+
+        async def wait_closed(conn: trio.SocketStream) -> None:
+            assert await _closed_by_server(conn)
+            closed.append(trio.current_time())
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                results = _start(client, nursery, STREAMS, 50)
+                await _under_way(results)
+                daemon.send_signal(signal.SIGTERM)
+                signalled_at = trio.current_time()
+                for conn in idle:
+                    nursery.start_soon(wait_closed, conn)
+            code = await daemon.wait_exit(15)
+        exited_at = trio.current_time()
+        for conn in idle:
+            await conn.aclose()
+    assert len(closed) == len(idle)
+    assert max(closed) - signalled_at < 10
+    for outcome in results:
+        assert outcome.error is None, outcome.error
+        assert outcome.usage is not None and outcome.usage["completion_tokens"] == 50
+        assert outcome.done and outcome.body_complete
+    assert code == 0
+    assert exited_at - signalled_at < 10
+    assert "drain timeout" not in daemon.log()
+
+
 @asynccontextmanager
 async def external_mock(tmp_path: Path) -> AsyncIterator[tuple[str, list[str]]]:
     """A mock SGLang scheduler smgd does not launch (it outlives smgd, as an attached engine
