@@ -252,7 +252,7 @@ class DirectSendTCPServer(TCPServer):
         for the requests), its keep-alive timer and its task group all lead back here, so each
         closed connection would otherwise be a reference cycle left for the cyclic GC, and its
         middle generation runs rarely (``GC_THRESHOLDS``, smgd/daemon.py). Nothing runs on the
-        connection any more: hypercorn's ``run`` has closed the stream and its task group ended.
+        connection any more: ``run`` has closed the stream and its task group ended.
         """
         self._keep_alive.close()  # out of the reaper's table, whatever ended the connection
         self.state.clear()
