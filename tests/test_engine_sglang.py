@@ -15,6 +15,7 @@ from smgd.errors import EngineDead, EngineNotReady, InvalidRequest
 from smgd.wire.common import FinishReason
 
 from .engine_harness import collect, expected_echo, request, sglang_pair
+from .trio_helpers import TaskSteps
 
 
 async def test_stream_tokens_usage_and_length_finish() -> None:
@@ -235,24 +236,12 @@ def test_a_launched_mock_engine_exits_when_its_daemon_is_killed(tmp_path: object
     raise AssertionError("the launched mock engine outlived its killed parent")
 
 
-class _TaskSteps(trio.abc.Instrument):
-    """Counts the scheduler passes of the tasks whose name ends with ``suffix``."""
-
-    def __init__(self, suffix: str) -> None:
-        self.suffix = suffix
-        self.steps = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if task.name.endswith(self.suffix):
-            self.steps += 1
-
-
 async def test_a_burst_of_submits_goes_to_the_engine_in_one_sender_pass() -> None:
     # 64 requests submitted in the same scheduler pass: the sender must not need a pass per
     # request (each pass waits for every other runnable task, which sets TTFT in a burst).
     burst = 64
     async with sglang_pair(step_s=0.01, max_batch=burst) as pair:
-        steps = _TaskSteps("._sender_task")
+        steps = TaskSteps("._sender_task")
         first_tokens = 0
         all_started = trio.Event()
 

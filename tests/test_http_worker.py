@@ -250,39 +250,28 @@ class _EofCounter:
         return stream
 
 
-async def test_a_connection_the_client_ends_closes_without_an_eof_of_its_own(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("ender", "server_eofs"), [("client", 0), ("server", 1)])
+async def test_a_connections_server_side_sends_an_eof_only_when_it_ends_it_and_once(
+    monkeypatch: pytest.MonkeyPatch, ender: str, server_eofs: int
 ) -> None:
     # The client sent its EOF: the server has nothing left to read, and closing the socket
-    # sends its FIN; a shutdown() first would be a system call for nothing.
+    # sends its FIN; a shutdown() first would be a system call for nothing. "connection:
+    # close": hypercorn closes the connection after the response (its protocol_send(Closed())),
+    # and the connection's run closes it again at its end; the EOF goes out once.
     eofs = _EofCounter(monkeypatch)
     async with trio.open_nursery() as nursery:
         port = await _serve(nursery, app, _config())
         async with await eofs.connect(port) as stream:
-            assert await _request(stream)
-            await stream.send_eof()
-            with trio.fail_after(5):
-                assert await _closed_by_server(stream)
-        nursery.cancel_scope.cancel()
-    assert eofs.server_eofs == 0
-
-
-async def test_a_connection_the_server_ends_sends_its_eof_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # "connection: close": hypercorn closes the connection after the response (its
-    # protocol_send(Closed())), and the connection's run closes it again at its end; the
-    # EOF goes out once.
-    eofs = _EofCounter(monkeypatch)
-    async with trio.open_nursery() as nursery:
-        port = await _serve(nursery, app, _config())
-        async with await eofs.connect(port) as stream:
-            assert await _request(stream, extra="connection: close\r\n")
+            if ender == "client":
+                assert await _request(stream)
+                await stream.send_eof()
+            else:
+                assert await _request(stream, extra="connection: close\r\n")
             with trio.fail_after(5):
                 assert await _closed_by_server(stream)
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
-    assert eofs.server_eofs == 1
+    assert eofs.server_eofs == server_eofs
 
 
 # -- requests h11 refuses: the error envelope as the body, then the connection closes -------

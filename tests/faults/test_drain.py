@@ -49,18 +49,10 @@ async def _stream(
     await stream(client, "m", prompt, max_tokens, into=outcome)
 
 
-async def test_a_drain_that_completes_finishes_every_stream_and_exits_0(tmp_path: Path) -> None:
-    # 50 tokens x 20 ms: every stream ends about a second after the signal, well inside 20 s.
-    config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS), drain_s=20.0)
-    async with serve(tmp_path, config) as daemon, daemon.client() as client:
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                results = _start(client, nursery, STREAMS, 50)
-                await _under_way(results)
-                daemon.send_signal(signal.SIGTERM)
-                signalled_at = trio.current_time()
-            code = await daemon.wait_exit(15)
-        exited_at = trio.current_time()
+def _completed_then_exited(
+    results: list[StreamOutcome], code: int, exit_s: float, log: str
+) -> None:
+    """Every 50-token stream ran to its end, and the daemon exited 0 once they had."""
     for outcome in results:
         assert outcome.error is None, outcome.error
         assert outcome.finish_reason == "length"
@@ -68,8 +60,8 @@ async def test_a_drain_that_completes_finishes_every_stream_and_exits_0(tmp_path
         assert outcome.done and outcome.body_complete
     assert code == 0
     # It exited once its streams were done, not at the end of the 20 s drain timeout.
-    assert exited_at - signalled_at < 10
-    assert "drain timeout" not in daemon.log()
+    assert exit_s < 10
+    assert "drain timeout" not in log
 
 
 async def _idle_connection(url: str) -> trio.SocketStream:
@@ -93,14 +85,16 @@ async def _closed_by_server(conn: trio.SocketStream) -> bool:
         return True
 
 
-async def test_idle_keep_alive_connections_close_at_a_drain_and_do_not_hold_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("idle_connections", [0, 4])
+async def test_a_drain_that_completes_finishes_every_stream_and_exits_0(
+    tmp_path: Path, idle_connections: int
 ) -> None:
-    # Idle connections close when the drain begins (not after the 75 s keep-alive timeout, and
-    # not at the 20 s drain timeout); the streams on busy ones run to their end.
+    # 50 tokens x 20 ms: every stream ends about a second after the signal, well inside 20 s.
+    # Idle keep-alive connections beside them close when the drain begins (not after the 75 s
+    # keep-alive timeout, and not at the drain timeout).
     config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS), drain_s=20.0)
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
-        idle = [await _idle_connection(daemon.url) for _ in range(4)]
+        idle = [await _idle_connection(daemon.url) for _ in range(idle_connections)]
         closed: list[float] = []
 
         async def wait_closed(conn: trio.SocketStream) -> None:
@@ -119,15 +113,9 @@ async def test_idle_keep_alive_connections_close_at_a_drain_and_do_not_hold_it(
         exited_at = trio.current_time()
         for conn in idle:
             await conn.aclose()
-    assert len(closed) == len(idle)
-    assert max(closed) - signalled_at < 10
-    for outcome in results:
-        assert outcome.error is None, outcome.error
-        assert outcome.usage is not None and outcome.usage["completion_tokens"] == 50
-        assert outcome.done and outcome.body_complete
-    assert code == 0
-    assert exited_at - signalled_at < 10
-    assert "drain timeout" not in daemon.log()
+    assert len(closed) == idle_connections
+    assert all(at - signalled_at < 10 for at in closed)
+    _completed_then_exited(results, code, exited_at - signalled_at, daemon.log())
 
 
 @asynccontextmanager
