@@ -249,7 +249,7 @@ class DirectSendTCPServer(TCPServer):
         """The connection is over: drop what refers back to it.
 
         Its protocol (whose ``send`` is this object's bound method), its state (which names it
-        for the requests), its keep-alive timer and its task group all lead back here, so each
+        for the requests), its keep-alive handle and its task group all lead back here, so each
         closed connection would otherwise be a reference cycle left for the cyclic GC, and its
         middle generation runs rarely (``GC_THRESHOLDS``, smgd/daemon.py). Nothing runs on the
         connection any more: ``run`` has closed the stream and its task group ended.
@@ -297,9 +297,8 @@ class DirectSendTCPServer(TCPServer):
             else:
                 await self._read_until_closed()
         finally:
-            # No request can arrive any more: the timer's task ends, so the connection's task
-            # group can (hypercorn's idle task would linger until its timeout).
-            self._keep_alive.close()
+            # No request can arrive any more: the keep-alive reaper closes nothing from here
+            # on (close_idle), and _let_go takes the connection out of its table.
             self.disconnected = True
             if self.on_disconnect is not None:
                 self.on_disconnect()
