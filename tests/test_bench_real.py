@@ -205,10 +205,9 @@ def test_the_targets_are_accepted_on_the_command_line() -> None:
 # --- the loadgen's count mode ---------------------------------------------------------------
 
 
-def _count_spec(max_tokens: int) -> loadgen.Spec:
-    spec = real.count_spec(
-        port=1, ids=[5, 6], workload=Workload(max_tokens=max_tokens), concurrency=2, duration_s=1.0
-    )
+def _count_spec(max_tokens: int, *, new_connections: bool = False) -> loadgen.Spec:
+    workload = Workload(max_tokens=max_tokens, new_connections=new_connections)
+    spec = real.count_spec(port=1, ids=[5, 6], workload=workload, concurrency=2, duration_s=1.0)
     return loadgen.Spec(**spec)
 
 
@@ -233,6 +232,11 @@ def test_count_spec_asks_for_ignore_eos_and_usage_without_expected_text() -> Non
     assert body["stream_options"] == {"include_usage": True}
     assert body["prompt"] == [5, 6]
     assert body["max_tokens"] == 64
+    assert spec.new_connections is False
+
+
+def test_count_spec_keeps_the_benchs_connection_per_request() -> None:
+    assert _count_spec(64, new_connections=True).new_connections is True
 
 
 @pytest.mark.parametrize(

@@ -342,6 +342,7 @@ def count_spec(
         "expected_text": "",
         "prefix_lens": [],
         "mode": "count",
+        "new_connections": workload.new_connections,
     }
 
 
