@@ -274,6 +274,59 @@ async def test_a_connections_server_side_sends_an_eof_only_when_it_ends_it_and_o
     assert eofs.server_eofs == server_eofs
 
 
+class _ProtocolCounter:
+    """Counts the hypercorn protocols the connections build."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.built = 0
+        counter = self
+
+        class Counted(worker_loop.ProtocolWrapper):
+            def __init__(self, *args: Any) -> None:
+                counter.built += 1
+                super().__init__(*args)
+
+        monkeypatch.setattr(worker_loop, "ProtocolWrapper", Counted)
+
+
+@pytest.mark.parametrize(
+    ("extra", "built"),
+    [
+        ("", 0),  # every request on the fast path
+        ("te: trailers\r\n", 1),  # a header the fast path leaves to h11: handed over
+    ],
+)
+@pytest.mark.parametrize("ender", ["client", "idle"])
+async def test_hypercorns_protocol_is_built_only_for_a_request_handed_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+    socket_autojump_clock: trio.testing.MockClock,
+    extra: str,
+    built: int,
+    ender: str,
+) -> None:
+    # Two requests, then the client's EOF or the keep-alive timeout: the connection closes
+    # and its tasks end either way, with hypercorn's protocol built only when a request
+    # needed it.
+    protocols = _ProtocolCounter(monkeypatch)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, _keep_alive_config(), stop)
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            for _ in range(2):
+                assert await _request(stream, extra=extra) == b"".join(
+                    b"%d;" % i for i in range(CHUNKS)
+                )
+            if ender == "client":
+                await stream.send_eof()
+            with trio.fail_after(KEEP_ALIVE_S + 1):
+                assert await _closed_by_server(stream)
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        stop.set()
+    assert trio.current_time() - start < 1  # no connection task was left behind
+    assert protocols.built == built
+
+
 # -- requests h11 refuses: the error envelope as the body, then the connection closes -------
 
 

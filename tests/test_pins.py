@@ -40,7 +40,8 @@ PRIVATE: list[tuple[type, str, list[str], str]] = [
     (TCPServer, "_read_data", ["self"],
      "DirectSendTCPServer: its read loop calls on_disconnect and stops the keep-alive timer"),
     (TCPServer, "_initiate_server_close", ["self"],
-     "DirectSendTCPServer closes a connection the keep-alive reaper found idle with it"),
+     "DirectSendTCPServer overrides it (no protocol built only to be told of the close); "
+     "hypercorn's _idle_timeout calls it"),
     (TCPServer, "_close", ["self"],
      "DirectSendTCPServer._close: once, and without an EOF after the client's"),
     (TrioSingleTask, "restart", ["self", "task_group", "action"],
@@ -95,6 +96,21 @@ def test_a_connection_has_the_attributes_the_worker_loop_and_direct_writes_use()
         'alpn_protocol = "http/1.1"',  # what run() passes for a stream without TLS
     ):
         assert step in run, f"TCPServer.run changed ({step}): check DirectSendTCPServer.run"
+    # Its protocol is built when first needed, without the initiate() TCPServer.run awaits:
+    # HTTP/1.1's does nothing. And what it does on a close, DirectSendTCPServer does without a
+    # protocol: close the stream (protocol_send), tell the protocol, close (the reaper's).
+    assert inspect.getsource(H11Protocol.initiate).rstrip().endswith("pass")
+    send = inspect.getsource(TCPServer.protocol_send)
+    closed = send[send.index("elif isinstance(event, Closed):") :]
+    assert closed.split("\n")[1:3] == [
+        " " * 12 + "await self._close()",
+        " " * 12 + "await self.protocol.handle(Closed())",
+    ], "TCPServer.protocol_send(Closed()) changed: check DirectSendTCPServer.protocol_send"
+    close = inspect.getsource(TCPServer._initiate_server_close).strip().split("\n")[1:]
+    assert [line.strip() for line in close] == [
+        "await self.protocol.handle(Closed())",
+        "await self.stream.aclose()",
+    ], "TCPServer._initiate_server_close changed: check DirectSendTCPServer's"
     config = Config()
     assert isinstance(config.max_app_queue_size, int)
     assert isinstance(config.keep_alive_max_requests, int)

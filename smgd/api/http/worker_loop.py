@@ -169,6 +169,7 @@ class DirectSendTCPServer(TCPServer):
         reaper = keep_alive or KeepAliveReaper(config.keep_alive_timeout)
         self._keep_alive = KeepAlive(reaper, self)
         self._fast: FastPath | None = None  # the fast path, until hypercorn takes over
+        self._protocol: ProtocolWrapper | None = None  # built when needed (``protocol``)
         self._eof_received = False  # the client's EOF was read: it has sent all it will
         self._stream_closed = False
         # TCPServer only calls restart() and stop() on it, which KeepAlive has.
@@ -176,19 +177,37 @@ class DirectSendTCPServer(TCPServer):
 
     @property
     def protocol(self) -> ProtocolWrapper:
-        return self._protocol
+        """hypercorn's protocol for the connection, built when something first asks for it:
+        a request the fast path hands over, or a connection served without the fast path.
+        A connection whose every request the fast path served never builds one: the wrapper,
+        hypercorn's protocol and h11's state machine, and their handling of the close, cost
+        ~70 of a connection's ~400 µs of CPU (docs/performance.md, "eighteenth pass")."""
+        wrapper = self._protocol
+        if wrapper is None:
+            self.protocol = ProtocolWrapper(
+                self.app,
+                self.config,
+                self.context,
+                self._task_group,
+                ConnectionState(self.state),
+                False,  # ssl
+                self.client,
+                self.server_addr,
+                self.protocol_send,
+                "http/1.1",
+            )
+            wrapper = self._protocol
+            assert wrapper is not None
+        return wrapper
 
     @protocol.setter
     def protocol(self, wrapper: ProtocolWrapper) -> None:
-        # TCPServer.run() builds the connection's protocol and sets it here, before the first
-        # byte is read: an HTTP/1.1 one becomes smgd's H11Protocol (same state, one method
-        # more). Only the class changes, so hypercorn's constructor stays the one that runs.
+        # An HTTP/1.1 protocol becomes smgd's H11Protocol (same state, one method more): only
+        # the class changes, so hypercorn's constructor stays the one that runs. Its
+        # initiate() does nothing for HTTP/1.1 (tests/test_pins.py), so none is awaited.
         if type(wrapper.protocol) is HypercornH11Protocol:
             wrapper.protocol.__class__ = H11Protocol
         self._protocol = wrapper
-        # run() read both addresses from the socket just before (two system calls): the fast
-        # path's scopes use the wrapper's copies.
-        self.client, self.server_addr = wrapper.client, wrapper.server
 
     async def run(self) -> None:
         """Serve the connection until it closes: what ``TCPServer.run`` does for a plain TCP
@@ -196,23 +215,10 @@ class DirectSendTCPServer(TCPServer):
         sock = self.stream.socket
         try:
             try:
-                client = parse_socket_addr(sock.family, sock.getpeername())
-                server = parse_socket_addr(sock.family, sock.getsockname())
+                self.client = parse_socket_addr(sock.family, sock.getpeername())
+                self.server_addr = parse_socket_addr(sock.family, sock.getsockname())
                 async with TaskGroup() as task_group:
                     self._task_group = task_group
-                    self.protocol = ProtocolWrapper(
-                        self.app,
-                        self.config,
-                        self.context,
-                        task_group,
-                        ConnectionState(self.state),
-                        False,  # ssl
-                        client,
-                        server,
-                        self.protocol_send,
-                        "http/1.1",
-                    )
-                    await self.protocol.initiate()
                     await self._keep_alive.restart(task_group, self._idle_timeout)
                     await self._read_data()
             except OSError:
@@ -279,6 +285,9 @@ class DirectSendTCPServer(TCPServer):
                 return
             if sent:
                 event = RawData(data=data[sent:])
+        if type(event) is Closed and self._protocol is None:
+            await self._close()  # TCPServer's, but for telling a protocol never built
+            return
         writer = self.direct_writer
         if writer is None or type(event) is not RawData:
             await super().protocol_send(event)
@@ -327,7 +336,7 @@ class DirectSendTCPServer(TCPServer):
     def _fast_path(self) -> FastPath | None:
         """A fast path for this connection: HTTP/1.1 over TCP, unless hypercorn must see
         every request (its access log)."""
-        if type(self.protocol.protocol) is not H11Protocol or self.config.accesslog is not None:
+        if self.config.accesslog is not None:
             return None
         return FastPath(self, self._server_headers)
 
@@ -351,7 +360,18 @@ class DirectSendTCPServer(TCPServer):
         finally:
             if self._fast is not None:
                 self._fast.disconnected()
-        await self.protocol.handle(Closed())
+        await self._protocol_closed()
+
+    async def _protocol_closed(self) -> None:
+        """Tell hypercorn's protocol the connection closed, if it was ever built: one that
+        never was has no request of its own to end."""
+        if self._protocol is not None:
+            await self._protocol.handle(Closed())
+
+    async def _initiate_server_close(self) -> None:
+        # TCPServer's, without building a protocol only to tell it of the close.
+        await self._protocol_closed()
+        await self.stream.aclose()
 
     async def _read_until_woken(self, wake: trio.CancelScope) -> bool:
         """Read and hand on until the reading ends (True) or ``wake`` is cancelled: at the
@@ -389,7 +409,12 @@ class DirectSendTCPServer(TCPServer):
                 if not received:
                     return True
                 continue  # after a closing answer: dropped (the rest of a 413's body)
-            if fast is not None and received:
+            if fast is not None:
+                if not received:
+                    # The client's EOF between requests, or during one: the connection ends
+                    # (its request is cancelled, run() closes the socket), as hypercorn's
+                    # protocol would end it, without building one to be told.
+                    return True
                 fast.buffer += received
                 continue
             await self.protocol.handle(RawData(bytes(received)))
