@@ -176,7 +176,7 @@ async def test_a_stream_cut_just_as_it_got_its_slot_leaves_open_stream_at_once()
     exits: list[type[BaseException] | None] = []
 
     @asynccontextmanager
-    async def open_stream(request: Any) -> AsyncIterator[str]:
+    async def open_stream(request: Any, checked: Any) -> AsyncIterator[str]:
         cutoff.cut("drain timeout")  # as if the cut ran while the slot was being granted
         try:
             yield "rs"
@@ -185,7 +185,7 @@ async def test_a_stream_cut_just_as_it_got_its_slot_leaves_open_stream_at_once()
             raise
 
     engine = SimpleNamespace(open_stream=open_stream, config=SimpleNamespace(max_inflight=1))
-    job = SimpleNamespace(engine=engine, request=None)
+    job = SimpleNamespace(engine=engine, request=None, checked=None)
     watch = _StreamWatch(cutoff)
     with pytest.raises(Draining):
         async with watch.opening(job):  # type: ignore[arg-type]

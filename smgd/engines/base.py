@@ -259,14 +259,22 @@ class EngineClient:
         """``generate`` or ``embed``: what requests this engine's model serves."""
         return self.config.task
 
-    def validate(self, req: EngineRequest) -> None:
-        """Reject what would kill or wedge the engine. Raises InvalidRequest."""
+    def validate(self, req: EngineRequest, *, ids_checked: EngineInfo | None = None) -> EngineInfo:
+        """Reject what would kill or wedge the engine (raises InvalidRequest); the engine's
+        info it was checked against.
+
+        ``ids_checked``: that info, from an earlier check of this request (when it was planned):
+        while the engine still runs with it, the prompt's token ids are not scanned again. The
+        scan is the one cost of a check that grows with the prompt: ~130 µs for 4,096 ids here
+        (``min`` and ``max``, each comparison a Python call), against ~1 µs for the rest.
+        """
         info = self.info
         if info is None:
             raise EngineNotReady(f"engine {self.name} is not ready")
+        scan = ids_checked is not info
         if isinstance(req, EmbedRequest):
-            self._validate_embed(req, info)
-            return
+            self._validate_embed(req, info, scan)
+            return info
         if self.task != "generate":
             raise InvalidRequest(
                 f"the model is served for {self.task} (engine {self.name}): it does not "
@@ -275,7 +283,8 @@ class EngineClient:
             )
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        _check_vocabulary(req.prompt_ids, info.vocab_size, "prompt")
+        if scan:
+            _check_vocabulary(req.prompt_ids, info.vocab_size, "prompt")
         total = len(req.prompt_ids) + req.sampling.max_tokens
         if total > info.max_model_len:
             raise InvalidRequest(
@@ -298,8 +307,9 @@ class EngineClient:
                 f"(`{structured.param}`) is not available",
                 param=structured.param,
             )
+        return info
 
-    def _validate_embed(self, req: EmbedRequest, info: EngineInfo) -> None:
+    def _validate_embed(self, req: EmbedRequest, info: EngineInfo, scan: bool) -> None:
         if self.task != "embed":
             raise InvalidRequest(
                 f"the model is not an embedding model (engine {self.name} serves it for "
@@ -308,7 +318,8 @@ class EngineClient:
             )
         if not req.prompt_ids:
             raise InvalidRequest("an input is empty", param="input")
-        _check_vocabulary(req.prompt_ids, info.vocab_size, "input")
+        if scan:
+            _check_vocabulary(req.prompt_ids, info.vocab_size, "input")
         limit = info.max_model_len - self.embed_len_margin
         if len(req.prompt_ids) > limit:
             raise InvalidRequest(
@@ -321,7 +332,9 @@ class EngineClient:
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
 
-    def open_stream(self, req: EngineRequest) -> AbstractAsyncContextManager[RequestStream]:
+    def open_stream(
+        self, req: EngineRequest, *, checked: EngineInfo | None = None
+    ) -> AbstractAsyncContextManager[RequestStream]:
         """Submit a request; yield its output stream; abort it on the engine if it is left early.
 
         ``async with engine.open_stream(req) as stream``: the engine must be ready and take
@@ -332,9 +345,10 @@ class EngineClient:
         abort is queued synchronously and cannot be lost to a cancellation.
 
         A request with a LoRA adapter counts as waiting for it until sent, then running
-        (:class:`~smgd.engines.lora.LoraTable`), until the block is left.
+        (:class:`~smgd.engines.lora.LoraTable`), until the block is left. ``checked``: what
+        :meth:`validate` returned for it when it was planned (:meth:`validate`'s ``ids_checked``).
         """
-        return _OpenStream(self, req)
+        return _OpenStream(self, req, checked)
 
     def _submit(self, req: EngineRequest, waited: float) -> RequestStream:
         """Put an admitted request in the outbox; its stream."""
@@ -640,11 +654,14 @@ class _OpenStream:
     managers: it runs once per request, and the three it replaces (the stream's, the admission
     slot's, the adapter count's) cost ~10 µs together, this ~1."""
 
-    __slots__ = ("_admitted", "_engine", "_lora", "_req", "_stream")
+    __slots__ = ("_admitted", "_checked", "_engine", "_lora", "_req", "_stream")
 
-    def __init__(self, engine: EngineClient, req: EngineRequest) -> None:
+    def __init__(
+        self, engine: EngineClient, req: EngineRequest, checked: EngineInfo | None
+    ) -> None:
         self._engine = engine
         self._req = req
+        self._checked = checked
         self._lora = req.lora if isinstance(req, GenerateRequest) else None  # embeddings: none
         self._admitted = False
         self._stream: RequestStream | None = None
@@ -655,7 +672,9 @@ class _OpenStream:
         try:
             if not engine.ready:
                 raise EngineNotReady(f"engine {engine.name} is {engine.state_name}")
-            engine.validate(req)
+            # Again: the engine may have changed since the request was planned (restarted,
+            # adapter unloaded, the rid taken meanwhile).
+            engine.validate(req, ids_checked=self._checked)
             admission, rid = engine.admission, req.rid
             waited = 0.0 if admission.try_acquire(rid) else await admission.wait_acquire(rid)
             self._admitted = True
@@ -684,9 +703,10 @@ def _check_vocabulary(ids: Sequence[int], vocab: int | None, param: str) -> None
     """A 400 naming ``param`` for the first token id outside the engine's vocabulary."""
     if vocab is None or not ids:
         return
-    # Two C-level passes (~0.6 µs for a 64-id prompt; the loop below costs ~3 µs, and every
-    # request is checked twice: when it is planned and when it is sent). The loop only runs
-    # to name the offending id.
+    # Two C-level passes (~0.6 µs for a 64-id prompt, ~130 for 4,096; the loop below costs
+    # about five times as much). A request is scanned once, when it is planned, unless its
+    # engine changed before it was sent (EngineClient.validate). The loop only runs to name
+    # the offending id.
     if min(ids) >= 0 and max(ids) < vocab:
         return
     for tid in ids:

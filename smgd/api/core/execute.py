@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from smgd.engines.base import EngineClient
     from smgd.engines.stream import RequestStream
     from smgd.router import Router
-    from smgd.wire.common import GenerateRequest
+    from smgd.wire.common import EngineInfo, GenerateRequest
 
 __all__ = [
     "Cutoff",
@@ -143,7 +143,7 @@ class _StreamWatch:
             self.rs.notify()  # the stream's task wakes and finds the cutoff's error
 
     def opening(self, job: Job) -> _StreamWatch:
-        self._opened = job.engine.open_stream(job.request)
+        self._opened = job.engine.open_stream(job.request, checked=job.checked)
         self._may_wait = job.engine.config.max_inflight > 0
         return self
 
@@ -181,6 +181,9 @@ class Job:
     choice: Choice
     router: Router | None = None  # set: the job may move to another engine before its 1st token
     tried: set[str] = field(default_factory=set)
+    # What engine.validate returned for the request when it was planned (open_stream's
+    # ``checked``); None after a move to another engine.
+    checked: EngineInfo | None = None
 
 
 # Engine failures worth another engine: the engine died or was not ready at submit. A 4xx-class
@@ -202,6 +205,7 @@ def reroute(job: Job, model: str) -> bool:
     if moved is None:
         return False
     job.engine, job.request = moved
+    job.checked = None
     job.choice.engine = job.engine.name  # the metrics count it where it ran
     return True
 
@@ -304,7 +308,7 @@ async def _collect_one(job: Job, state: RequestState) -> None:
 
 async def _collect_attempt(job: Job, state: RequestState) -> None:
     choice = job.choice
-    async with job.engine.open_stream(job.request) as rs:
+    async with job.engine.open_stream(job.request, checked=job.checked) as rs:
         choice.stream = rs
         async for delta in rs:
             text = choice.apply(delta)
@@ -621,7 +625,7 @@ async def _pump(
             while True:
                 produced = False  # a forwarded token: from then on, never retry elsewhere
                 try:
-                    async with job.engine.open_stream(job.request) as rs:
+                    async with job.engine.open_stream(job.request, checked=job.checked) as rs:
                         job.choice.stream = rs
                         async for delta in rs:
                             produced = produced or bool(delta.token_ids)

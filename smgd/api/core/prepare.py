@@ -333,7 +333,7 @@ def plan_jobs(
                 priority=check_engine(engine, params, options.priority, names),
                 lora=lora,
             )
-            engine.validate(req)
+            checked = engine.validate(req)
             _check_top_logprobs(engine, params.logprobs, top_logprobs_param)
             stream = TextStream(
                 text.tokenizer,
@@ -358,7 +358,7 @@ def plan_jobs(
                 ),
                 prompt_logprobs=params.prompt_logprobs is not None,
             )
-            jobs.append(Job(engine, req, choice, gateway.router))
+            jobs.append(Job(engine, req, choice, gateway.router, checked=checked))
             state.choices.append(choice)
     assert options is not None
     if options.ignored:
