@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config
+from hypercorn.protocol import ProtocolWrapper
 
 from smgd.api.http import worker_loop
 from smgd.daemon import DRAIN_MARGIN_S
@@ -281,7 +282,7 @@ class _ProtocolCounter:
         self.built = 0
         counter = self
 
-        class Counted(worker_loop.ProtocolWrapper):
+        class Counted(ProtocolWrapper):
             def __init__(self, *args: Any) -> None:
                 counter.built += 1
                 super().__init__(*args)
