@@ -8,8 +8,10 @@ or hypercorn's is told by the h11 events hypercorn sends: the fast path sends no
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import h11
@@ -1230,6 +1232,58 @@ async def test_a_busy_connections_read_returns_what_arrives_then_the_end() -> No
     assert got == [b"GET / HTTP/1.1\r\n"]
     await theirs.aclose()
     assert await fast_path._receive_later(ours, 1024) == b""  # the peer's end, as receive_some
+    await ours.aclose()
+
+
+class _Reads:
+    """Counts os.read calls: the fast path's own reads of a socket (trio's receive_some makes
+    none)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fds: list[int] = []
+        read = os.read
+
+        def counted(fd: int, n: int) -> bytes:
+            self.fds.append(fd)
+            return read(fd, n)
+
+        monkeypatch.setattr(os, "read", counted)
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+async def test_a_new_connections_first_read_takes_what_is_there_then_reads_wait_first(
+    monkeypatch: pytest.MonkeyPatch, waiting: bool
+) -> None:
+    # A new connection's request is nearly always in when its task first reads: taken at
+    # once, without a checkpoint. Between later requests the read waits for the socket, then
+    # reads once: no read that fails first, no checkpoint after the one that succeeds.
+    left, right = trio.socket.socketpair()
+    ours, theirs = trio.SocketStream(left), trio.SocketStream(right)
+    fast = fast_path.FastPath(SimpleNamespace(stream=ours), None)  # type: ignore[arg-type]
+    reads = _Reads(monkeypatch)
+    if not waiting:
+        await theirs.send_all(b"GET / HTTP/1.1\r\n")
+        with trio.testing.assert_no_checkpoints():
+            assert await fast.receive(1024) == b"GET / HTTP/1.1\r\n"
+        assert len(reads.fds) == 1
+    for expected in [b"x"] if waiting else [b"y", b"z"]:
+        reads.fds.clear()
+        got: list[bytes] = []
+
+        async def read(into: list[bytes]) -> None:
+            into.append(await fast.receive(1024))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, got)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # nothing there: it waits
+            await theirs.send_all(expected)
+        assert got == [expected]
+        # A first read that found nothing (waiting) tried once before it waited.
+        assert len(reads.fds) == (2 if waiting else 1)
+        waiting = False
+    await theirs.aclose()
+    assert await fast.receive(1024) == b""  # the peer's end, as receive_some
     await ours.aclose()
 
 

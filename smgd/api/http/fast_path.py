@@ -131,6 +131,7 @@ class FastPath:
         "_body_left",
         "_closed",
         "_conn",
+        "_fresh",
         "_headers",
         "_inbox",
         "_job",
@@ -163,6 +164,8 @@ class FastPath:
         # the socket, where a request's end may wake it (:meth:`wake_read_loop`).
         self.wake_scope: trio.CancelScope | None = None
         self._waiting = False
+        # No read yet: a new connection's first request is nearly always there already.
+        self._fresh = True
         # The connection's requests run one after another in one task (:meth:`_serve`),
         # started with the first: a task and a cancel scope per request cost ~6 % of a short
         # request's CPU. ``_job`` is the request it is to run next; it parks in ``_lot``.
@@ -182,7 +185,17 @@ class FastPath:
                 return bytes(await stream.receive_some(max_bytes))
             return b""
         if not self.busy:
-            return bytes(await stream.receive_some(max_bytes))
+            # Between requests: wait for the socket, then read (as a busy connection does,
+            # below). trio's receive_some reads first, and a kept connection's next request
+            # is rarely there yet: a failed read (a system call and an exception), and after
+            # the read that succeeds a scheduler pass for its checkpoint, per request. A new
+            # connection's first read is tried at once: its request is usually in already.
+            if self._fresh:
+                self._fresh = False
+                data = _read_now(stream, max_bytes)
+                if data is not None:
+                    return data
+            return await _receive_later(stream, max_bytes)
         self._waiting = True
         try:
             return await _receive_later(stream, max_bytes)
@@ -476,13 +489,29 @@ class _Inbox:
             self._writable = None
 
 
+def _read_now(stream: Any, max_bytes: int) -> bytes | None:
+    """What the socket holds now, without waiting (None when nothing; b"" at its end). No
+    checkpoint: only a connection's first read is made this way, once."""
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the connection's socket was closed")
+    try:
+        return os.read(fd, max_bytes)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise trio.BrokenResourceError(f"the connection broke: {exc}") from exc
+
+
 async def _receive_later(stream: Any, max_bytes: int) -> bytes:
-    """``stream.receive_some(max_bytes)`` for a read that cannot be served yet: the next
-    request on a connection whose request runs (its client waits for the answer first).
+    """``stream.receive_some(max_bytes)`` for a read that is rarely served at once: the next
+    request on a connection, whose client sends it once it has read the last answer (or
+    while a request runs, the answer not sent yet).
 
     It waits for the socket before reading, where trio's ``receive_some`` reads first and
     waits on ``EAGAIN``: that read is a system call and an exception per request for nothing
-    (with trio's wrappers about 5 µs here). Errors end the read as ``receive_some``'s would.
+    (with trio's wrappers about 5 µs here), and the read that succeeds is followed by a
+    checkpoint, a scheduler pass. Errors end the read as ``receive_some``'s would.
     """
     sock = stream.socket
     while True:
