@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from smgd.api.core.execute import Cutoff
     from smgd.engines.base import EngineClient
     from smgd.router import Router
-    from smgd.wire.common import EmbedRequest
+    from smgd.wire.common import EmbedRequest, EngineInfo
 
 
 # Engine failures worth another engine (as for completions): the engine died or was not ready.
@@ -45,6 +45,9 @@ class EmbedJob:
     router: Router | None = None  # set: the input may move to another engine of ``model``
     model: str = ""
     tried: set[str] = field(default_factory=set)
+    # What engine.validate returned for the request when it was planned (open_stream's
+    # ``checked``); None after a move to another engine.
+    checked: EngineInfo | None = None
 
 
 def _reroute(job: EmbedJob) -> bool:
@@ -57,6 +60,7 @@ def _reroute(job: EmbedJob) -> bool:
     if moved is None:
         return False
     job.engine, job.request = moved
+    job.checked = None
     return True
 
 
@@ -71,7 +75,7 @@ async def _run_one(job: EmbedJob) -> None:
 
 
 async def _attempt(job: EmbedJob) -> None:
-    async with job.engine.open_stream(job.request) as stream:
+    async with job.engine.open_stream(job.request, checked=job.checked) as stream:
         try:
             async for delta in stream:
                 if delta.prompt_tokens is not None:

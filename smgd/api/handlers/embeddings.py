@@ -72,8 +72,8 @@ async def embeddings_reply(call: Call) -> Reply:
     for ids in prompts:
         engine = gateway.router.pick(model, ids)
         req = EmbedRequest(rid=new_engine_rid(), prompt_ids=ids, dimensions=params.dimensions)
-        engine.validate(req)
-        jobs.append(EmbedJob(engine, req, router=gateway.router, model=model))
+        checked = engine.validate(req)
+        jobs.append(EmbedJob(engine, req, router=gateway.router, model=model, checked=checked))
     failure: SmgdError | None = None
     ended = cancelled = False
     try:
