@@ -343,6 +343,31 @@ async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
     assert 0.015 <= fired[0] - start <= 0.015 + 2 * PROBE_S
 
 
+@pytest.mark.parametrize("resting", [False, True])
+async def test_a_callback_due_later_leaves_a_quiet_loop_probed_as_rarely_and_runs_on_time(
+    autojump_clock: trio.testing.MockClock, resting: bool
+) -> None:
+    # Every streamed request asks for a callback a second ahead (its held head's deadline).
+    # A quiet loop stays probed every QUIET_PROBE_S (or resting, once a second) meanwhile,
+    # not every PROBE_S, and the callback still runs at its tick.
+    pacer = LoadPacer(max_window_s=0.15, cpu_clock=_CpuClock() if resting else trio.current_time)
+    probes = _ProbeCounter(pacer)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(3 * REST_PROBE_S + PROBE_S / 2)  # settled: quiet, or resting
+        probes.at.clear()
+        start = trio.current_time()
+        fired: list[float] = []
+        assert pacer.call_at(start + 1.0, lambda: fired.append(trio.current_time()))
+        await trio.sleep(1.0 + 2 * PROBE_S)
+        nursery.cancel_scope.cancel()
+    assert len(fired) == 1
+    assert 1.0 <= fired[0] - start <= 1.0 + PROBE_S
+    # Quiet: ten probes in the second (at most one more, to end at the tick); resting: the
+    # rest probe under way, then one that ends at the tick (not a hundred of PROBE_S).
+    assert len(probes.at) <= (2 if resting else round(1.0 / QUIET_PROBE_S) + 1)
+
+
 class _CpuClock:
     """The loop thread's CPU clock of a test: it advances only when the test says so."""
 

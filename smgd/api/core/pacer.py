@@ -24,7 +24,7 @@ Streams written directly by the engine's reader task (:mod:`smgd.api.http.direct
 park: they hold output themselves and ask for a callback at a tick (:meth:`LoadPacer.call_at`),
 and only once the loop is saturated (:attr:`LoadPacer.direct_window_s`).
 
-While the loop keeps up (its lag within the noise of an idle loop, nothing waiting on a tick)
+While the loop keeps up (its lag within the noise of an idle loop, no stream parked on a tick)
 the pacer probes ten times less often (``QUIET_PROBE_S``): an idle or lightly loaded daemon
 should not wake 100 times a second for a measurement that says "no window". While the loop's
 thread also used almost no CPU (``REST_BUSY``) it probes once a second (``REST_PROBE_S``), and
@@ -212,14 +212,24 @@ class LoadPacer:
         if self._long_probe is not None:
             self._wake_by(trio.current_time() + QUIET_PROBE_S)
 
-    def _probe_s(self) -> float:
+    def _probe_s(self, now: float) -> float:
         """The next probe's length: short under lag, long while quiet, longest while resting,
-        and without end while resting with nothing in flight (expect_load ends it)."""
+        and without end while resting with nothing in flight (expect_load ends it); never past
+        the tick of the first callback due (:meth:`call_at`).
+
+        A callback due does not make the loop any less quiet: every streamed request asks
+        for one a second ahead (the deadline of its held response head, smgd.api.http.
+        dispatch), and had it kept the probes short, one stream at a time (C = 1) would have
+        kept the pacer waking 100 times a second for most of its life."""
         if not self._quiet():
             return PROBE_S
         if self._busy >= REST_BUSY:
-            return QUIET_PROBE_S
-        return math.inf if self.idle else REST_PROBE_S
+            length = QUIET_PROBE_S
+        else:
+            length = math.inf if self.idle else REST_PROBE_S
+        if self._due:
+            length = min(length, max(PROBE_S, min(self._due) * PROBE_S - now))
+        return length
 
     @property
     def idle(self) -> bool:
@@ -227,7 +237,7 @@ class LoadPacer:
         return self._idle()
 
     def _quiet(self) -> bool:
-        """The loop keeps up (no window, its last wakeup on time) and nothing waits on a tick.
+        """The loop keeps up (no window, its last wakeup on time) and no stream is parked.
 
         An idle trio loop wakes a sleeper ~0.5 ms late here (timer granularity), so "on time"
         is the window's own threshold, LAG_LOW_S.
@@ -236,7 +246,6 @@ class LoadPacer:
             self.lag_s <= LAG_LOW_S
             and self._last_lag_s <= LAG_LOW_S
             and not self._buckets
-            and not self._due
         )
 
     def observe(self, lag_s: float, periods: int = 1, busy: float = 1.0) -> float:
@@ -274,7 +283,7 @@ class LoadPacer:
             while True:
                 start = trio.current_time()
                 cpu_start = self._cpu_clock()
-                length = self._probe_s()
+                length = self._probe_s(start)
                 with trio.CancelScope(deadline=start + length) as probe:
                     # A stream that parks or asks for a callback during a long probe pulls its
                     # deadline in (_wake_by), so no tick is ever late.
