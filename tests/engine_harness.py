@@ -8,9 +8,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import trio
 
 from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.engines import base
 from smgd.engines.base import EngineClient
 from smgd.engines.sglang import SglangEngineClient
 from smgd.launch import mock_argv
@@ -20,6 +22,25 @@ from smgd.mock.sglang import SglangMockWire
 from smgd.wire.common import EngineInfo, GenerateRequest, SamplingParams, TokenDelta
 
 VOCAB = 1024
+
+
+class VocabularyScans:
+    """Records every prompt an engine client scans against its vocabulary (the ids, in
+    order), by wrapping ``smgd.engines.base._check_vocabulary`` for the test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.prompts: list[list[int]] = []
+        scan = base._check_vocabulary
+
+        def counted(ids: list[int], vocab: int | None, param: str) -> None:
+            self.prompts.append(list(ids))
+            scan(ids, vocab, param)
+
+        monkeypatch.setattr(base, "_check_vocabulary", counted)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.prompts]
 
 
 @dataclass

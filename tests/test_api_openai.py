@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
 from smgd.text.tokenizer import load_tokenizer
 from smgd.wire.common import Finish, FinishReason, TokenDelta
 from tests.asgi_client import connect, http_scope
+from tests.engine_harness import VocabularyScans
 from tests.fake_engine import (
     EOS,
     MODEL,
@@ -372,20 +374,11 @@ async def test_stop_reason_names_the_stop_token_id(autojump_clock: trio.abc.Cloc
 
 
 async def test_a_prompts_token_ids_are_scanned_once_per_choice(
-    autojump_clock: trio.abc.Clock, monkeypatch: Any
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Checked against the engine's vocabulary when the request is planned; the submit on the
     # same engine does not scan them again (a 4,096-id prompt costs ~130 µs a scan).
-    from smgd.engines import base
-
-    scans: list[int] = []
-    scan = base._check_vocabulary
-
-    def counted(ids: list[int], vocab: int | None, param: str) -> None:
-        scans.append(len(ids))
-        scan(ids, vocab, param)
-
-    monkeypatch.setattr(base, "_check_vocabulary", counted)
+    scans = VocabularyScans(monkeypatch)
     fake = engine()
     async with open_app(fake) as (app, _):
         body = {"model": MODEL, "prompt": IDS, "max_tokens": 3, "n": 2, "temperature": 1.0}
@@ -393,4 +386,4 @@ async def test_a_prompts_token_ids_are_scanned_once_per_choice(
         assert reply.status == 200, reply.body
         streamed = await post_stream(app, "/v1/completions", {**body, "stream": True})
     assert len(fake.requests) == 4 and streamed
-    assert scans == [len(IDS)] * 4  # two choices, twice: once each
+    assert scans.lengths == [len(IDS)] * 4  # two choices, twice: once each

@@ -20,11 +20,12 @@ from smgd.api.core.embed import (
     parse_embed_request,
 )
 from smgd.config import Config, EngineConfig, LaunchConfig, WireFamily, validate
-from smgd.engines import base, launch_flags
+from smgd.engines import launch_flags
 from smgd.errors import ConfigError, InvalidRequest
 from smgd.mock.scheduler import MOCK_EMBED_SIZE, MockRequest, MockScheduler, mock_embedding
 from smgd.wire.common import EmbedRequest, EngineRequest, Finish, FinishReason, TokenDelta
 
+from .engine_harness import VocabularyScans
 from .fake_engine import MODEL, FakeEngine, open_app, post
 
 
@@ -187,17 +188,10 @@ async def test_with_no_other_engine_the_failure_is_reported() -> None:
 
 async def test_each_inputs_token_ids_are_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # Against the engine's vocabulary when the request is planned; not again at its submit.
-    scans: list[list[int]] = []
-    scan = base._check_vocabulary
-
-    def counted(ids: list[int], vocab: int | None, param: str) -> None:
-        scans.append(list(ids))
-        scan(ids, vocab, param)
-
-    monkeypatch.setattr(base, "_check_vocabulary", counted)
+    scans = VocabularyScans(monkeypatch)
     embedder = FakeEmbedder("a")
     async with open_app(embedder) as (app, _):
         reply = await post(app, "/v1/embeddings", {"model": MODEL, "input": [[5, 6], [7, 8, 9]]})
     assert reply.status == 200, reply.body
     assert len(embedder.embedded) == 2
-    assert sorted(scans) == [[5, 6], [7, 8, 9]]
+    assert sorted(scans.prompts) == [[5, 6], [7, 8, 9]]

@@ -11,12 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-from smgd.engines import base
 from smgd.engines.base import EngineState, _check_vocabulary
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest
 from smgd.wire.common import FinishReason
 
-from .engine_harness import collect, expected_echo, request, sglang_pair
+from .engine_harness import VocabularyScans, collect, expected_echo, request, sglang_pair
 from .trio_helpers import TaskSteps
 
 
@@ -91,25 +90,18 @@ async def test_validation_rejects_before_sending() -> None:
 async def test_a_prompt_checked_when_planned_is_not_scanned_again_on_the_same_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    scans: list[int] = []
-    scan = base._check_vocabulary
-
-    def counted(ids: list[int], vocab: int | None, param: str) -> None:
-        scans.append(len(ids))
-        scan(ids, vocab, param)
-
-    monkeypatch.setattr(base, "_check_vocabulary", counted)
+    scans = VocabularyScans(monkeypatch)
     async with sglang_pair() as pair:
         client = pair.client
         req = request("a" * 32, [5, 6, 7], 4)
         checked = client.validate(req)  # when the request is planned
-        assert checked is client.info and scans == [3]
+        assert checked is client.info and scans.lengths == [3]
         ids: list[int] = []
         async with client.open_stream(req, checked=checked) as stream:
             async for delta in stream:
                 ids.extend(delta.token_ids)
         assert ids == expected_echo([5, 6, 7], 4)
-        assert scans == [3]  # the same engine info: the ids were not scanned at submit
+        assert scans.lengths == [3]  # the same engine info: the ids were not scanned at submit
         # Checked against an info the engine no longer runs with (it restarted since), or
         # never checked: the submit scans, and refuses an id outside the vocabulary.
         stale = msgspec.structs.replace(checked)
@@ -118,7 +110,7 @@ async def test_a_prompt_checked_when_planned_is_not_scanned_again_on_the_same_en
             with pytest.raises(InvalidRequest, match="outside the vocabulary"):
                 async with client.open_stream(bad, checked=vouched):
                     pass
-        assert scans == [3, 2, 2]
+        assert scans.lengths == [3, 2, 2]
 
 
 async def test_not_ready_before_the_scheduler_attaches(

@@ -318,6 +318,20 @@ async def test_a_quiet_loop_is_probed_ten_times_less_often(
         nursery.cancel_scope.cancel()
 
 
+def _quiet_pacer(max_window_s: float, *, resting: bool) -> tuple[LoadPacer, _ProbeCounter]:
+    """A pacer on a loop that keeps up; ``resting``: one whose thread is never on a CPU."""
+    clock = _CpuClock() if resting else trio.current_time
+    pacer = LoadPacer(max_window_s=max_window_s, cpu_clock=clock)
+    return pacer, _ProbeCounter(pacer)
+
+
+def _fired_at(pacer: LoadPacer, when: float) -> list[float]:
+    """Ask ``pacer`` for a callback at ``when``: the list of the times it ran."""
+    fired: list[float] = []
+    assert pacer.call_at(when, lambda: fired.append(trio.current_time()))
+    return fired
+
+
 @pytest.mark.parametrize("resting", [False, True])
 async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
     autojump_clock: trio.testing.MockClock, resting: bool
@@ -325,16 +339,14 @@ async def test_a_hold_or_callback_during_a_quiet_probe_is_not_late(
     # A stream that holds while the pacer sleeps a long quiet probe (or, with its thread
     # idle, a rest probe of a second) must wake at its window's tick, not at the end of the
     # probe. (The window is forced open, the loop kept quiet.)
-    pacer = LoadPacer(max_window_s=0.03, cpu_clock=_CpuClock() if resting else trio.current_time)
-    probes = _ProbeCounter(pacer)
+    pacer, probes = _quiet_pacer(0.03, resting=resting)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
         await trio.sleep(QUIET_PROBE_S + 0.001)  # inside the second quiet probe
         assert probes.periods == [round(QUIET_PROBE_S / PROBE_S)]
         pacer.window_s = 0.03
         start = trio.current_time()
-        fired: list[float] = []
-        assert pacer.call_at(start + 0.015, lambda: fired.append(trio.current_time()))
+        fired = _fired_at(pacer, start + 0.015)
         await pacer.hold()
         held = trio.current_time() - start
         nursery.cancel_scope.cancel()
@@ -350,15 +362,13 @@ async def test_a_callback_due_later_leaves_a_quiet_loop_probed_as_rarely_and_run
     # Every streamed request asks for a callback a second ahead (its held head's deadline).
     # A quiet loop stays probed every QUIET_PROBE_S (or resting, once a second) meanwhile,
     # not every PROBE_S, and the callback still runs at its tick.
-    pacer = LoadPacer(max_window_s=0.15, cpu_clock=_CpuClock() if resting else trio.current_time)
-    probes = _ProbeCounter(pacer)
+    pacer, probes = _quiet_pacer(0.15, resting=resting)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
         await trio.sleep(3 * REST_PROBE_S + PROBE_S / 2)  # settled: quiet, or resting
         probes.at.clear()
         start = trio.current_time()
-        fired: list[float] = []
-        assert pacer.call_at(start + 1.0, lambda: fired.append(trio.current_time()))
+        fired = _fired_at(pacer, start + 1.0)
         await trio.sleep(1.0 + 2 * PROBE_S)
         nursery.cancel_scope.cancel()
     assert len(fired) == 1
