@@ -242,11 +242,7 @@ class LoadPacer:
         An idle trio loop wakes a sleeper ~0.5 ms late here (timer granularity), so "on time"
         is the window's own threshold, LAG_LOW_S.
         """
-        return (
-            self.lag_s <= LAG_LOW_S
-            and self._last_lag_s <= LAG_LOW_S
-            and not self._buckets
-        )
+        return self.lag_s <= LAG_LOW_S and self._last_lag_s <= LAG_LOW_S and not self._buckets
 
     def observe(self, lag_s: float, periods: int = 1, busy: float = 1.0) -> float:
         """Fold in a probe ``periods`` x ``PROBE_S`` long that woke ``lag_s`` late; return the
