@@ -490,8 +490,9 @@ class _Inbox:
 
 
 def _read_now(stream: Any, max_bytes: int) -> bytes | None:
-    """What the socket holds now, without waiting (None when nothing; b"" at its end). No
-    checkpoint: only a connection's first read is made this way, once."""
+    """What the socket holds now, without waiting (None when nothing; b"" at its end); errors
+    as ``receive_some``'s. No checkpoint: called on its own only for a connection's first
+    read, once."""
     fd = stream.socket.fileno()
     if fd < 0:
         raise trio.ClosedResourceError("the connection's socket was closed")
@@ -519,12 +520,9 @@ async def _receive_later(stream: Any, max_bytes: int) -> bytes:
         if fd < 0:
             raise trio.ClosedResourceError("the connection's socket was closed")
         await trio.lowlevel.wait_readable(fd)
-        try:
-            return os.read(fd, max_bytes)
-        except BlockingIOError:
-            continue  # woken with nothing to read after all
-        except OSError as exc:
-            raise trio.BrokenResourceError(f"the connection broke: {exc}") from exc
+        data = _read_now(stream, max_bytes)
+        if data is not None:
+            return data  # else woken with nothing to read after all
 
 
 class _Response:

@@ -407,17 +407,15 @@ class DirectSendTCPServer(TCPServer):
                 # is read again, a socket's end stays), the caller goes on in a new scope.
                 fast.buffer += received
                 return False
-            if fast is not None and fast.ending:
-                if not received:
-                    return True
-                continue  # after a closing answer: dropped (the rest of a 413's body)
             if fast is not None:
                 if not received:
-                    # The client's EOF between requests, or during one: the connection ends
-                    # (its request is cancelled, run() closes the socket), as hypercorn's
-                    # protocol would end it, without building one to be told.
+                    # The client's EOF (between requests, during one, or after a closing
+                    # answer): the connection ends (a running request is cancelled, run()
+                    # closes the socket), as hypercorn's protocol would end it, without
+                    # building one to be told.
                     return True
-                fast.buffer += received
+                if not fast.ending:  # after a closing answer it is dropped (a 413's body)
+                    fast.buffer += received
                 continue
             await self.protocol.handle(RawData(bytes(received)))
             if not received:
