@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from .engine_harness import VocabularyScans
 from .fake_engine import (
     MODEL,
     Behaviour,
@@ -50,6 +51,24 @@ async def test_non_streamed_request_moves_to_another_engine(
     rid = bad.requests[0].rid
     moves = [r.getMessage() for r in caplog.records if "retrying on" in r.getMessage()]
     assert moves == [f"request {rid}: engine a failed before the first token; retrying on b"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_moved_request_is_scanned_once_on_each_engine(
+    monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    # Its prompt ids are checked against each engine's vocabulary once: when it is planned on
+    # the first, when it is moved to the second; neither submit scans them again.
+    scans = VocabularyScans(monkeypatch)
+    bad, good = DiesBeforeFirstToken("a"), FakeEngine("b")
+    async with open_app(bad, good) as (app, _):
+        if stream:
+            streamed = await post_stream(app, "/v1/completions", {**BODY, "stream": True})
+            assert streamed.status == 200 and streamed.events[-1] == "[DONE]"
+        else:
+            assert (await post(app, "/v1/completions", BODY)).status == 200
+    assert len(bad.requests) == 1 and len(good.requests) == 1
+    assert scans.prompts == [bad.requests[0].prompt_ids, good.requests[0].prompt_ids]
 
 
 async def test_no_retry_after_the_first_token() -> None:

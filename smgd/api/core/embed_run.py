@@ -45,8 +45,8 @@ class EmbedJob:
     router: Router | None = None  # set: the input may move to another engine of ``model``
     model: str = ""
     tried: set[str] = field(default_factory=set)
-    # What engine.validate returned for the request when it was planned (open_stream's
-    # ``checked``); None after a move to another engine.
+    # What engine.validate returned for the request when it was planned or moved
+    # (open_stream's ``checked``).
     checked: EngineInfo | None = None
 
 
@@ -59,8 +59,7 @@ def _reroute(job: EmbedJob) -> bool:
     )
     if moved is None:
         return False
-    job.engine, job.request = moved
-    job.checked = None
+    job.engine, job.request, job.checked = moved
     return True
 
 

@@ -181,8 +181,8 @@ class Job:
     choice: Choice
     router: Router | None = None  # set: the job may move to another engine before its 1st token
     tried: set[str] = field(default_factory=set)
-    # What engine.validate returned for the request when it was planned (open_stream's
-    # ``checked``); None after a move to another engine.
+    # What engine.validate returned for the request when it was planned or moved
+    # (open_stream's ``checked``).
     checked: EngineInfo | None = None
 
 
@@ -204,8 +204,7 @@ def reroute(job: Job, model: str) -> bool:
     )  # fmt: skip
     if moved is None:
         return False
-    job.engine, job.request = moved
-    job.checked = None
+    job.engine, job.request, job.checked = moved
     job.choice.engine = job.engine.name  # the metrics count it where it ran
     return True
 

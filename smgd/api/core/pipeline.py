@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from smgd.engines.stream import RequestStream
     from smgd.router import Router
     from smgd.text.stream import TextStream
-    from smgd.wire.common import EngineRequest
+    from smgd.wire.common import EngineInfo, EngineRequest
 
 __all__ = [
     "Choice",
@@ -81,10 +81,11 @@ def other_engine(
     *,
     kind: str,
     when: str = "",
-) -> tuple[EngineClient, _Request] | None:
+) -> tuple[EngineClient, _Request, EngineInfo] | None:
     """``request`` failed on engine ``failed``: another ready engine of ``model`` (none of
-    ``tried``, which gains ``failed``) and ``request`` under a fresh rid, validated there; None
-    if there is no such engine or it cannot take the request.
+    ``tried``, which gains ``failed``), ``request`` under a fresh rid, and the engine info it
+    was validated against there (for ``open_stream``'s ``checked``); None if there is no such
+    engine or it cannot take the request.
 
     A move is logged as a warning: ``<kind> <rid>: engine <failed> failed<when>; retrying on
     <engine>``.
@@ -93,14 +94,14 @@ def other_engine(
     try:
         engine = router.pick(model, request.prompt_ids, exclude=tuple(tried))
         moved = msgspec.structs.replace(request, rid=new_engine_rid())
-        engine.validate(moved)
+        checked = engine.validate(moved)
     except SmgdError:
         return None
     log.warning(
         "%s %s: engine %s failed%s; retrying on %s",
         kind, request.rid, failed.name, when, engine.name,
     )  # fmt: skip
-    return engine, moved
+    return engine, moved, checked
 
 
 def check_request_id(value: str, param: str) -> str:
