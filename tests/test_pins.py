@@ -38,7 +38,7 @@ PRIVATE: list[tuple[type, str, list[str], str]] = [
     (H11Protocol, "_send_h11_event", ["self", "event"],
      "worker_loop.H11Protocol sends its refusal through it"),
     (TCPServer, "_read_data", ["self"],
-     "DirectSendTCPServer: its read loop calls on_disconnect and stops the keep-alive timer"),
+     "DirectSendTCPServer: its read loop (hypercorn's with a read timeout) calls on_disconnect"),
     (TCPServer, "_initiate_server_close", ["self"],
      "DirectSendTCPServer overrides it (no protocol built only to be told of the close); "
      "hypercorn's _idle_timeout calls it"),
