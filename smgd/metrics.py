@@ -182,6 +182,11 @@ class Buckets:
     def count(self) -> int:
         return sum(self.counts)
 
+    @property
+    def observed(self) -> bool:
+        """Whether any value was observed (an empty histogram is not exported)."""
+        return any(self.counts)
+
     def cumulative(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0
@@ -213,18 +218,9 @@ class RequestMetrics:
 
     def __init__(self) -> None:
         self.http_requests: dict[tuple[str, str, str], int] = {}  # (route, method, status)
-        self.requests: dict[tuple[str, str, str], int] = {}  # (model, engine, status)
-        self.tokens: dict[tuple[str, str, str], int] = {}  # (model, engine, kind)
         self.aborts: dict[str, int] = {}  # by reason
-        self.finished: dict[tuple[str, str, str], int] = {}  # (model, engine, finish_reason)
-        # Histograms by (model, engine).
-        self.ttft: dict[tuple[str, str], Buckets] = {}
-        self.itl: dict[tuple[str, str], Buckets] = {}
-        self.e2e: dict[tuple[str, str], Buckets] = {}
-        self.tpot: dict[tuple[str, str], Buckets] = {}
-        self.queue: dict[tuple[str, str], Buckets] = {}
-        self.prompt_len: dict[tuple[str, str], Buckets] = {}
-        self.output_len: dict[tuple[str, str], Buckets] = {}
+        # Counters and histograms by (model, engine): one lookup per choice finds them all.
+        self._pairs: dict[tuple[str, str], _Series] = {}
 
     # ---- recording (called once per request / response)
     def http(self, route: str, method: str, status: int) -> None:
@@ -254,28 +250,26 @@ class RequestMetrics:
                 status, finish = ERROR, "error"
             else:
                 status, finish = CANCELLED, "abort"
-            key = (model, engine, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
-            key = (model, engine, finish)
-            self.finished[key] = self.finished.get(key, 0) + 1
-            labels = (model, engine)
+            series = self._series(model, engine)
+            series.count(series.requests, status)
+            series.count(series.finished, finish)
             if choice.counts_prompt:
-                self._add_tokens(model, engine, "prompt", choice.prompt_tokens)
+                series.count(series.tokens, "prompt", choice.prompt_tokens)
                 if choice.cached_tokens:
-                    self._add_tokens(model, engine, "cached", choice.cached_tokens)
-                _hist(self.prompt_len, labels, TOKEN_BUCKETS).observe(choice.prompt_tokens)
-            self._add_tokens(model, engine, "completion", choice.completion_tokens)
-            _hist(self.output_len, labels, TOKEN_BUCKETS).observe(choice.completion_tokens)
-            _hist(self.queue, labels, QUEUE_BUCKETS).observe(choice.queued_s)
+                    series.count(series.tokens, "cached", choice.cached_tokens)
+                series.prompt_len.observe(choice.prompt_tokens)
+            series.count(series.tokens, "completion", choice.completion_tokens)
+            series.output_len.observe(choice.completion_tokens)
+            series.queue.observe(choice.queued_s)
             first, last = choice.t_first, choice.t_last
             if first is not None:
-                _hist(self.ttft, labels, TTFT_BUCKETS).observe(first - state.t_start)
+                series.ttft.observe(first - state.t_start)
                 # vLLM's definition: the decode time over the tokens after the first. Only
                 # with two events or more: one event's tokens came together, no decode timing.
                 if last is not None and last > first and choice.completion_tokens > 1:
                     tpot = (last - first) / (choice.completion_tokens - 1)
-                    _hist(self.tpot, labels, TPOT_BUCKETS).observe(tpot)
-            _hist(self.e2e, labels, E2E_BUCKETS).observe(now - state.t_start)
+                    series.tpot.observe(tpot)
+            series.e2e.observe(now - state.t_start)
             if choice.stopped_here:
                 self.abort("stop_string")
             elif status == CANCELLED:
@@ -285,8 +279,7 @@ class RequestMetrics:
         if state.gaps and state.choices:
             # The gaps of every choice are pooled: n > 1 on several engines (rare) counts
             # them under the first choice's engine.
-            labels = (model, state.choices[0].engine)
-            _hist(self.itl, labels, ITL_BUCKETS).observe_many(state.gaps)
+            self._series(model, state.choices[0].engine).itl.observe_many(state.gaps)
 
     def record_pooling(
         self,
@@ -312,23 +305,24 @@ class RequestMetrics:
             status, finish = CANCELLED, "abort"
         else:
             status, finish = OK, "stop"
-        key = (model, engine, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        key = (model, engine, finish)
-        self.finished[key] = self.finished.get(key, 0) + 1
-        labels = (model, engine)
-        self._add_tokens(model, engine, "prompt", prompt_tokens)
-        _hist(self.prompt_len, labels, TOKEN_BUCKETS).observe(prompt_tokens)
-        _hist(self.queue, labels, QUEUE_BUCKETS).observe(queued_s)
-        _hist(self.e2e, labels, E2E_BUCKETS).observe(duration_s)
+        series = self._series(model, engine)
+        series.count(series.requests, status)
+        series.count(series.finished, finish)
+        series.count(series.tokens, "prompt", prompt_tokens)
+        series.prompt_len.observe(prompt_tokens)
+        series.queue.observe(queued_s)
+        series.e2e.observe(duration_s)
         if failure is not None:
             self.abort(abort_reason(failure, draining=draining))
         elif cancelled:
             self.abort("drain" if draining else "client_disconnect")
 
-    def _add_tokens(self, model: str, engine: str, kind: str, n: int) -> None:
-        key = (model, engine, kind)
-        self.tokens[key] = self.tokens.get(key, 0) + n
+    def _series(self, model: str, engine: str) -> _Series:
+        labels = (model, engine)
+        series = self._pairs.get(labels)
+        if series is None:
+            series = self._pairs[labels] = _Series()
+        return series
 
     # ---- export
     def collect(self) -> Iterator[Metric]:
@@ -343,14 +337,14 @@ class RequestMetrics:
             "Engine requests (one per choice, one per embedding request) by model, engine and "
             "outcome (ok, error, cancelled).",
             ["model", "engine", "status"],
-            self.requests.items(),
+            self._rows("requests"),
         )
         yield _counter(
             "smgd_tokens",
             "Tokens by kind: prompt (once per prompt), completion (generated), cached "
             "(prompt tokens the engine served from its prefix cache).",
             ["model", "engine", "kind"],
-            self.tokens.items(),
+            self._rows("tokens"),
         )
         yield _counter(
             "smgd_aborts",
@@ -363,58 +357,91 @@ class RequestMetrics:
             "Engine requests (one per choice, one per embedding request) by the finish reason "
             "the client saw: stop, length, tool_calls; abort (the client left), error.",
             ["model", "engine", "finish_reason"],
-            self.finished.items(),
+            self._rows("finished"),
         )
         yield _histogram(
             "smgd_time_to_first_token_seconds",
             "Time from request arrival to a choice's first generated token.",
-            self.ttft,
+            self._table("ttft"),
         )
         yield _histogram(
             "smgd_inter_token_latency_seconds",
             "Gap between consecutive output events of a choice (per event, not per token).",
-            self.itl,
+            self._table("itl"),
         )
         yield _histogram(
             "smgd_time_per_output_token_seconds",
             "Per choice: (last output event - first) / (output tokens - 1), the mean decode "
             "time per token after the first.",
-            self.tpot,
+            self._table("tpot"),
         )
         yield _histogram(
             "smgd_request_queue_time_seconds",
             "Per choice: time its engine request queued before it ran: smgd's admission queue, "
             "plus the engine's own queue where the engine reports it (vLLM).",
-            self.queue,
+            self._table("queue"),
         )
         yield _histogram(
             "smgd_request_duration_seconds",
             "End-to-end request latency, arrival to last byte (or abandonment), per choice "
             "(an embedding request: once).",
-            self.e2e,
+            self._table("e2e"),
         )
         yield _histogram(
             "smgd_request_prompt_tokens",
             "Prompt length in tokens, once per prompt.",
-            self.prompt_len,
+            self._table("prompt_len"),
         )
         yield _histogram(
             "smgd_request_generation_tokens",
             "Output length in tokens, per choice.",
-            self.output_len,
+            self._table("output_len"),
         )
+
+    def _rows(self, name: str) -> Iterator[tuple[tuple[str, str, str], int]]:
+        """One counter's rows: (model, engine, third label) and the count."""
+        for (model, engine), series in self._pairs.items():
+            for label, count in getattr(series, name).items():
+                yield (model, engine, label), count
+
+    def _table(self, name: str) -> dict[tuple[str, str], Buckets]:
+        """One histogram's series by (model, engine), those that observed anything: a pair
+        appears in a histogram with its first observation there, not with the pair's first."""
+        table = {labels: getattr(series, name) for labels, series in self._pairs.items()}
+        return {labels: hist for labels, hist in table.items() if hist.observed}
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: label sets appear as requests arrive
 
 
-def _hist(
-    table: dict[tuple[str, str], Buckets], labels: tuple[str, str], bounds: Sequence[float]
-) -> Buckets:
-    hist = table.get(labels)
-    if hist is None:
-        hist = table[labels] = Buckets(bounds)
-    return hist
+class _Series:
+    """The counters and histograms of one (model, engine) pair.
+
+    All at once: a choice's end updates three counters and four to seven histograms, and one
+    lookup of the pair (rather than one per figure, each with a key tuple of its own) is most
+    of what recording a request cost.
+    """
+
+    __slots__ = (
+        "e2e", "finished", "itl", "output_len", "prompt_len", "queue", "requests", "tokens",
+        "tpot", "ttft",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}  # by status
+        self.finished: dict[str, int] = {}  # by finish reason
+        self.tokens: dict[str, int] = {}  # by kind
+        self.ttft = Buckets(TTFT_BUCKETS)
+        self.itl = Buckets(ITL_BUCKETS)
+        self.e2e = Buckets(E2E_BUCKETS)
+        self.tpot = Buckets(TPOT_BUCKETS)
+        self.queue = Buckets(QUEUE_BUCKETS)
+        self.prompt_len = Buckets(TOKEN_BUCKETS)
+        self.output_len = Buckets(TOKEN_BUCKETS)
+
+    @staticmethod
+    def count(counter: dict[str, int], label: str, n: int = 1) -> None:
+        counter[label] = counter.get(label, 0) + n
 
 
 def _counter(

@@ -62,8 +62,9 @@ class Router:
         """(base model, adapter) when ``model`` names a LoRA adapter rather than a served
         model: the adapter's own name, or ``base:adapter``; None otherwise."""
         engines = self._engines.values()
-        if any(model in e.models for e in engines):
-            return None
+        for engine in engines:  # a loop, not any() over a generator: every request asks
+            if model in engine.models:
+                return None
         for engine in engines:
             if model in engine.lora:
                 return engine.models[0], model

@@ -1306,3 +1306,41 @@ async def test_a_busy_connections_read_fails_as_receive_some_does() -> None:
     with pytest.raises(trio.ClosedResourceError):
         await fast_path._receive_later(ours, 1024)  # and on a socket already closed
     await theirs.aclose()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(b"x-request-id", b"abc\r\nset-cookie: x"), (b"x-note", b"a\nb"), (b"x-bad\r\nname", b"v")],
+)
+async def test_a_response_header_with_a_line_break_is_refused_naming_it(
+    name: bytes, value: bytes
+) -> None:
+    """Nothing of such a head is sent: a line break in a name or value would end the header
+    line there and let what follows it in as a header of its own."""
+    sent: list[bytes] = []
+
+    async def protocol_send(event: Any) -> None:
+        sent.append(event.data)
+
+    conn = SimpleNamespace(
+        requests=1,
+        config=SimpleNamespace(keep_alive_max_requests=100),
+        context=SimpleNamespace(terminated=trio.Event()),
+        direct_writer=None,
+        protocol_send=protocol_send,
+    )
+    fast = SimpleNamespace(body_pending=False)
+    server = SimpleNamespace(get=lambda: [(b"server", b"smgd")])
+    good = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    response = fast_path._Response(conn, server, fast)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="line break") as refused:
+        await response.send(
+            {"type": "http.response.start", "status": 200, "headers": [*good, (name, value)]}
+        )
+    assert repr(name) in str(refused.value)
+    assert not response.started and sent == []
+
+    response = fast_path._Response(conn, server, fast)  # type: ignore[arg-type]
+    await response.send({"type": "http.response.start", "status": 200, "headers": good})
+    assert sent and sent[0].startswith(b"HTTP/1.1 200 ")

@@ -6,6 +6,7 @@ import json
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -441,3 +442,42 @@ async def test_tool_calls_count_as_the_finish_the_client_saw(
     labels = {"model": MODEL, "engine": "fake"}
     assert value(samples, "smgd_requests_finished_total", finish_reason="tool_calls", **labels) == 2
     assert value(samples, "smgd_requests_finished_total", finish_reason="stop", **labels) == 0
+
+
+def _families(metrics: RequestMetrics) -> dict[str, set[tuple[str, ...]]]:
+    """Label values of every sample a histogram exports, by histogram name."""
+    out: dict[str, set[tuple[str, ...]]] = {}
+    for family in metrics.collect():
+        if family.type == "histogram":
+            out[family.name] = {
+                tuple(s.labels[k] for k in ("model", "engine")) for s in family.samples
+            }
+    return out
+
+
+def test_a_histogram_shows_a_pair_only_once_it_observed_something() -> None:
+    """A pair that ended a request without output has e2e and queue figures, no TTFT, no
+    inter-token or per-token figure; an embedding pair no generation figures at all."""
+    metrics = RequestMetrics()
+    failed = SimpleNamespace(
+        done=False, engine="e1", counts_prompt=True, prompt_tokens=4, cached_tokens=None,
+        completion_tokens=0, stopped_here=False, finish_reason=None, reported_finish=None,
+        queued_s=0.0, t_first=None, t_last=None,
+    )  # fmt: skip
+    state = SimpleNamespace(
+        model="m", choices=[failed], error="engine died", failure=None, t_start=1.0,
+        t_first=None, gaps=[],
+    )  # fmt: skip
+    metrics.record(state, 2.0)
+    metrics.record_pooling("m", "e2", prompt_tokens=3, queued_s=0.0, duration_s=0.5)
+    seen = _families(metrics)
+    assert seen["smgd_request_duration_seconds"] == {("m", "e1"), ("m", "e2")}
+    assert seen["smgd_request_queue_time_seconds"] == {("m", "e1"), ("m", "e2")}
+    assert seen["smgd_request_prompt_tokens"] == {("m", "e1"), ("m", "e2")}
+    assert seen["smgd_request_generation_tokens"] == {("m", "e1")}
+    for name in (
+        "smgd_time_to_first_token_seconds",
+        "smgd_inter_token_latency_seconds",
+        "smgd_time_per_output_token_seconds",
+    ):
+        assert seen[name] == set(), name
