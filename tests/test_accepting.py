@@ -58,7 +58,7 @@ async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None
             passes += 1
             await trio.lowlevel.checkpoint()
 
-    async def handler(stream: trio.SocketStream) -> None:
+    async def handler(stream: trio.SocketStream, fileno: Callable[[], int]) -> None:
         started_at.append(passes)
         if len(started_at) == 50:
             all_started.set()
@@ -76,9 +76,14 @@ async def test_connections_waiting_in_the_kernel_are_taken_in_one_pass() -> None
 async def test_a_connection_is_closed_whatever_way_its_handler_ends(ending: str) -> None:
     server_side, client = socket.socketpair()
     streams: list[trio.SocketStream] = []
+    filenos: list[int] = []
+    given: list[Callable[[], int]] = []
 
-    async def handler(stream: trio.SocketStream) -> None:
+    async def handler(stream: trio.SocketStream, fileno: Callable[[], int]) -> None:
         streams.append(stream)
+        given.append(fileno)
+        filenos.append(fileno())
+        assert filenos[0] == stream.socket.fileno() >= 0  # the stream's own descriptor
         if ending == "raises":
             raise ValueError("a handler's bug")
         if ending == "is cancelled":
@@ -94,6 +99,7 @@ async def test_a_connection_is_closed_whatever_way_its_handler_ends(ending: str)
             await accepting._handle(server_side, handler)
     [stream] = streams
     assert stream.socket.fileno() == -1
+    assert given[0]() == -1  # the fileno a handler was given knows the socket closed too
     client.settimeout(5)
     assert client.recv(1) == b""  # the client reads the end of the connection
     client.close()
@@ -108,7 +114,7 @@ async def test_a_burst_over_the_batch_is_taken_over_several_wakeups(
     echoed: list[bytes] = []
     all_echoed = trio.Event()
 
-    async def echo(stream: trio.SocketStream) -> None:
+    async def echo(stream: trio.SocketStream, fileno: Callable[[], int]) -> None:
         data = await stream.receive_some(100)
         echoed.append(data)
         await stream.send_all(data.upper())
@@ -153,7 +159,7 @@ async def test_running_out_of_descriptors_waits_retries_and_says_so_once(
     handled_at: list[float] = []
     handled = trio.Event()
 
-    async def handler(stream: trio.SocketStream) -> None:
+    async def handler(stream: trio.SocketStream, fileno: Callable[[], int]) -> None:
         handled_at.append(trio.current_time())
         handled.set()
 
@@ -173,7 +179,7 @@ async def test_an_aborted_connection_is_skipped_and_an_unknown_error_ends_the_lo
     client = socket.create_connection(listener.getsockname())
     handled = trio.Event()
 
-    async def handler(stream: trio.SocketStream) -> None:
+    async def handler(stream: trio.SocketStream, fileno: Callable[[], int]) -> None:
         handled.set()
 
     await _serve_until(handled, handler, listener)

@@ -152,6 +152,7 @@ class _SocketConn:
     def __init__(self, sock: socket.socket) -> None:
         self.stream = self
         self.socket = sock
+        self.socket_fileno = sock.fileno
         self.body_end_written = False
 
 

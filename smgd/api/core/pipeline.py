@@ -327,16 +327,23 @@ class RequestState:
         self.failure = err
 
     def usage(self) -> dict[str, Any]:
-        prompt = sum(c.prompt_tokens for c in self.choices if c.counts_prompt)
-        completion = sum(c.completion_tokens for c in self.choices)
+        # One loop, not a generator per sum: every request's end (and its log line) asks.
+        prompt = completion = cached = 0
+        reported = False  # an engine said how many prompt tokens it served from its cache
+        for c in self.choices:
+            completion += c.completion_tokens
+            if c.counts_prompt:
+                prompt += c.prompt_tokens
+                if c.cached_tokens is not None:
+                    reported = True
+                    cached += c.cached_tokens
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
-        cached = [c.cached_tokens for c in self.choices if c.counts_prompt]
-        if any(x is not None for x in cached):
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(x or 0 for x in cached)}
+        if reported:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def log_fields(self, now: float) -> dict[str, Any]:

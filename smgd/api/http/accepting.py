@@ -63,7 +63,11 @@ SKIPPED_ERRNOS = frozenset(
     if hasattr(errno, name)
 )
 
-Handler = Callable[[trio.SocketStream], Awaitable[object]]
+# A connection's handler gets its stream and the ``fileno`` of the standard library socket
+# trio's wraps: the same descriptor, -1 once the stream's socket is closed (trio closes that
+# very object), and a call in C where trio's socket adds a Python frame, which a direct write
+# pays per token (smgd.api.http.direct).
+Handler = Callable[[trio.SocketStream, Callable[[], int]], Awaitable[object]]
 
 
 async def serve_sockets(
@@ -166,7 +170,7 @@ async def _accept_from(sock: socket.socket, handler: Handler, handlers: trio.Nur
 async def _handle(conn: socket.socket, handler: Handler) -> None:
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
     try:
-        await handler(stream)
+        await handler(stream, conn.fileno)
     finally:
         # The socket's close alone, as trio.aclose_forcefully's would be, without its checkpoint
         # in a cancelled scope: a Cancelled raised and caught per connection, for a stream

@@ -45,7 +45,7 @@ from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
 __all__ = ["BODY_END", "CANCELLED_ON_DISCONNECT", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
 
@@ -70,7 +70,7 @@ class DirectWriter:
         self._conn = conn
         # Looked up once: the write of every event needs it. fileno() is still called per
         # write, because after the connection closed it is -1 and the number may be reused.
-        self._fileno = conn.stream.socket.fileno
+        self._fileno: Callable[[], int] = conn.socket_fileno
         # Sends in hypercorn's send path on this connection right now: flush(), or the
         # connection's own (DirectSendTCPServer.protocol_send holds this writer meanwhile).
         self._busy = 0

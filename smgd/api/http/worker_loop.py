@@ -141,6 +141,7 @@ class DirectSendTCPServer(TCPServer):
         context: Any,
         state: Any,
         stream: Any,
+        fileno: Callable[[], int] | None = None,
         *,
         server_headers: ServerHeaders | None = None,
         keep_alive: KeepAliveReaper | None = None,
@@ -151,6 +152,13 @@ class DirectSendTCPServer(TCPServer):
             app, config, context, ConnectionState({**state, CONNECTION_KEY: self}), stream
         )
         self._server_headers = server_headers or ServerHeaders(config)
+        # The socket's descriptor, -1 once closed (a closed descriptor's number is reused by
+        # the next connection, so it is asked for at every write, never kept): the accept
+        # loop's, a C call; trio's socket's for a connection made otherwise.
+        if fileno is None:
+            sock = getattr(stream, "socket", None)  # tests run some on socketless streams
+            fileno = _no_socket if sock is None else sock.fileno
+        self.socket_fileno = fileno
         self.requests = 0  # served on the fast path (for keep_alive_max_requests)
         self.client: tuple[str, int] | None = None
         self.server_addr: tuple[str, int] | None = None
@@ -420,6 +428,10 @@ class DirectSendTCPServer(TCPServer):
             await self.protocol.handle(RawData(bytes(received)))
             if not received:
                 return True
+
+
+def _no_socket() -> int:
+    return -1  # a connection on a stream without a socket (tests) has no descriptor
 
 
 def _write_now(stream: Any, data: bytes) -> int:
