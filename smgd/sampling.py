@@ -47,7 +47,7 @@ Every rejection is ``InvalidRequest`` (400) naming the offending ``param``. Poli
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -373,12 +373,20 @@ def _response_format(value: Any) -> Structured | None:
     return Structured(kind=StructuredKind.JSON, param="response_format", spec=schema)
 
 
+# Every key _structured_openai reads.
+_STRUCTURED_OPENAI_KEYS = frozenset(
+    {"response_format", "structured_outputs", *_GUIDED, "guided_whitespace_pattern"}
+)
+
+
 def _structured_openai(body: Mapping[str, Any], ignored: list[str]) -> Structured | None:
     """The request's one constraint from every OpenAI/vLLM spelling, or None.
 
     ``structured_outputs`` fields nobody here knows are appended to ``ignored`` (vLLM ignores
     them too).
     """
+    if _STRUCTURED_OPENAI_KEYS.isdisjoint(body):
+        return None  # nearly every request: none of the seven keys to look at
     found: list[Structured] = []
     fmt = body.get("response_format")
     if fmt is not None and (rf := _response_format(fmt)) is not None:
@@ -491,27 +499,43 @@ def _common(
     eos_token_ids: Sequence[int],
     logprobs: int | None,
 ) -> SamplingParams:
-    min_tokens = r.integer(min_key, 0, 0, None) or 0
+    body = r.body
+    min_tokens = (r.integer(min_key, 0, 0, None) or 0) if min_key in body else 0
     if min_tokens > max_tokens:
         raise r.fail(min_key, f"`{min_key}` ({min_tokens}) exceeds the output limit {max_tokens}")
-    seed = r.seed(seed_key)
+    fields: dict[str, Any] = {}
+    if seed_key in body:
+        fields["seed"] = r.seed(seed_key)
+    # Only the keys the request names are read, in this fixed order (the first bad one is
+    # the one a 400 names); the rest keep SamplingParams' defaults, which are what each
+    # reader gives an absent key. A request names a few of these; reading all ten was ten
+    # calls per request.
+    for key, read in _COMMON_READERS.items():
+        if key in body:
+            fields[key] = read(r, key, vocab_size)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=r.number("temperature", 1.0, 0.0, 2.0),
-        top_p=r.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=r.top_k("top_k", vocab_size),
-        min_p=r.number("min_p", 0.0, 0.0, 1.0),
-        frequency_penalty=r.number("frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=r.number("presence_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=r.number("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-        seed=seed,
         min_tokens=min_tokens,
-        stop_token_ids=r.token_ids("stop_token_ids", vocab_size),
         eos_token_ids=tuple(eos_token_ids),
-        ignore_eos=r.flag("ignore_eos", False),
         logprobs=logprobs,
-        logit_bias=r.logit_bias("logit_bias", vocab_size),
+        **fields,
     )
+
+
+# The sampling fields both APIs spell the same, each with its reader: (reader, key, vocabulary
+# size) -> the field's value, SamplingParams' default when the key is null.
+_COMMON_READERS: dict[str, Callable[[_Reader, str, int], Any]] = {
+    "temperature": lambda r, key, _: r.number(key, 1.0, 0.0, 2.0),
+    "top_p": lambda r, key, _: r.number(key, 1.0, 0.0, 1.0, lo_open=True),
+    "top_k": lambda r, key, vocab_size: r.top_k(key, vocab_size),
+    "min_p": lambda r, key, _: r.number(key, 0.0, 0.0, 1.0),
+    "frequency_penalty": lambda r, key, _: r.number(key, 0.0, -2.0, 2.0),
+    "presence_penalty": lambda r, key, _: r.number(key, 0.0, -2.0, 2.0),
+    "repetition_penalty": lambda r, key, _: r.number(key, 1.0, 0.0, 2.0, lo_open=True),
+    "stop_token_ids": lambda r, key, vocab_size: r.token_ids(key, vocab_size),
+    "ignore_eos": lambda r, key, _: r.flag(key, False),
+    "logit_bias": lambda r, key, vocab_size: r.logit_bias(key, vocab_size),
+}
 
 
 def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
@@ -524,8 +548,14 @@ def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+# The keys _openai_features checks: a request without any of them (nearly every one) skips it.
+_OPENAI_FEATURE_KEYS = frozenset({*_OPENAI_UNSUPPORTED, "best_of", "suffix", "modalities"})
+
+
 def _openai_features(r: _Reader, n: int) -> None:
     body = r.body
+    if _OPENAI_FEATURE_KEYS.isdisjoint(body):
+        return
     r.reject_present(_OPENAI_UNSUPPORTED, "no predicted outputs, audio or function-call parsing")
     best_of = r.integer("best_of", None, 1, None)
     if best_of is not None and best_of not in (1, n):

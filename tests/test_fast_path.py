@@ -1344,3 +1344,24 @@ async def test_a_response_header_with_a_line_break_is_refused_naming_it(
     response = fast_path._Response(conn, server, fast)  # type: ignore[arg-type]
     await response.send({"type": "http.response.start", "status": 200, "headers": good})
     assert sent and sent[0].startswith(b"HTTP/1.1 200 ")
+
+
+async def test_request_header_names_are_matched_whatever_their_case_on_both_paths(
+    h11_events: H11Events,
+) -> None:
+    """The dispatcher compares header names as the readers hand them over: both must give
+    them lower-cased, the fast path's and h11's alike."""
+    chunked = _chunked(_plain(3)).replace(
+        b"host: x\r\n", b"host: x\r\nX-REQUEST-ID: through-h11\r\n", 1
+    )
+    async with _client() as client:
+        await client.send(_post("/v1/completions", _plain(2), extra=b"X-Request-ID: fast\r\n"))
+        fast = await client.response()
+        await client.send(chunked)
+        slow = await client.response()
+    assert [fast.status, slow.status] == [200, 200]
+    assert h11_events.responses() == [200]  # the second went through h11
+    assert [fast.header(b"x-request-id"), slow.header(b"x-request-id")] == [
+        b"fast",
+        b"through-h11",
+    ]

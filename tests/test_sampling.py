@@ -325,3 +325,40 @@ def test_prompt_logprobs_echo_and_priority() -> None:
     assert opts.echo_only and params.max_tokens == 1
     params, opts = completion({"logprobs": 20})
     assert params.logprobs == 20 and params.prompt_logprobs is None and opts.priority is None
+
+
+# One valid value per field both APIs spell the same, and the field it sets.
+_NAMED = {
+    "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "frequency_penalty": 0.5,
+    "presence_penalty": -0.5, "repetition_penalty": 1.1, "stop_token_ids": [7, 8],
+    "ignore_eos": True, "logit_bias": {"3": 1.5}, "seed": 11, "min_tokens": 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("null", [False, True])
+@pytest.mark.parametrize("named", [(), ("temperature",), ("top_k", "logit_bias"), tuple(_NAMED)])
+def test_a_field_not_named_gets_the_default_whatever_else_is_named(
+    named: tuple[str, ...], null: bool
+) -> None:
+    """Only the keys a request names are read: each other field must come out as it would
+    for an absent key, SamplingParams' default, and the named ones as given."""
+    body: dict[str, Any] = {k: _NAMED[k] for k in named}
+    if null:  # a null key is an absent one
+        body.update({k: None for k in _NAMED if k not in named})
+    sp = {("min_new_tokens" if k == "min_tokens" else k): v for k, v in body.items()}
+    for params in (completion(body)[0], native({**sp, "max_new_tokens": 5})[0]):
+        default = SamplingParams(max_tokens=params.max_tokens, eos_token_ids=(2, 5))
+        for field, value in _NAMED.items():
+            if field not in named:
+                value = getattr(default, field)
+            elif field == "stop_token_ids":
+                value = (7, 8)
+            elif field == "logit_bias":
+                value = {3: 1.5}
+            assert getattr(params, field) == value, field
+
+
+def test_with_two_bad_fields_the_400_names_the_first_in_a_fixed_order() -> None:
+    body = {"logit_bias": "x", "top_p": 7, "temperature": -1, "min_p": 9}
+    assert rejected(body).param == "temperature"
+    assert rejected({"logit_bias": "x", "min_p": 9}).param == "min_p"

@@ -487,9 +487,13 @@ def _start(status: int, headers: Mapping[str, str]) -> Any:
 
 
 def _header(scope: Any, name: bytes) -> str | None:
-    """The first value of request header ``name`` (lower case), decoded as latin-1."""
+    """The first value of request header ``name`` (lower case), decoded as latin-1.
+
+    Header names arrive lower-cased from both of smgd's readers (the fast path's and h11's),
+    as ASGI asks: compared as they are, without a ``lower()`` per header per lookup.
+    """
     for key, value in scope["headers"]:
-        if key.lower() == name:
+        if key == name:
             text: str = value.decode("latin-1")
             return text
     return None
