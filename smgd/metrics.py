@@ -251,14 +251,17 @@ class RequestMetrics:
             else:
                 status, finish = CANCELLED, "abort"
             series = self._series(model, engine)
-            series.count(series.requests, status)
-            series.count(series.finished, finish)
+            counts = series.requests
+            counts[status] = counts.get(status, 0) + 1
+            counts = series.finished
+            counts[finish] = counts.get(finish, 0) + 1
+            tokens = series.tokens
             if choice.counts_prompt:
-                series.count(series.tokens, "prompt", choice.prompt_tokens)
+                tokens["prompt"] = tokens.get("prompt", 0) + choice.prompt_tokens
                 if choice.cached_tokens:
-                    series.count(series.tokens, "cached", choice.cached_tokens)
+                    tokens["cached"] = tokens.get("cached", 0) + choice.cached_tokens
                 series.prompt_len.observe(choice.prompt_tokens)
-            series.count(series.tokens, "completion", choice.completion_tokens)
+            tokens["completion"] = tokens.get("completion", 0) + choice.completion_tokens
             series.output_len.observe(choice.completion_tokens)
             series.queue.observe(choice.queued_s)
             first, last = choice.t_first, choice.t_last
@@ -306,9 +309,9 @@ class RequestMetrics:
         else:
             status, finish = OK, "stop"
         series = self._series(model, engine)
-        series.count(series.requests, status)
-        series.count(series.finished, finish)
-        series.count(series.tokens, "prompt", prompt_tokens)
+        series.requests[status] = series.requests.get(status, 0) + 1
+        series.finished[finish] = series.finished.get(finish, 0) + 1
+        series.tokens["prompt"] = series.tokens.get("prompt", 0) + prompt_tokens
         series.prompt_len.observe(prompt_tokens)
         series.queue.observe(queued_s)
         series.e2e.observe(duration_s)
@@ -438,10 +441,6 @@ class _Series:
         self.queue = Buckets(QUEUE_BUCKETS)
         self.prompt_len = Buckets(TOKEN_BUCKETS)
         self.output_len = Buckets(TOKEN_BUCKETS)
-
-    @staticmethod
-    def count(counter: dict[str, int], label: str, n: int = 1) -> None:
-        counter[label] = counter.get(label, 0) + n
 
 
 def _counter(

@@ -538,6 +538,10 @@ _COMMON_READERS: dict[str, Callable[[_Reader, str, int], Any]] = {
 }
 
 
+# The keys _openai_logprobs reads (either API).
+_LOGPROBS_KEYS = frozenset({"logprobs", "top_logprobs"})
+
+
 def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
     if not chat:  # completions: `logprobs` is the number of top alternatives
         return r.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
@@ -576,15 +580,19 @@ def from_openai(
     vocab_size: int,
     eos_token_ids: Sequence[int] = (),
 ) -> tuple[SamplingParams, TextOptions]:
-    """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt."""
+    """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt.
+
+    A key the request does not name is not read (``key in body`` first): most requests name a
+    handful of the thirty-odd keys, and each read is a call.
+    """
     r = _Reader(body)
-    n = r.integer("n", 1, 1, MAX_N) or 1
+    n = (r.integer("n", 1, 1, MAX_N) or 1) if "n" in body else 1
     _openai_features(r, n)
     key = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         key = "max_completion_tokens"  # the current name; max_tokens is deprecated for chat
     what = "messages" if chat else "prompt"
-    echo = r.flag("echo", False)
+    echo = r.flag("echo", False) if "echo" in body else False
     # vLLM's "echo without generation": completions `echo` may ask for no new tokens.
     requested = r.integer(key, None, 0 if echo and not chat else 1, None)
     echo_only = requested == 0
@@ -595,8 +603,10 @@ def from_openai(
         context_len=context_len,
         what=what,
     )
-    logprobs = _openai_logprobs(r, chat)
-    prompt_logprobs = r.integer("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _openai_logprobs(r, chat) if not _LOGPROBS_KEYS.isdisjoint(body) else None
+    prompt_logprobs = (
+        r.integer("prompt_logprobs", None, 0, MAX_LOGPROBS) if "prompt_logprobs" in body else None
+    )
     if echo and not chat and prompt_logprobs is None:
         prompt_logprobs = logprobs  # vLLM: echoed prompt tokens come with their logprobs
     params = _common(
@@ -616,15 +626,22 @@ def from_openai(
         params = msgspec.structs.replace(params, structured=structured)
     if n > 1 and params.temperature < GREEDY_TEMPERATURE:
         raise r.fail("n", f"n must be 1 when using greedy sampling, got {n}.")  # vLLM's words
-    r.flag("spaces_between_special_tokens", True)  # type-checked only; see module docstring
+    if "spaces_between_special_tokens" in body:
+        r.flag("spaces_between_special_tokens", True)  # type-checked only; see module docstring
     options = TextOptions(
-        stop=r.stops("stop"),
-        include_stop_str_in_output=r.flag("include_stop_str_in_output", False),
-        skip_special_tokens=r.flag("skip_special_tokens", True),
+        stop=r.stops("stop") if "stop" in body else (),
+        include_stop_str_in_output=(
+            r.flag("include_stop_str_in_output", False)
+            if "include_stop_str_in_output" in body
+            else False
+        ),
+        skip_special_tokens=(
+            r.flag("skip_special_tokens", True) if "skip_special_tokens" in body else True
+        ),
         n=n,
         echo=echo,
         echo_only=echo_only,
-        priority=read_priority(body),
+        priority=read_priority(body) if "priority" in body else None,
         ignored=tuple(ignored),
     )
     return params, options

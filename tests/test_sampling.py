@@ -362,3 +362,19 @@ def test_with_two_bad_fields_the_400_names_the_first_in_a_fixed_order() -> None:
     body = {"logit_bias": "x", "top_p": 7, "temperature": -1, "min_p": 9}
     assert rejected(body).param == "temperature"
     assert rejected({"logit_bias": "x", "min_p": 9}).param == "min_p"
+
+
+_OPTION_KEYS = (
+    "n", "echo", "stop", "include_stop_str_in_output", "skip_special_tokens", "priority",
+    "logprobs", "top_logprobs", "prompt_logprobs", "spaces_between_special_tokens",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", [chat, completion])
+def test_options_not_named_and_options_null_read_the_same(endpoint: Any) -> None:
+    """The keys a request leaves out are not read at all: the result must be what reading
+    them as null gives."""
+    absent = endpoint({"max_tokens": 5})
+    null = endpoint({"max_tokens": 5, **dict.fromkeys(_OPTION_KEYS)})
+    assert absent == null
+    assert absent[1].n == 1 and absent[1].skip_special_tokens and absent[1].stop == ()
