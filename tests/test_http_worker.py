@@ -119,7 +119,9 @@ async def test_the_shutdown_trigger_stops_accepting_and_serve_returns() -> None:
 
 
 def test_write_now_is_zero_for_a_stream_without_a_socket() -> None:
-    assert worker_loop._write_now(object(), b"x") == 0
+    conn = worker_loop.DirectSendTCPServer(None, Config(), None, {}, object())
+    assert conn.socket_fileno() == -1
+    assert worker_loop._write_now(conn.socket_fileno, b"x") == 0
 
 
 # -- keep-alive: smgd's KeepAliveTimer in place of hypercorn's per-request idle task --------

@@ -290,7 +290,7 @@ class DirectSendTCPServer(TCPServer):
             return
         if type(event) is RawData and not self.send_lock.locked():
             data = event.data
-            sent = _write_now(self.stream, data)
+            sent = _write_now(self.socket_fileno, data)
             if sent == len(data):
                 return
             if sent:
@@ -434,12 +434,10 @@ def _no_socket() -> int:
     return -1  # a connection on a stream without a socket (tests) has no descriptor
 
 
-def _write_now(stream: Any, data: bytes) -> int:
-    """Bytes the kernel took right away (0 on EAGAIN, error or a closed socket)."""
-    sock = getattr(stream, "socket", None)
-    if sock is None:
-        return 0
-    fd = sock.fileno()
+def _write_now(fileno: Callable[[], int], data: bytes) -> int:
+    """Bytes the kernel took right away (0 on EAGAIN, error, a closed socket or none:
+    ``fileno`` is the connection's ``socket_fileno``)."""
+    fd = fileno()
     if fd < 0:
         return 0
     try:
