@@ -251,10 +251,8 @@ class RequestMetrics:
             else:
                 status, finish = CANCELLED, "abort"
             series = self._series(model, engine)
-            counts = series.requests
-            counts[status] = counts.get(status, 0) + 1
-            counts = series.finished
-            counts[finish] = counts.get(finish, 0) + 1
+            series.requests[status] = series.requests.get(status, 0) + 1
+            series.finished[finish] = series.finished.get(finish, 0) + 1
             tokens = series.tokens
             if choice.counts_prompt:
                 tokens["prompt"] = tokens.get("prompt", 0) + choice.prompt_tokens
@@ -410,8 +408,11 @@ class RequestMetrics:
     def _table(self, name: str) -> dict[tuple[str, str], Buckets]:
         """One histogram's series by (model, engine), those that observed anything: a pair
         appears in a histogram with its first observation there, not with the pair's first."""
-        table = {labels: getattr(series, name) for labels, series in self._pairs.items()}
-        return {labels: hist for labels, hist in table.items() if hist.observed}
+        return {
+            labels: hist
+            for labels, series in self._pairs.items()
+            if (hist := getattr(series, name)).observed
+        }
 
     def describe(self) -> list[Metric]:
         return []  # unchecked collector: label sets appear as requests arrive
