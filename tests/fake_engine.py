@@ -27,6 +27,7 @@ from smgd.api.http.app import create_app
 from smgd.api.http.dispatch import Dispatcher
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.delivery import DELIVERY
 from smgd.gateway import Gateway
 from smgd.wire.common import (
     EngineInfo,
@@ -119,6 +120,14 @@ class FakeEngine(EngineClient):
             await self._abort_event.wait()
 
     # ---- the scripted scheduler
+    def _deliver_held(self, delta: TokenDelta) -> None:
+        """Deliver as the real reader does: direct writes held to the delivery's end."""
+        DELIVERY.start()
+        try:
+            self.deliver(delta)
+        finally:
+            DELIVERY.end()
+
     def _token(self, i: int) -> int:
         out = self.behaviour.output
         return out[i % len(out)] if out else 300 + i % 500
@@ -130,7 +139,7 @@ class FakeEngine(EngineClient):
         first = True
         while req.rid in self._streams:
             if b.finish is not None:
-                self.deliver(TokenDelta(rid=req.rid, token_ids=[], finish=b.finish))
+                self._deliver_held(TokenDelta(rid=req.rid, token_ids=[], finish=b.finish))
                 return
             ids: list[int] = []
             finish: Finish | None = None
@@ -145,7 +154,7 @@ class FakeEngine(EngineClient):
                 if sent >= req.sampling.max_tokens:
                     finish = Finish(reason=FinishReason.LENGTH)
                     break
-            self.deliver(
+            self._deliver_held(
                 TokenDelta(
                     rid=req.rid,
                     token_ids=ids,

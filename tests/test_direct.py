@@ -27,6 +27,7 @@ from smgd.api.http import worker_loop
 from smgd.api.http.app import create_app
 from smgd.api.http.direct import DirectWriter, direct_writer
 from smgd.config import ServerConfig
+from smgd.engines.delivery import DELIVERY
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
@@ -286,6 +287,87 @@ def test_direct_writer_stops_on_a_broken_socket() -> None:
             break
     assert writer.broken or writer.backlog
     left.close()
+
+
+@contextlib.contextmanager
+def _delivering() -> Any:
+    """An engine reader's delivery, ended whatever the test found."""
+    DELIVERY.start()
+    try:
+        yield
+    finally:
+        DELIVERY.end()
+
+
+def test_writes_during_a_delivery_go_out_at_its_end_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    one, left1, right1 = _writer_on_a_socket_pair()
+    two, left2, right2 = _writer_on_a_socket_pair()
+    one.hold_head(b"HEAD")
+    writes = _recorded_writes(monkeypatch)
+    with _delivering():
+        assert one.write(b"a")  # held, not refused: the task need not act
+        assert two.write(b"b")
+        assert one.finish(b"c")
+        assert writes == []  # nothing before the delivery's end
+        assert one._conn.body_end_written
+    assert writes == [b"HEAD1\r\na\r\n", b"1\r\nb\r\n", b"1\r\nc\r\n0\r\n\r\n"]
+    assert (one.writes, two.writes) == (2, 1)
+    assert right1.recv(100) == b"HEAD1\r\na\r\n1\r\nc\r\n0\r\n\r\n"
+    assert right2.recv(100) == b"1\r\nb\r\n"
+    assert two.write(b"d")  # after the delivery: at once
+    assert writes[-1] == b"1\r\nd\r\n"
+    for sock in (left1, right1, left2, right2):
+        sock.close()
+
+
+def test_a_held_write_the_kernel_refuses_goes_to_the_backlog_and_wakes_the_task() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    woken: list[int] = []
+    writer.wake = lambda: woken.append(len(writer.backlog))
+    earlier = b""
+    with contextlib.suppress(BlockingIOError):
+        while True:  # a client that has not read earlier answers: its socket is full
+            earlier += b"e" * left.send(b"e" * 65536)
+    with _delivering():
+        assert writer.write(b"x")
+        assert writer.write(b"yz")  # the same stream twice in one delivery (a lagging reader)
+        assert woken == []
+    assert bytes(writer.backlog) == b"1\r\nx\r\n2\r\nyz\r\n"  # both, in order
+    assert woken and woken[0] > 0  # woken with the backlog there, for it to flush
+    assert not writer.write(b"w")  # behind the backlog, as any later chunk
+    received = b""
+    while len(received) < len(earlier):
+        received += right.recv(65536)
+    assert received == earlier  # nothing of the held chunks went out of order
+    left.close()
+    right.close()
+
+
+def test_a_held_write_to_a_closed_client_marks_the_writer_broken_and_wakes_the_task() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    woken: list[bool] = []
+    writer.wake = lambda: woken.append(writer.broken)
+    right.close()
+    with _delivering():
+        assert writer.write(b"z")
+    assert writer.broken
+    assert woken == [True]
+    assert not writer.write(b"after")  # broken: refused at once, delivery or not
+    left.close()
+
+
+def test_a_stalled_writer_is_not_held_by_a_delivery() -> None:
+    writer, left, right = _writer_on_a_socket_pair()
+    writer.hold()  # a send through hypercorn's path is under way
+    with _delivering():
+        assert not writer.write(b"x")  # refused at once: the task flushes it after the send
+        assert DELIVERY.held == []
+    assert bytes(writer.backlog) == b"1\r\nx\r\n"
+    writer.release()
+    left.close()
+    right.close()
 
 
 async def test_a_send_on_the_connections_own_path_holds_its_direct_writer() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 import trio.lowlevel
@@ -17,6 +19,7 @@ from smgd.api.core.pacer import (
     REST_PROBE_S,
     LoadPacer,
 )
+from smgd.engines.delivery import DELIVERY
 
 
 def test_idle_loop_never_coalesces() -> None:
@@ -330,6 +333,39 @@ def _fired_at(pacer: LoadPacer, when: float) -> list[float]:
     fired: list[float] = []
     assert pacer.call_at(when, lambda: fired.append(trio.current_time()))
     return fired
+
+
+async def test_a_ticks_callbacks_hold_their_writes_until_all_of_them_ran(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Direct streams released at one tick write together after the last of them (the engine
+    # reader's delivery, smgd.engines.delivery), and nothing is left held after the tick.
+    pacer = LoadPacer(max_window_s=0.1, cpu_clock=trio.current_time)
+    written: list[str] = []
+    written_before: list[int] = []
+
+    class Writer:
+        def write_held(self, frame: bytes) -> None:
+            written.append(frame.decode())
+
+    def release(name: str) -> None:
+        written_before.append(len(written))
+        if DELIVERY.open:  # as a direct writer does
+            DELIVERY.held.append((Writer(), name.encode()))
+        else:
+            written.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.sleep(0.001)
+        start = trio.current_time()
+        for name in ("a", "b", "c"):
+            assert pacer.call_at(start + 0.015, partial(release, name))
+        await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert written == ["a", "b", "c"]
+    assert written_before == [0, 0, 0]  # each release ran with none written yet
+    assert not DELIVERY.open and not DELIVERY.held
 
 
 @pytest.mark.parametrize("resting", [False, True])

@@ -7,6 +7,7 @@ from typing import Any
 import trio
 
 from smgd.engines.base import DELIVER_CHUNK
+from smgd.engines.delivery import DELIVERY
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.stream import RequestStream
 from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta
@@ -169,3 +170,109 @@ async def test_a_request_is_fresh_from_its_send_until_its_stream_closes() -> Non
         ids, _ = await collect(client, request("fresh-2", [5, 6, 7], max_tokens=3))
         assert len(ids) == 3
         assert not client._fresh
+
+
+class _HeldWrites:
+    """Sinks that write as a direct stream does: held while a delivery is open."""
+
+    def __init__(self) -> None:
+        self.delivered: list[str] = []  # rows, as the sinks got them
+        self.written: list[str] = []  # their writes, as made
+        self.written_before: list[int] = []  # writes made when each row reached its sink
+
+    def install(self, client: SglangEngineClient, n: int) -> None:
+        for i in range(n):
+            stream = RequestStream(f"r{i}", "e0")
+            stream.sink = self._sink
+            client._streams[f"r{i}"] = stream
+
+    def _sink(self, delta: TokenDelta) -> bool:
+        self.delivered.append(delta.rid)
+        self.written_before.append(len(self.written))
+        if DELIVERY.open:
+            DELIVERY.held.append((self, delta.rid.encode()))
+        else:
+            self.write_held(delta.rid.encode())
+        return True
+
+    def write_held(self, frame: bytes) -> None:
+        self.written.append(frame.decode())
+
+
+async def test_a_messages_writes_are_held_to_the_end_of_its_delivery() -> None:
+    rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(8)]
+    client = _client(_messages(rows, rows[:3]))
+    sinks = _HeldWrites()
+    sinks.install(client, 8)
+    seen: list[tuple[int, int, bool]] = []  # (delivered, written, held) when another task ran
+
+    async def other_task() -> None:
+        while True:
+            held = DELIVERY.open or bool(DELIVERY.held)
+            seen.append((len(sinks.delivered), len(sinks.written), held))
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(sinks.written) < 11:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert sinks.written == sinks.delivered == [d.rid for d in rows + rows[:3]]
+    assert sinks.written_before == [0] * 8 + [8] * 3  # each message's writes waited for it all
+    # Whenever anything else ran, every delivered row was written and nothing was held.
+    assert all(delivered == written and not held for delivered, written, held in seen)
+    assert {delivered for delivered, _, _ in seen} >= {8}  # it ran between the two messages
+
+
+async def test_writes_are_made_before_each_pass_inside_a_message_delivered_in_slices() -> None:
+    n = 2 * DELIVER_CHUNK + 10
+    rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(n)]
+    client = _client(_messages(rows))
+    sinks = _HeldWrites()
+    sinks.install(client, n)
+    seen: list[tuple[int, int, bool]] = []
+
+    async def other_task() -> None:
+        while True:
+            held = DELIVERY.open or bool(DELIVERY.held)
+            seen.append((len(sinks.delivered), len(sinks.written), held))
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while len(sinks.written) < n:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert sinks.written == [d.rid for d in rows]
+    inside = [s for s in seen if 0 < s[0] < n]
+    assert inside  # it ran between slices ...
+    # ... with every write of the slices before made, and none held
+    assert all(delivered == written and not held for delivered, written, held in seen)
+
+
+async def test_a_reader_that_stops_on_undecodable_frames_still_makes_its_held_writes() -> None:
+    from smgd.errors import WireError
+
+    good = [TokenDelta(rid="r0", token_ids=[1])]
+    # A good message, then enough bad ones to end the reader, all in one batch.
+    bad_streak = [["bad"]] * 100
+    client = _client(_Batches([[[good], *bad_streak]]))
+    sinks = _HeldWrites()
+    sinks.install(client, 1)
+
+    def decode(frames: list[Any]) -> list[TokenDelta]:
+        if frames[0] == "bad":
+            raise WireError("garbled")
+        result: list[TokenDelta] = frames[0]
+        return result
+
+    client._decode_frames = decode  # type: ignore[method-assign]
+    with trio.fail_after(5):
+        await client._reader_task()  # returns: the engine was declared dead
+    assert client._death is not None
+    assert sinks.written == ["r0"]  # the row delivered before it stopped was written
+    assert not DELIVERY.open and not DELIVERY.held

@@ -241,6 +241,11 @@ class EventWriter(Protocol):
     def writes(self) -> int:
         """Chunks the kernel took at once so far."""
 
+    # Set by the stream's task while its stream is direct: a write held to the end of an
+    # engine message's delivery (smgd.engines.delivery) calls it where :meth:`write` would
+    # have returned False (a backlog to flush, or a broken socket).
+    wake: Callable[[], None] | None
+
     def write(self, payload: bytes) -> bool:
         """Send ``payload`` as one chunk now; False if it waits in the backlog or broke."""
 
@@ -506,6 +511,7 @@ async def _direct(
     """
     direct = _DirectSink(rs, choice, state, render, writer, pacer)
     failures = direct.failures
+    writer.wake = rs.notify
     rs.sink = direct.sink  # a cycle through rs until the finally below breaks it
     try:
         while True:
@@ -535,6 +541,7 @@ async def _direct(
                 writer.write(KEEPALIVE)
     finally:
         rs.sink = None  # a pending release() now does nothing; held output is moot
+        writer.wake = None
 
 
 async def _stream_one(

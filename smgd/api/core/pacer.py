@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from smgd.engines.delivery import DELIVERY
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -189,8 +191,14 @@ class LoadPacer:
         for tick in due:
             self._buckets.pop(tick).unpark_all()
         for tick in [tick for tick in self._due if tick * PROBE_S <= now]:
-            for callback in self._due.pop(tick):
-                callback()
+            # Held output of direct streams, released together: their writes too (the
+            # reader's reason, smgd.engines.delivery).
+            DELIVERY.start()
+            try:
+                for callback in self._due.pop(tick):
+                    callback()
+            finally:
+                DELIVERY.end()
 
     @property
     def holding(self) -> int:

@@ -13,8 +13,9 @@ soon as the body starts (the dispatcher has sent the response head by then, or h
 the writer, so even the first event, the one that sets TTFT, is direct): the
 reader task applies each delta (detokenize, stop strings), renders the event and writes it as
 a chunk with one ``os.write`` (:class:`DirectWriter`, which :mod:`smgd.api.core.execute` sees
-as its ``EventWriter``). The stream's task sleeps meanwhile and wakes only when the writer
-needs it:
+as its ``EventWriter``); the writes of one engine message's rows are made together at the end
+of its delivery (:mod:`smgd.engines.delivery`). The stream's task sleeps meanwhile and wakes
+only when the writer needs it:
 
 - the kernel did not take the whole chunk (a slow client): the rest waits in a backlog that
   the task flushes through hypercorn's ordinary, waiting send path, and every later event
@@ -44,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import TCPServer
 
+from smgd.engines.delivery import DELIVERY as _DELIVERY
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
@@ -64,7 +67,9 @@ CANCELLED_ON_DISCONNECT = "smgd.cancelled_on_disconnect"
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
-    __slots__ = ("_busy", "_conn", "_fileno", "_head", "_stalled", "backlog", "broken", "writes")
+    __slots__ = (
+        "_busy", "_conn", "_fileno", "_head", "_stalled", "backlog", "broken", "wake", "writes",
+    )  # fmt: skip
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
@@ -83,6 +88,9 @@ class DirectWriter:
         self._head = b""
         self.broken = False
         self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
+        # Wakes the stream's task when a write held to a delivery's end left a backlog or
+        # found the socket broken (set by the task while the stream is direct).
+        self.wake: Callable[[], None] | None = None
         conn.direct_writer = self  # its latest request's: the one protocol_send must hold
 
     def hold(self) -> None:
@@ -138,6 +146,8 @@ class DirectWriter:
         """Send ``payload`` as one chunk now; False if it waits in the backlog or the socket broke.
 
         A False asks the owning task to :meth:`flush` (or to end the stream if ``broken``).
+        During an engine reader's delivery the chunk is held to the delivery's end (True),
+        which wakes the task through :attr:`wake` where a False would have been returned.
         """
         if self.broken:
             return False
@@ -166,6 +176,23 @@ class DirectWriter:
             if self._stalled:
                 self.backlog += frame
                 return False
+        if _DELIVERY.open:  # the reader writes it with the rest of its delivery
+            _DELIVERY.held.append((self, frame))
+            return True
+        return self._write(frame)
+
+    def write_held(self, frame: bytes) -> None:
+        """The delivery's end writes ``frame`` (:mod:`smgd.engines.delivery`); what the kernel
+        does not take waits in the backlog, and the stream's task is woken to flush it (or to
+        end the stream on a broken socket), as a False from :meth:`write` would have asked."""
+        if self._stalled:  # an earlier frame of this delivery left a backlog
+            self.backlog += frame
+        elif self._write(frame):
+            return
+        if self.wake is not None:
+            self.wake()
+
+    def _write(self, frame: bytes) -> bool:
         fd = self._fileno()
         try:
             sent = os.write(fd, frame) if fd >= 0 else 0

@@ -1,0 +1,61 @@
+"""Socket writes held to the end of a delivery: an engine message's events in one tight loop.
+
+An engine's reader task delivers a message's rows one after another, and a direct-mode
+stream's sink (:mod:`smgd.api.http.direct`) writes each row's event to its client's socket on
+the way. A write runs the kernel's TCP path (the loopback's receive and the client's wakeup
+included); between two writes the interpreter runs the next row's Python, and each evicts the
+other's code and data from the CPU's caches. On this project's 2-core host 256 writes, each
+after ~4 µs of Python on a stream's own objects, cost 1.5-2 µs per write more than the same
+Python for all 256 first and then the 256 writes (docs/performance.md, "Issue 21, twentieth
+pass"): 12-14 % of a token's CPU at C = 256.
+
+So while a reader delivers, a writer that could write at once hands its frame to the open
+:class:`Delivery` instead, and the reader makes every held write when it ends the delivery,
+in the order they were held. The load pacer's tick (:mod:`smgd.api.core.pacer`), which
+releases the output direct streams held back under load, does the same. Each ends its
+delivery before it yields (a scheduler checkpoint) and in a ``finally``: no other task ever
+runs while a write is held, so none can see a connection whose bytes are still in this list,
+and nothing held is dropped.
+
+One delivery per process (:data:`DELIVERY`): the reader tasks, the pacer and the writers share
+one thread, and each starts and ends its delivery without yielding in between, so two never
+overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["DELIVERY", "Delivery", "HeldWriter"]
+
+
+class HeldWriter(Protocol):
+    def write_held(self, frame: bytes) -> None:
+        """Write ``frame`` now, as if it came after every frame this writer was given before
+        it; must not raise (a broken socket is the writer's state to report)."""
+
+
+class Delivery:
+    """The writes held while a reader delivers one engine message (or a slice of one)."""
+
+    __slots__ = ("held", "open")
+
+    def __init__(self) -> None:
+        self.open = False  # a reader is delivering: writers hold their frames here
+        self.held: list[tuple[HeldWriter, bytes]] = []
+
+    def start(self) -> None:
+        self.open = True
+
+    def end(self) -> None:
+        """Make every held write, in order; writers write at once from here on."""
+        self.open = False
+        held = self.held
+        if held:
+            self.held = []
+            for writer, frame in held:
+                writer.write_held(frame)
+
+
+# The process's one delivery (module docstring).
+DELIVERY = Delivery()
