@@ -10,6 +10,7 @@ from smgd.engines.base import DELIVER_CHUNK
 from smgd.engines.delivery import DELIVERY
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.stream import RequestStream
+from smgd.errors import WireError
 from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta
 from tests.engine_harness import engine_config
 
@@ -95,21 +96,20 @@ async def test_a_large_message_is_delivered_in_slices_with_passes_between() -> N
     assert not {k for k in seen if n < k < n + DELIVER_CHUNK}
 
 
-async def test_a_decode_error_skips_its_message_and_the_rest_of_the_batch_is_delivered() -> None:
-    from smgd.errors import WireError
+def _decode_unless_bad(frames: list[Any]) -> list[TokenDelta]:
+    """The test's decoder: a frame ``"bad"`` is undecodable, any other is its deltas."""
+    if frames[0] == "bad":
+        raise WireError("garbled")
+    result: list[TokenDelta] = frames[0]
+    return result
 
+
+async def test_a_decode_error_skips_its_message_and_the_rest_of_the_batch_is_delivered() -> None:
     good = [TokenDelta(rid="r0", token_ids=[1])]
     client = _client(_Batches([[["bad"], [good]]]))
     got: list[tuple[str, list[int]]] = []
     _streams(client, 1, got)
-
-    def decode(frames: list[Any]) -> list[TokenDelta]:
-        if frames[0] == "bad":
-            raise WireError("garbled")
-        result: list[TokenDelta] = frames[0]
-        return result
-
-    client._decode_frames = decode  # type: ignore[method-assign]
+    client._decode_frames = _decode_unless_bad  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client._reader_task)
         with trio.fail_after(5):
@@ -199,12 +199,12 @@ class _HeldWrites:
         self.written.append(frame.decode())
 
 
-async def test_a_messages_writes_are_held_to_the_end_of_its_delivery() -> None:
-    rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(8)]
-    client = _client(_messages(rows, rows[:3]))
-    sinks = _HeldWrites()
-    sinks.install(client, 8)
-    seen: list[tuple[int, int, bool]] = []  # (delivered, written, held) when another task ran
+async def _watch_held_writes(
+    client: SglangEngineClient, sinks: _HeldWrites, rows: int
+) -> list[tuple[int, int, bool]]:
+    """Run the reader until ``rows`` writes were made; return what another task saw each time
+    it ran: (rows delivered, writes made, a delivery open or a write held)."""
+    seen: list[tuple[int, int, bool]] = []
 
     async def other_task() -> None:
         while True:
@@ -216,9 +216,18 @@ async def test_a_messages_writes_are_held_to_the_end_of_its_delivery() -> None:
         nursery.start_soon(other_task)
         nursery.start_soon(client._reader_task)
         with trio.fail_after(5):
-            while len(sinks.written) < 11:
+            while len(sinks.written) < rows:
                 await trio.lowlevel.checkpoint()
         nursery.cancel_scope.cancel()
+    return seen
+
+
+async def test_a_messages_writes_are_held_to_the_end_of_its_delivery() -> None:
+    rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(8)]
+    client = _client(_messages(rows, rows[:3]))
+    sinks = _HeldWrites()
+    sinks.install(client, 8)
+    seen = await _watch_held_writes(client, sinks, 11)
     assert sinks.written == sinks.delivered == [d.rid for d in rows + rows[:3]]
     assert sinks.written_before == [0] * 8 + [8] * 3  # each message's writes waited for it all
     # Whenever anything else ran, every delivered row was written and nothing was held.
@@ -232,45 +241,21 @@ async def test_writes_are_made_before_each_pass_inside_a_message_delivered_in_sl
     client = _client(_messages(rows))
     sinks = _HeldWrites()
     sinks.install(client, n)
-    seen: list[tuple[int, int, bool]] = []
-
-    async def other_task() -> None:
-        while True:
-            held = DELIVERY.open or bool(DELIVERY.held)
-            seen.append((len(sinks.delivered), len(sinks.written), held))
-            await trio.lowlevel.checkpoint()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(other_task)
-        nursery.start_soon(client._reader_task)
-        with trio.fail_after(5):
-            while len(sinks.written) < n:
-                await trio.lowlevel.checkpoint()
-        nursery.cancel_scope.cancel()
+    seen = await _watch_held_writes(client, sinks, n)
     assert sinks.written == [d.rid for d in rows]
-    inside = [s for s in seen if 0 < s[0] < n]
-    assert inside  # it ran between slices ...
+    assert [s for s in seen if 0 < s[0] < n]  # it ran between slices ...
     # ... with every write of the slices before made, and none held
     assert all(delivered == written and not held for delivered, written, held in seen)
 
 
 async def test_a_reader_that_stops_on_undecodable_frames_still_makes_its_held_writes() -> None:
-    from smgd.errors import WireError
-
     good = [TokenDelta(rid="r0", token_ids=[1])]
     # A good message, then enough bad ones to end the reader, all in one batch.
     bad_streak = [["bad"]] * 100
     client = _client(_Batches([[[good], *bad_streak]]))
     sinks = _HeldWrites()
     sinks.install(client, 1)
-
-    def decode(frames: list[Any]) -> list[TokenDelta]:
-        if frames[0] == "bad":
-            raise WireError("garbled")
-        result: list[TokenDelta] = frames[0]
-        return result
-
-    client._decode_frames = decode  # type: ignore[method-assign]
+    client._decode_frames = _decode_unless_bad  # type: ignore[method-assign]
     with trio.fail_after(5):
         await client._reader_task()  # returns: the engine was declared dead
     assert client._death is not None
