@@ -5,9 +5,9 @@ stream's sink (:mod:`smgd.api.http.direct`) writes each row's event to its clien
 the way. A write runs the kernel's TCP path (the loopback's receive and the client's wakeup
 included); between two writes the interpreter runs the next row's Python, and each evicts the
 other's code and data from the CPU's caches. On this project's 2-core host 256 writes, each
-after ~4 µs of Python on a stream's own objects, cost 1.5-2 µs per write more than the same
-Python for all 256 first and then the 256 writes (docs/performance.md, "Issue 21, twentieth
-pass"): 12-14 % of a token's CPU at C = 256.
+after ~4 µs of Python on a stream's own objects, cost 0.6-2.0 µs per write more (three runs)
+than the same Python for all 256 first and then the 256 writes; held as below, smgd's CPU per
+token at C = 256 fell by 4-7 % (docs/performance.md, "Issue 21, twentieth pass").
 
 So while a reader delivers, a writer that could write at once hands its frame to the open
 :class:`Delivery` instead, and the reader makes every held write when it ends the delivery,
