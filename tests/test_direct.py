@@ -345,6 +345,28 @@ def test_a_held_write_the_kernel_refuses_goes_to_the_backlog_and_wakes_the_task(
     right.close()
 
 
+def test_a_held_write_behind_a_partial_one_of_the_same_delivery_waits_behind_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The client may read between two writes of one delivery (it runs on another core): the
+    # kernel then takes the second frame, which must still not overtake the first's rest.
+    writer, left, right = _writer_on_a_socket_pair()
+    calls: list[bytes] = []
+
+    def partial_then_whole(fd: int, data: Any) -> int:
+        calls.append(bytes(data))
+        return 3 if len(calls) == 1 else len(data)
+
+    monkeypatch.setattr(os, "write", partial_then_whole)
+    with _delivering():
+        assert writer.write(b"abc")
+        assert writer.write(b"de")
+    assert calls == [b"3\r\nabc\r\n"]  # the second frame was never offered to the kernel
+    assert bytes(writer.backlog) == b"abc\r\n2\r\nde\r\n"  # the first's rest, then it
+    left.close()
+    right.close()
+
+
 def test_a_held_write_to_a_closed_client_marks_the_writer_broken_and_wakes_the_task() -> None:
     writer, left, right = _writer_on_a_socket_pair()
     woken: list[bool] = []

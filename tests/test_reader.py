@@ -222,9 +222,19 @@ async def _watch_held_writes(
     return seen
 
 
+class _SlowBatches(_Batches):
+    """Batches that take three scheduler passes each to arrive: every other task runs at
+    least once between two of them, whatever order trio runs a pass's tasks in."""
+
+    async def recv_multipart_batch(self, limit: int) -> list[list[Any]]:
+        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()
+        return await super().recv_multipart_batch(limit)
+
+
 async def test_a_messages_writes_are_held_to_the_end_of_its_delivery() -> None:
     rows = [TokenDelta(rid=f"r{i}", token_ids=[1]) for i in range(8)]
-    client = _client(_messages(rows, rows[:3]))
+    client = _client(_SlowBatches([[[rows]], [[rows[:3]]]]))
     sinks = _HeldWrites()
     sinks.install(client, 8)
     seen = await _watch_held_writes(client, sinks, 11)

@@ -1,0 +1,161 @@
+"""Fault suite: a client that stops reading mid-stream, beside clients that read.
+
+A stalled client's socket fills, and the daemon's writes to it back up: the engine's reader
+holds each event's write to the end of the engine message's delivery, and a write the kernel
+refuses then goes to the stream's backlog, which its own task flushes once the client reads
+again. Seen from outside: the stalled client gets every token, in order, once it reads, and
+nobody else waits for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import trio
+
+from ..http_helpers import dechunk
+from .harness import daemon_toml, mock_engine_toml, serve, stream
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.slow
+
+STEP_MS = 2.0
+TOKENS = 3000  # 6 s of steps: every stream still runs when the stalled client resumes
+OTHERS = 4
+PROMPT = "the quick brown fox"
+# The stalled client's receive buffer and segment size. On loopback a connection's segments are
+# 64 KiB and the kernel sizes the daemon's send buffer from them (~3 MiB taken before a write
+# is refused, measured); with 536-byte segments it takes 40-170 KiB.
+STALLED_RCVBUF = 4096
+STALLED_MSS = 536
+STALL_S = 2.5  # ~1,250 events of ~190 bytes: past what the kernel holds, the rest waits in smgd
+# Another stream's longest wait for its next event while the stalled one is held up: the step
+# is 2 ms, so a second means it waited for the stalled client.
+OTHERS_GAP_S = 1.0
+
+
+def _request_bytes(body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    return head + payload
+
+
+async def _stalled_client(url: str, stalled: trio.Event, resumed: trio.Event) -> bytes:
+    """A streamed completion whose client reads its first event, then nothing for ``STALL_S``,
+    then the rest; returns the response's dechunked body."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STALLED_RCVBUF)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, STALLED_MSS)
+    await sock.connect((host, int(port)))
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with trio.SocketStream(sock) as conn:
+        await conn.send_all(_request_bytes(body))
+        data = bytearray()
+        while b"data: " not in data:
+            chunk = await conn.receive_some(65536)
+            assert chunk, "closed before the first event"
+            data += chunk
+        stalled.set()
+        await trio.sleep(STALL_S)  # reads nothing: the daemon's writes back up
+        resumed.set()
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            chunk = await conn.receive_some(65536)
+            assert chunk, "the daemon closed the connection before the body ended"
+            data += chunk
+    head, _, raw = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return dechunk(raw)
+
+
+async def _timed_stream(client: httpx.AsyncClient, arrivals: list[float]) -> dict[str, Any]:
+    """A streamed completion read by an ordinary client; each event's arrival time kept."""
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            arrivals.append(trio.current_time())
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            text.extend(c.get("text") or "" for c in event.get("choices", []))
+    return {"text": "".join(text), "usage": usage}
+
+
+def _events_text(body: bytes) -> tuple[str, dict[str, Any] | None, bool]:
+    """(the text of every event, the usage, whether [DONE] came last)."""
+    blocks = [b[6:] for b in body.split(b"\n\n") if b.startswith(b"data: ")]
+    events = [json.loads(b) for b in blocks if b != b"[DONE]"]
+    text = "".join(c.get("text") or "" for e in events for c in e.get("choices", []))
+    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+    return text, usage, bool(blocks) and blocks[-1] == b"[DONE]"
+
+
+async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_nobody(
+    tmp_path: Path,
+) -> None:
+    engine = mock_engine_toml("e0", "m", step_ms=STEP_MS) + f"max_batch = {4 * OTHERS}\n"
+    async with (
+        serve(tmp_path, daemon_toml(engine)) as daemon,
+        httpx.AsyncClient(
+            base_url=daemon.url,
+            timeout=60,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        ) as client,
+    ):
+        stalled, resumed = trio.Event(), trio.Event()
+        reference: list[str] = []  # the same completion, not streamed (never written directly)
+        arrivals: list[list[float]] = [[] for _ in range(OTHERS)]
+        results: list[dict[str, Any]] = []
+        bodies: list[bytes] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+
+                async def stalled_one() -> None:
+                    bodies.append(await _stalled_client(daemon.url, stalled, resumed))
+
+                async def other(k: int) -> None:
+                    results.append(await _timed_stream(client, arrivals[k]))
+
+                async def whole() -> None:
+                    body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS}
+                    response = await client.post("/v1/completions", json=body)
+                    reference.append(response.json()["choices"][0]["text"])
+
+                nursery.start_soon(whole)
+                nursery.start_soon(stalled_one)
+                await stalled.wait()
+                for k in range(OTHERS):
+                    nursery.start_soon(other, k)
+                await resumed.wait()
+                stall_ended = trio.current_time()
+        # The stalled client got every token, in order, once it read again.
+        text, usage, done = _events_text(bodies[0])
+        assert text == reference[0]
+        assert usage is not None and usage["completion_tokens"] == TOKENS
+        assert done
+        # The others ran beside it throughout and never waited for it.
+        for result, times in zip(results, arrivals, strict=True):
+            assert result["text"] == reference[0]
+            assert result["usage"]["completion_tokens"] == TOKENS
+            during = [t for t in times if t <= stall_ended]
+            assert len(during) > 10  # they were streaming while it stalled ...
+            gaps = [b - a for a, b in itertools.pairwise(during)]
+            assert max(gaps) < OTHERS_GAP_S  # ... without waiting for it
+        after = await stream(client, "m", "hello again", 8)
+        assert after.error is None and after.done and len(after.chunks) == 8
