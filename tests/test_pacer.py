@@ -345,13 +345,16 @@ async def test_a_ticks_callbacks_hold_their_writes_until_all_of_them_ran(
     written_before: list[int] = []
 
     class Writer:
-        def write_held(self, frame: bytes) -> None:
-            written.append(frame.decode())
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def write_held(self) -> None:
+            written.append(self.name)
 
     def release(name: str) -> None:
         written_before.append(len(written))
         if DELIVERY.open:  # as a direct writer does
-            DELIVERY.held.append((Writer(), name.encode()))
+            DELIVERY.held.append(Writer(name))
         else:
             written.append(name)
 

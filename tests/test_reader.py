@@ -190,13 +190,20 @@ class _HeldWrites:
         self.delivered.append(delta.rid)
         self.written_before.append(len(self.written))
         if DELIVERY.open:
-            DELIVERY.held.append((self, delta.rid.encode()))
+            DELIVERY.held.append(_HeldRow(self.written, delta.rid))
         else:
-            self.write_held(delta.rid.encode())
+            self.written.append(delta.rid)
         return True
 
-    def write_held(self, frame: bytes) -> None:
-        self.written.append(frame.decode())
+
+class _HeldRow:
+    """One row's write, held as a direct writer holds it."""
+
+    def __init__(self, written: list[str], rid: str) -> None:
+        self.written, self.rid = written, rid
+
+    def write_held(self) -> None:
+        self.written.append(self.rid)
 
 
 async def _watch_held_writes(

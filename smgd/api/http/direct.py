@@ -68,7 +68,8 @@ class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
     __slots__ = (
-        "_busy", "_conn", "_fileno", "_head", "_stalled", "backlog", "broken", "wake", "writes",
+        "_busy", "_conn", "_fileno", "_head", "_held", "_stalled", "backlog", "broken", "wake",
+        "writes",
     )  # fmt: skip
 
     def __init__(self, conn: Any) -> None:
@@ -86,6 +87,8 @@ class DirectWriter:
         self.backlog = bytearray()
         # The response head, while it waits to go out with the first chunk (hold_head).
         self._head = b""
+        # Bytes held to the end of an engine reader's delivery (smgd.engines.delivery).
+        self._held = b""
         self.broken = False
         self.writes = 0  # chunks the kernel took at once (keep-alive logic, tests)
         # Wakes the stream's task when a write held to a delivery's end left a backlog or
@@ -177,17 +180,21 @@ class DirectWriter:
                 self.backlog += frame
                 return False
         if _DELIVERY.open:  # the reader writes it with the rest of its delivery
-            _DELIVERY.held.append((self, frame))
+            if self._held:  # a second chunk in one delivery (a reader that fell behind)
+                self._held += frame
+            else:
+                self._held = frame
+                _DELIVERY.held.append(self)
             return True
         return self._write(frame)
 
-    def write_held(self, frame: bytes) -> None:
-        """The delivery's end writes ``frame`` (:mod:`smgd.engines.delivery`); what the kernel
-        does not take waits in the backlog, and the stream's task is woken to flush it (or to
-        end the stream on a broken socket), as a False from :meth:`write` would have asked."""
-        if self._stalled:  # an earlier frame of this delivery left a backlog
-            self.backlog += frame
-        elif self._write(frame):
+    def write_held(self) -> None:
+        """The delivery's end writes what was held (:mod:`smgd.engines.delivery`); what the
+        kernel does not take waits in the backlog, and the stream's task is woken to flush it
+        (or to end the stream on a broken socket), as a False from :meth:`write` would have
+        asked."""
+        frame, self._held = self._held, b""
+        if self._write(frame):
             return
         if self.wake is not None:
             self.wake()
