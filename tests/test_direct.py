@@ -27,7 +27,7 @@ from smgd.api.http import worker_loop
 from smgd.api.http.app import create_app
 from smgd.api.http.direct import DirectWriter, direct_writer
 from smgd.config import ServerConfig
-from smgd.engines.delivery import DELIVERY
+from smgd.engines.delivery import DELIVERY, HELD_MAX
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import SendPathCounter, dechunk
@@ -368,6 +368,29 @@ def test_two_chunks_of_one_stream_in_one_delivery_go_out_in_one_write_in_order(
     assert bytes(writer.backlog) == b"abc\r\n2\r\nde\r\n"  # the rest, in order
     left.close()
     right.close()
+
+
+def test_a_delivery_holds_at_most_held_max_writes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pacer tick at 10,000 streams releases thousands at once: their writes go out in
+    # batches of HELD_MAX, in order, while the delivery stays open.
+    pairs = [_writer_on_a_socket_pair() for _ in range(HELD_MAX + 1)]
+    writes = _recorded_writes(monkeypatch)
+    try:
+        with _delivering():
+            for k, (writer, _, _) in enumerate(pairs[: HELD_MAX - 1]):
+                assert writer.write(b"%d" % k)
+            assert writes == []
+            assert pairs[HELD_MAX - 1][0].write(b"x")  # the HELD_MAX-th: all go out, in order
+            expected = [b"%x\r\n%d\r\n" % (len(b"%d" % k), k) for k in range(HELD_MAX - 1)]
+            assert writes == [*expected, b"1\r\nx\r\n"]
+            assert DELIVERY.open and DELIVERY.held == []
+            assert pairs[HELD_MAX][0].write(b"last")  # held again: the delivery is open
+            assert len(writes) == HELD_MAX
+        assert writes[HELD_MAX:] == [b"4\r\nlast\r\n"]
+    finally:
+        for _, left, right in pairs:
+            left.close()
+            right.close()
 
 
 def test_a_held_write_to_a_closed_client_marks_the_writer_broken_and_wakes_the_task() -> None:

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["DELIVERY", "Delivery", "HeldWriter"]
+__all__ = ["DELIVERY", "HELD_MAX", "Delivery", "HeldWriter"]
+
+# The most writes held at once: a writer that holds one more makes them first. The gain is a
+# batch whose streams' objects are still in the caches when their writes are made; a pacer
+# tick at 10,000 streams releases thousands at once, whose objects are not (two workers at
+# 10,000 streams read 0.9-1.1 of the CPU per token without this bound; docs/performance.md,
+# "twentieth pass"). 256: the reader's slice (DELIVER_CHUNK), the batch the gain was measured on.
+HELD_MAX = 256
 
 
 class HeldWriter(Protocol):
@@ -53,6 +60,10 @@ class Delivery:
     def end(self) -> None:
         """Make every held write, in order; writers write at once from here on."""
         self.open = False
+        self.write_out()
+
+    def write_out(self) -> None:
+        """Make every held write, in order, and stay open (``HELD_MAX`` reached)."""
         held = self.held
         if held:
             self.held = []

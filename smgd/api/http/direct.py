@@ -46,6 +46,7 @@ from hypercorn.events import RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 from smgd.engines.delivery import DELIVERY as _DELIVERY
+from smgd.engines.delivery import HELD_MAX
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -184,7 +185,10 @@ class DirectWriter:
                 self._held += frame
             else:
                 self._held = frame
-                _DELIVERY.held.append(self)
+                held = _DELIVERY.held
+                held.append(self)
+                if len(held) >= HELD_MAX:
+                    _DELIVERY.write_out()
             return True
         return self._write(frame)
 
