@@ -28,11 +28,11 @@ from typing import Protocol
 
 __all__ = ["DELIVERY", "HELD_MAX", "Delivery", "HeldWriter"]
 
-# The most writes held at once: a writer that holds one more makes them first. The gain is a
-# batch whose streams' objects are still in the caches when their writes are made; a pacer
-# tick at 10,000 streams releases thousands at once, whose objects are not (two workers at
-# 10,000 streams read 0.9-1.1 of the CPU per token without this bound; docs/performance.md,
-# "twentieth pass"). 256: the reader's slice (DELIVER_CHUNK), the batch the gain was measured on.
+# The most writes held at once: the one that reaches it makes them all. The gain is a batch
+# whose streams' objects are still in the caches when their writes are made; a pacer tick at
+# 10,000 streams releases thousands at once, whose objects are not by then. 256: the reader's
+# slice (DELIVER_CHUNK), the batch the gain was measured on. (At 10,000 streams held writes
+# may still cost CPU, bound or not: docs/performance.md, "twentieth pass".)
 HELD_MAX = 256
 
 
