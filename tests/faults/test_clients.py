@@ -110,14 +110,7 @@ async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_n
     tmp_path: Path,
 ) -> None:
     engine = mock_engine_toml("e0", "m", step_ms=STEP_MS) + f"max_batch = {4 * OTHERS}\n"
-    async with (
-        serve(tmp_path, daemon_toml(engine)) as daemon,
-        httpx.AsyncClient(
-            base_url=daemon.url,
-            timeout=60,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        ) as client,
-    ):
+    async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
         stalled, resumed = trio.Event(), trio.Event()
         reference: list[str] = []  # the same completion, not streamed (never written directly)
         arrivals: list[list[float]] = [[] for _ in range(OTHERS)]
