@@ -122,11 +122,8 @@ class FakeEngine(EngineClient):
     # ---- the scripted scheduler
     def _deliver_held(self, delta: TokenDelta) -> None:
         """Deliver as the real reader does: direct writes held to the delivery's end."""
-        DELIVERY.start()
-        try:
+        with DELIVERY:
             self.deliver(delta)
-        finally:
-            DELIVERY.end()
 
     def _token(self, i: int) -> int:
         out = self.behaviour.output

@@ -289,16 +289,6 @@ def test_direct_writer_stops_on_a_broken_socket() -> None:
     left.close()
 
 
-@contextlib.contextmanager
-def _delivering() -> Any:
-    """An engine reader's delivery, ended whatever the test found."""
-    DELIVERY.start()
-    try:
-        yield
-    finally:
-        DELIVERY.end()
-
-
 def test_writes_during_a_delivery_go_out_at_its_end_in_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -306,7 +296,7 @@ def test_writes_during_a_delivery_go_out_at_its_end_in_order(
     two, left2, right2 = _writer_on_a_socket_pair()
     one.hold_head(b"HEAD")
     writes = _recorded_writes(monkeypatch)
-    with _delivering():
+    with DELIVERY:  # an engine reader's delivery
         assert one.write(b"a")  # held, not refused: the task need not act
         assert two.write(b"b")
         assert one.finish(b"c")
@@ -331,7 +321,7 @@ def test_a_held_write_the_kernel_refuses_goes_to_the_backlog_and_wakes_the_task(
     with contextlib.suppress(BlockingIOError):
         while True:  # a client that has not read earlier answers: its socket is full
             earlier += b"e" * left.send(b"e" * 65536)
-    with _delivering():
+    with DELIVERY:  # an engine reader's delivery
         assert writer.write(b"x")
         assert writer.write(b"yz")  # the same stream twice in one delivery (a lagging reader)
         assert woken == []
@@ -360,7 +350,7 @@ def test_two_chunks_of_one_stream_in_one_delivery_go_out_in_one_write_in_order(
         return 3
 
     monkeypatch.setattr(os, "write", partial)
-    with _delivering():
+    with DELIVERY:  # an engine reader's delivery
         assert writer.write(b"abc")
         assert writer.write(b"de")
         assert DELIVERY.held == [writer]  # the writer once
@@ -376,7 +366,7 @@ def test_a_delivery_holds_at_most_held_max_writes_at_once(monkeypatch: pytest.Mo
     pairs = [_writer_on_a_socket_pair() for _ in range(HELD_MAX + 1)]
     writes = _recorded_writes(monkeypatch)
     try:
-        with _delivering():
+        with DELIVERY:  # an engine reader's delivery
             for k, (writer, _, _) in enumerate(pairs[: HELD_MAX - 1]):
                 assert writer.write(b"%d" % k)
             assert writes == []
@@ -398,7 +388,7 @@ def test_a_held_write_to_a_closed_client_marks_the_writer_broken_and_wakes_the_t
     woken: list[bool] = []
     writer.wake = lambda: woken.append(writer.broken)
     right.close()
-    with _delivering():
+    with DELIVERY:  # an engine reader's delivery
         assert writer.write(b"z")
     assert writer.broken
     assert woken == [True]
@@ -409,7 +399,7 @@ def test_a_held_write_to_a_closed_client_marks_the_writer_broken_and_wakes_the_t
 def test_a_stalled_writer_is_not_held_by_a_delivery() -> None:
     writer, left, right = _writer_on_a_socket_pair()
     writer.hold()  # a send through hypercorn's path is under way
-    with _delivering():
+    with DELIVERY:  # an engine reader's delivery
         assert not writer.write(b"x")  # refused at once: the task flushes it after the send
         assert DELIVERY.held == []
     assert bytes(writer.backlog) == b"1\r\nx\r\n"

@@ -9,10 +9,11 @@ after ~4 µs of Python on a stream's own objects, cost 0.6-2.0 µs per write mor
 than the same Python for all 256 first and then the 256 writes; held as below, smgd's CPU per
 token at C = 256 fell by 4-7 % (docs/performance.md, "Issue 21, twentieth pass").
 
-So while a reader delivers, a writer that could write at once hands its frame to the open
-:class:`Delivery` instead, and the reader makes every held write when it ends the delivery,
-in the order they were held. The load pacer's tick (:mod:`smgd.api.core.pacer`), which
-releases the output direct streams held back under load, does the same. Each ends its
+So while a reader delivers, a writer that could write at once keeps its bytes and lists itself
+on the open :class:`Delivery` instead, and the reader makes every held write when it ends the
+delivery, in the order the writers were listed. The load pacer's tick
+(:mod:`smgd.api.core.pacer`), which releases the output direct streams held back under load,
+does the same (``with DELIVERY:``). Each ends its
 delivery before it yields (a scheduler checkpoint) and in a ``finally``: no other task ever
 runs while a write is held, so none can see a connection whose bytes are still in this list,
 and nothing held is dropped.
@@ -56,6 +57,14 @@ class Delivery:
 
     def start(self) -> None:
         self.open = True
+
+    def __enter__(self) -> Delivery:
+        """``with DELIVERY:`` is :meth:`start`, then :meth:`end` however the block leaves."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.end()
 
     def end(self) -> None:
         """Make every held write, in order; writers write at once from here on."""

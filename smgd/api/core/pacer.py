@@ -193,12 +193,9 @@ class LoadPacer:
         for tick in [tick for tick in self._due if tick * PROBE_S <= now]:
             # Held output of direct streams, released together: their writes too (the
             # reader's reason, smgd.engines.delivery).
-            DELIVERY.start()
-            try:
+            with DELIVERY:
                 for callback in self._due.pop(tick):
                     callback()
-            finally:
-                DELIVERY.end()
 
     @property
     def holding(self) -> int:
