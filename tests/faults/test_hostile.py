@@ -166,10 +166,12 @@ async def test_four_8mb_prompts_at_once_are_refused_fast_and_a_stream_keeps_flow
     during = gaps[len(before) :]
     print(f"ITL before: p50 {sorted(before)[len(before) // 2]:.4f} max {max(before):.4f}; "
           f"during: p50 {sorted(during)[len(during) // 2]:.4f} max {max(during):.4f}")  # fmt: skip
-    # The fault this guards against stalled the loop for tens of seconds (tokenizing 8 MB). The
-    # bound leaves room for a loaded CI machine: with the real engines' tests beside the slow
-    # suites one gap here read 0.50 s twice (2026-12-06; the others under 0.12 s).
-    assert max(during) < 1.0, sorted(during)[-5:]
+    # The fault this guards against stalled the loop for tens of seconds (tokenizing 8 MB: 26-45 s
+    # each). On a quiet 2-core machine the longest gap reads 0.08-0.19 s (the daemon joins and
+    # decodes each 8 MB body in ~50 ms; four can fall in one scheduler pass). The bound leaves
+    # room for a loaded CI machine, where the real engines' tests run beside the slow suites and
+    # take both cores: one gap there read 0.50 s twice (2026-12-06) and 1.46 s once (2026-12-07).
+    assert max(during) < 5.0, sorted(during)[-5:]
     assert sorted(during)[len(during) // 2] < 2 * sorted(before)[len(before) // 2] + 0.01
 
 
