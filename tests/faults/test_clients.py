@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 STEP_MS = 2.0
-TOKENS = 3000  # 6 s of steps: every stream still runs when the stalled client resumes
+TOKENS = 5000  # 10 s of steps: every stream still runs when the stalled client resumes
 OTHERS = 4
 PROMPT = "the quick brown fox"
 # The stalled client's receive buffer and segment size. On loopback a connection's segments are
@@ -35,10 +35,12 @@ PROMPT = "the quick brown fox"
 # is refused, measured); with 536-byte segments it takes 40-170 KiB.
 STALLED_RCVBUF = 4096
 STALLED_MSS = 536
-STALL_S = 2.5  # ~1,250 events of ~190 bytes: past what the kernel holds, the rest waits in smgd
-# Another stream's longest wait for its next event while the stalled one is held up: the step
-# is 2 ms, so a second means it waited for the stalled client.
-OTHERS_GAP_S = 1.0
+STALL_S = 5.0  # ~2,500 events of ~190 bytes: past what the kernel holds, the rest waits in smgd
+# Another stream's longest wait for its next event while the stalled one is held up. The step
+# is 2 ms; a stream that waited for the stalled client would wait most of STALL_S. Half of it
+# leaves room for a loaded CI machine (beside the real engines' tests a stream in another fault
+# case once waited 1.46 s for an event, with nothing wrong but the load).
+OTHERS_GAP_S = STALL_S / 2
 
 
 def _request_bytes(body: dict[str, Any]) -> bytes:
@@ -109,7 +111,9 @@ def _events_text(body: bytes) -> tuple[str, dict[str, Any] | None, bool]:
 async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_nobody(
     tmp_path: Path,
 ) -> None:
-    engine = mock_engine_toml("e0", "m", step_ms=STEP_MS) + f"max_batch = {4 * OTHERS}\n"
+    engine = mock_engine_toml("e0", "m", step_ms=STEP_MS) + (
+        f"max_batch = {4 * OTHERS}\nmax_model_len = {2 * TOKENS}\n"  # [engines.mock]
+    )
     async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
         stalled, resumed = trio.Event(), trio.Event()
         reference: list[str] = []  # the same completion, not streamed (never written directly)
