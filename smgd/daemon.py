@@ -22,7 +22,6 @@ listener drains and reloads through the functions :func:`run_daemon` hands it.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ import trio
 from smgd.api.http.server import bind_public, serve_admin, serve_http
 from smgd.errors import ConfigError, SmgdError, TransportError
 from smgd.gateway import Gateway
+from smgd.gc_tuning import tune_gc
 from smgd.limits import raise_open_files_limit
 from smgd.logs import announce, setup_logging
 from smgd.sdnotify import notify, watchdog
@@ -186,29 +186,6 @@ def _first_smgd_error(exc: BaseException) -> SmgdError | None:
     if isinstance(exc, OSError):
         return TransportError(str(exc))
     return None
-
-
-# The cyclic GC's generation thresholds for the daemon (CPython's default: 700, 10, 10). Under
-# load smgd allocates a few objects per token per stream, so the defaults run a young
-# collection every few hundred microseconds and a full one every few seconds, each full one
-# traversing every live stream's objects (~60 ms at 256 streams: a pause in every stream).
-# Measured with `smgd bench` at C=256, alternating runs: GC took 0.34-0.44 s of a 10 s point
-# with the defaults and 0.14-0.21 s with 10,000 / 20 / 20, with no full collection in the
-# point, ITL p99 33-36 ms instead of 39-160, CPU per token 28.5-33.3 vs 30.1-35.8 µs and RSS per
-# stream unchanged (63-64 KiB). Young collections still catch short-lived cycles (trio's
-# cancelled tasks and their tracebacks) within 10,000 allocations.
-# The middle generation collects after 1,000 young collections, not 20: a running request keeps
-# ~94 tracked objects alive, which all outlive a young collection, so when 10,000 streams start
-# at once every middle collection walked ~200,000 live objects (30-180 ms each) and the full
-# collections they led to took up to 0.7 s; with 1,000, GC per run of that burst fell from
-# 2.2-3.5 s to 1.2-1.3 s with no pause over 0.1 s (docs/performance.md, "Issue 21, fifth
-# pass"). Nothing of a request or its connection is left in a cycle (tests/test_direct.py), so
-# little garbage waits there for those rarer collections.
-GC_THRESHOLDS = (10_000, 1_000, 20)
-
-
-def tune_gc() -> None:
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def serve_main(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from smgd.gc_tuning import tune_gc
 from smgd.launchers.lifeline import PARENT_ENV
 from smgd.mock.engine import EngineExit, MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
@@ -116,6 +117,7 @@ def load_script(args: argparse.Namespace) -> Script | None:
 
 def mock_engine_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tune_gc()  # its steps keep their cadence, as a GPU engine's do (smgd.gc_tuning)
     sched = MockScheduler(
         max_batch=args.max_batch,
         eos_ids=args.eos_token_ids,

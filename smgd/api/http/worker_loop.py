@@ -267,7 +267,7 @@ class DirectSendTCPServer(TCPServer):
         Its protocol (whose ``send`` is this object's bound method), its state (which names it
         for the requests), its keep-alive handle and its task group all lead back here, so each
         closed connection would otherwise be a reference cycle left for the cyclic GC, and its
-        middle generation runs rarely (``GC_THRESHOLDS``, smgd/daemon.py). Nothing runs on the
+        middle generation runs rarely (``GC_THRESHOLDS``, smgd/gc_tuning.py). Nothing runs on the
         connection any more: ``run`` has closed the stream and its task group ended.
         """
         self._keep_alive.close()  # out of the reaper's table, whatever ended the connection
