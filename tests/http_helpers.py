@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -33,3 +34,13 @@ def dechunk(data: bytes) -> bytes:
         body += data[:size]
         assert data[size : size + 2] == b"\r\n", "a chunk is not followed by CRLF"
         data = data[size + 2 :]
+
+
+def post_bytes(path: str, body: dict[str, Any]) -> bytes:
+    """A whole HTTP/1.1 POST of ``body`` as JSON."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    ).encode()
+    return head + payload

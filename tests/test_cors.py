@@ -17,7 +17,8 @@ from smgd.errors import ConfigError
 
 from .asgi_client import lifespan, request
 from .fake_engine import MODEL, FakeEngine, open_gateway
-from .test_direct import _post_bytes, serving
+from .http_helpers import post_bytes
+from .test_direct import serving
 
 UI = "http://ui.example:3000"
 OTHER = "https://evil.example"
@@ -268,7 +269,7 @@ async def _raw(port: int, data: bytes) -> bytes:
 async def test_a_directly_written_stream_carries_the_headers() -> None:
     engine = FakeEngine()
     async with serving(engine, server=_server(cors_allowed_origins=[UI])) as port:
-        request_bytes = _post_bytes("/v1/completions", STREAM)
+        request_bytes = post_bytes("/v1/completions", STREAM)
         head, _, rest = request_bytes.partition(b"\r\n")
         got = await _raw(port, head + f"\r\norigin: {UI}".encode() + b"\r\n" + rest)
     head_text, _, body = got.partition(b"\r\n\r\n")

@@ -30,7 +30,7 @@ from smgd.config import ServerConfig
 from smgd.engines.delivery import DELIVERY, HELD_MAX
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
-from .http_helpers import SendPathCounter, dechunk
+from .http_helpers import SendPathCounter, dechunk, post_bytes
 
 
 @asynccontextmanager
@@ -45,16 +45,6 @@ async def serving(*engines: FakeEngine, server: ServerConfig | None = None) -> A
             binds = await nursery.start(worker_loop.serve, app, config)
             yield int(binds[0].rsplit(":", 1)[1])
             nursery.cancel_scope.cancel()
-
-
-def _post_bytes(path: str, body: dict[str, Any]) -> bytes:
-    """A whole HTTP/1.1 POST of ``body`` as JSON."""
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    ).encode()
-    return head + payload
 
 
 async def post_sse(
@@ -73,7 +63,7 @@ async def post_sse(
     await sock.connect(("127.0.0.1", port))
     stream = trio.SocketStream(sock)
     async with stream:
-        await stream.send_all(_post_bytes(path, body))
+        await stream.send_all(post_bytes(path, body))
         if pause_s:
             await trio.sleep(pause_s)  # a client that does not read: the server's writes back up
         data = bytearray()
@@ -111,7 +101,7 @@ async def post_raw(port: int, path: str, body: dict[str, Any]) -> tuple[bytes, f
     """POST; the whole dechunked body and the seconds from the request to its end."""
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         sent_at = trio.current_time()
-        await stream.send_all(_post_bytes(path, body))
+        await stream.send_all(post_bytes(path, body))
         data = bytearray()
         while not data.endswith(b"\r\n0\r\n\r\n"):
             chunk = await stream.receive_some(65536)
@@ -597,7 +587,7 @@ async def test_a_saturated_loop_never_holds_back_a_streams_first_token(
     async with serving(engine) as port:
         await trio.sleep(0.1)  # a few pacer ticks: it reads saturated from now on
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        request = _post_bytes("/v1/completions", _completion(200))  # ~0.4 s of tokens
+        request = post_bytes("/v1/completions", _completion(200))  # ~0.4 s of tokens
         async with stream:
             sent_at = trio.current_time()
             await stream.send_all(request)

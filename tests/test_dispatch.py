@@ -20,7 +20,8 @@ from smgd.config import ServerConfig
 
 from .asgi_client import connect, http_scope, lifespan, request
 from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
-from .test_direct import _post_bytes, serving
+from .http_helpers import post_bytes
+from .test_direct import serving
 
 Message = dict[str, Any]
 
@@ -264,7 +265,7 @@ async def test_a_client_gone_before_its_first_token_aborts_the_engine_at_once() 
         sock = trio.socket.socket()
         await sock.connect(("127.0.0.1", port))
         stream = trio.SocketStream(sock)
-        await stream.send_all(_post_bytes("/v1/completions", STREAM))
+        await stream.send_all(post_bytes("/v1/completions", STREAM))
         with trio.fail_after(5):
             head = await stream.receive_some(65536)
         assert head.startswith(b"HTTP/1.1 200")  # the head goes out before the first token
@@ -287,12 +288,12 @@ async def test_a_connection_serves_requests_one_after_another() -> None:
         await sock.connect(("127.0.0.1", port))
         stream = trio.SocketStream(sock)
         with trio.fail_after(5):
-            await stream.send_all(_post_bytes("/v1/completions", STREAM))
+            await stream.send_all(post_bytes("/v1/completions", STREAM))
             data = b""
             while not data.endswith(b"\r\n0\r\n\r\n"):
                 data += await stream.receive_some(65536)
             fake.behaviour = Behaviour(first_step_s=30)
-            await stream.send_all(_post_bytes("/v1/completions", STREAM))
+            await stream.send_all(post_bytes("/v1/completions", STREAM))
             assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
         await trio.testing.wait_all_tasks_blocked()
         await stream.aclose()
@@ -333,7 +334,7 @@ async def test_an_absolute_form_target_is_routed_by_its_path() -> None:
         listed = await _exchange(port, _get_bytes(origin + "/v1/models"))
         upper = await _exchange(port, _get_bytes(f"HTTPS://example.com/v1/models/{MODEL}"))
         whole = {**STREAM, "stream": False}
-        posted = await _exchange(port, _post_bytes(origin + "/v1/completions", whole))
+        posted = await _exchange(port, post_bytes(origin + "/v1/completions", whole))
         unknown = await _exchange(port, _get_bytes(origin + "/nope"))
         bare = await _exchange(port, _get_bytes(origin))
     assert listed[0] == 200

@@ -1,7 +1,7 @@
-"""The collector's thresholds (smgd.gc_tuning): set in the daemon and in the mock engine.
+"""The collector's thresholds (smgd.gc_tuning) in the mock engine's process.
 
-Each check runs in a process of its own: the thresholds are global to an interpreter, and
-this one's must stay as pytest found them.
+Checked in a process of its own: the thresholds are global to an interpreter, and this one's
+must stay as pytest found them.
 """
 
 from __future__ import annotations
@@ -11,33 +11,30 @@ import sys
 
 from smgd.gc_tuning import GC_THRESHOLDS
 
-
-def _thresholds_when_the_loop_starts(module: str, call: str) -> tuple[int, ...]:
-    """The thresholds a process has once ``call`` reaches ``trio.run`` in ``module`` (the
-    loop itself is not started: ``trio.run`` only prints them)."""
-    code = f"""
+# The mock engine's entry point, run up to its trio.run, which only prints the thresholds the
+# process has then (the engine itself is not started).
+_MOCK_UP_TO_ITS_LOOP = """
 import gc, types
-import {module} as entry
+import smgd.mock.main as entry
+from smgd.cli import build_parser
 entry.trio = types.SimpleNamespace(run=lambda *a, **k: print(*gc.get_threshold()))
-{call}
+args = build_parser().parse_args(
+    ["mock-engine", "--input", "ipc:///nonexistent/in", "--output", "ipc:///nonexistent/out"]
+)
+entry.mock_engine_main(args)
 """
+
+
+def _thresholds(code: str) -> tuple[int, ...]:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout.split()
-    return tuple(int(x) for x in out)
+    )
+    return tuple(int(x) for x in out.stdout.split())
 
 
-def test_the_defaults_differ_so_the_checks_below_can_fail() -> None:
-    code = "import gc; print(*gc.get_threshold())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert tuple(int(x) for x in out.stdout.split()) != GC_THRESHOLDS
+def test_the_defaults_differ_so_the_check_below_can_fail() -> None:
+    assert _thresholds("import gc; print(*gc.get_threshold())") != GC_THRESHOLDS
 
 
 def test_the_mock_engine_runs_its_steps_with_the_tuned_thresholds() -> None:
-    call = (
-        "from smgd.cli import build_parser\n"
-        "args = build_parser().parse_args(['mock-engine', '--input', 'ipc:///nonexistent/in', "
-        "'--output', 'ipc:///nonexistent/out'])\n"
-        "entry.mock_engine_main(args)"
-    )
-    assert _thresholds_when_the_loop_starts("smgd.mock.main", call) == GC_THRESHOLDS
+    assert _thresholds(_MOCK_UP_TO_ITS_LOOP) == GC_THRESHOLDS

@@ -176,11 +176,16 @@ class StreamOutcome:
     finish_reason: str | None = None
     body: bytes = b""  # a non-200 answer's body
     ended_at: float | None = None  # trio.current_time() when the body ended (or was cut)
-    last_chunk_at: float | None = None  # trio.current_time() when the last text chunk came
+    chunk_times: list[float] = field(default_factory=list)  # trio time each text chunk came
 
     @property
     def text(self) -> str:
         return "".join(self.chunks)
+
+    @property
+    def last_chunk_at(self) -> float | None:
+        """trio.current_time() when the last text chunk came."""
+        return self.chunk_times[-1] if self.chunk_times else None
 
 
 async def stream(
@@ -221,6 +226,15 @@ async def stream(
     return outcome
 
 
+def sse_outcome(body: bytes) -> StreamOutcome:
+    """A 200 streamed completion's whole (dechunked) SSE body, read as :func:`stream` reads
+    one (its chunks' times are when this ran)."""
+    outcome = StreamOutcome(status=200, body_complete=True)
+    for line in body.decode().split("\n"):
+        _take_line(outcome, line)
+    return outcome
+
+
 def _take_line(outcome: StreamOutcome, line: str) -> None:
     if not line.startswith("data: "):
         return
@@ -236,7 +250,7 @@ def _take_line(outcome: StreamOutcome, line: str) -> None:
     for choice in chunk.get("choices", []):
         if choice.get("text"):
             outcome.chunks.append(choice["text"])
-            outcome.last_chunk_at = trio.current_time()
+            outcome.chunk_times.append(trio.current_time())
         outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
 
 

@@ -10,16 +10,14 @@ nobody else waits for it.
 from __future__ import annotations
 
 import itertools
-import json
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
 import trio
 
-from ..http_helpers import dechunk
-from .harness import daemon_toml, mock_engine_toml, serve, stream
+from ..http_helpers import dechunk, post_bytes
+from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, sse_outcome, stream
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -43,15 +41,6 @@ STALL_S = 5.0  # ~2,500 events of ~190 bytes: past what the kernel holds, the re
 OTHERS_GAP_S = STALL_S / 2
 
 
-def _request_bytes(body: dict[str, Any]) -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n\r\n"
-    ).encode()
-    return head + payload
-
-
 async def _stalled_client(url: str, stalled: trio.Event, resumed: trio.Event) -> bytes:
     """A streamed completion whose client reads its first event, then nothing for ``STALL_S``,
     then the rest; returns the response's dechunked body."""
@@ -63,7 +52,7 @@ async def _stalled_client(url: str, stalled: trio.Event, resumed: trio.Event) ->
     body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     async with trio.SocketStream(sock) as conn:
-        await conn.send_all(_request_bytes(body))
+        await conn.send_all(post_bytes("/v1/completions", body))
         data = bytearray()
         while b"data: " not in data:
             chunk = await conn.receive_some(65536)
@@ -81,33 +70,6 @@ async def _stalled_client(url: str, stalled: trio.Event, resumed: trio.Event) ->
     return dechunk(raw)
 
 
-async def _timed_stream(client: httpx.AsyncClient, arrivals: list[float]) -> dict[str, Any]:
-    """A streamed completion read by an ordinary client; each event's arrival time kept."""
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    text: list[str] = []
-    usage: dict[str, Any] | None = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            arrivals.append(trio.current_time())
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            text.extend(c.get("text") or "" for c in event.get("choices", []))
-    return {"text": "".join(text), "usage": usage}
-
-
-def _events_text(body: bytes) -> tuple[str, dict[str, Any] | None, bool]:
-    """(the text of every event, the usage, whether [DONE] came last)."""
-    blocks = [b[6:] for b in body.split(b"\n\n") if b.startswith(b"data: ")]
-    events = [json.loads(b) for b in blocks if b != b"[DONE]"]
-    text = "".join(c.get("text") or "" for e in events for c in e.get("choices", []))
-    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
-    return text, usage, bool(blocks) and blocks[-1] == b"[DONE]"
-
-
 async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_nobody(
     tmp_path: Path,
 ) -> None:
@@ -117,8 +79,7 @@ async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_n
     async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
         stalled, resumed = trio.Event(), trio.Event()
         reference: list[str] = []  # the same completion, not streamed (never written directly)
-        arrivals: list[list[float]] = [[] for _ in range(OTHERS)]
-        results: list[dict[str, Any]] = []
+        others = [StreamOutcome(status=0) for _ in range(OTHERS)]
         bodies: list[bytes] = []
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -127,7 +88,7 @@ async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_n
                     bodies.append(await _stalled_client(daemon.url, stalled, resumed))
 
                 async def other(k: int) -> None:
-                    results.append(await _timed_stream(client, arrivals[k]))
+                    await stream(client, "m", PROMPT, TOKENS, into=others[k])
 
                 async def whole() -> None:
                     body = {"model": "m", "prompt": PROMPT, "max_tokens": TOKENS}
@@ -142,15 +103,19 @@ async def test_a_client_that_stops_reading_gets_every_token_later_and_holds_up_n
                 await resumed.wait()
                 stall_ended = trio.current_time()
         # The stalled client got every token, in order, once it read again.
-        text, usage, done = _events_text(bodies[0])
-        assert text == reference[0]
-        assert usage is not None and usage["completion_tokens"] == TOKENS
-        assert done
+        stalled_outcome = sse_outcome(bodies[0])
+        assert stalled_outcome.error is None
+        assert stalled_outcome.text == reference[0]
+        assert stalled_outcome.usage is not None
+        assert stalled_outcome.usage["completion_tokens"] == TOKENS
+        assert bodies[0].endswith(b"data: [DONE]\n\n")
         # The others ran beside it throughout and never waited for it.
-        for result, times in zip(results, arrivals, strict=True):
-            assert result["text"] == reference[0]
-            assert result["usage"]["completion_tokens"] == TOKENS
-            during = [t for t in times if t <= stall_ended]
+        for outcome in others:
+            assert outcome.status == 200 and outcome.body_complete and outcome.error is None
+            assert outcome.text == reference[0]
+            assert outcome.usage is not None and outcome.usage["completion_tokens"] == TOKENS
+            assert outcome.done
+            during = [t for t in outcome.chunk_times if t <= stall_ended]
             assert len(during) > 10  # they were streaming while it stalled ...
             gaps = [b - a for a, b in itertools.pairwise(during)]
             assert max(gaps) < OTHERS_GAP_S  # ... without waiting for it

@@ -4,8 +4,10 @@ harms the daemon or the streams it is serving."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -17,7 +19,6 @@ from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream
 if TYPE_CHECKING:
     from pathlib import Path
 
-    import httpx
 
 pytestmark = pytest.mark.slow
 
@@ -117,41 +118,21 @@ async def _huge(url: str, answers: list[tuple[int, float, dict[str, Any]]]) -> N
     answers.append((status, time.monotonic() - start, _envelope(answer)))
 
 
-async def _gaps(client: httpx.AsyncClient, outcome: StreamOutcome, gaps: list[float]) -> None:
-    """A long stream; the time between its events, measured as they arrive."""
-    last: float | None = None
-
-    async def note() -> None:  # stream() fills the outcome in; polled every millisecond
-        nonlocal last
-        while True:
-            seen = len(outcome.chunks)
-            await trio.sleep(0.001)
-            if len(outcome.chunks) != seen:
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(note)
-        await stream(client, "m", "the quick brown fox", 150, into=outcome)
-        nursery.cancel_scope.cancel()
-
-
 async def test_four_8mb_prompts_at_once_are_refused_fast_and_a_stream_keeps_flowing(
     tmp_path: Path,
 ) -> None:
     config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
-        outcome = StreamOutcome(status=0)
-        gaps: list[float] = []
+        outcome = StreamOutcome(status=0)  # a long stream; its chunks' arrival times are kept
         answers: list[tuple[int, float, dict[str, Any]]] = []
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_gaps, client, outcome, gaps)
+                nursery.start_soon(
+                    partial(stream, client, "m", "the quick brown fox", 150, into=outcome)
+                )
                 while len(outcome.chunks) < 20:  # noqa: ASYNC110 - another process streams
                     await trio.sleep(0.01)
-                before = list(gaps)
+                seen = len(outcome.chunk_times)
                 for _ in range(4):
                     nursery.start_soon(_huge, daemon.url, answers)
     # Each refused before any tokenizing: in well under a second of work each (issue 18:
@@ -163,7 +144,8 @@ async def test_four_8mb_prompts_at_once_are_refused_fast_and_a_stream_keeps_flow
         assert seconds < 5
     # The stream ran on, whole, its pace barely touched while 32 MB arrived and were refused.
     assert outcome.error is None and outcome.done and len(outcome.chunks) == 150
-    during = gaps[len(before) :]
+    gaps = [b - a for a, b in itertools.pairwise(outcome.chunk_times)]
+    before, during = gaps[: seen - 1], gaps[seen - 1 :]
     print(f"ITL before: p50 {sorted(before)[len(before) // 2]:.4f} max {max(before):.4f}; "
           f"during: p50 {sorted(during)[len(during) // 2]:.4f} max {max(during):.4f}")  # fmt: skip
     # The fault this guards against stalled the loop for tens of seconds (tokenizing 8 MB: 26-45 s
