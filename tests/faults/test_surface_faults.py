@@ -36,8 +36,11 @@ async def embed(client: httpx.AsyncClient, inputs: Any) -> httpx.Response:
 async def test_an_embedding_engine_killed_under_load_loses_no_request(tmp_path: Path) -> None:
     """Two engines serve the model; one is killed while 24 requests are in flight. Every request
     is answered (its inputs move to the surviving engine) with every vector, in order."""
-    # 50 ms steps: the inputs sent to the victim are still there when it dies.
-    config = daemon_toml(embed_engine("e0", 50.0), embed_engine("e1", 50.0))
+    # An embedding takes one engine step, so a request is in flight for about one step: 500 ms
+    # steps keep the inputs sent to the victim there when it dies, and in flight long enough
+    # for /metrics to show them on a loaded machine (with 50 ms steps CI once saw all 24
+    # requests answered between two polls, and waited for in-flight inputs in vain).
+    config = daemon_toml(embed_engine("e0", 500.0), embed_engine("e1", 500.0))
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
         texts = [f"input number {i} of a batch" for i in range(8)]
         reference = (await embed(client, texts)).json()["data"]
