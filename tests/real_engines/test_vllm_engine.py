@@ -84,7 +84,7 @@ class KillOutcome:
 
 async def kill_under_streams(client: VllmEngineClient, outcome: KillOutcome) -> None:
     """Open DOOMED_STREAMS streams and SIGKILL the engine core once each has its first delta;
-    what became of each stream goes into ``outcome`` as it happens.
+    what became of each stream goes into ``outcome`` (a fresh one) as it happens.
 
     The tiny model writes 480 tokens in ~0.1 s, and on a loaded machine a task woken "once all
     streams started" can run later than that (CI saw all four streams finish before such a
@@ -113,8 +113,6 @@ async def kill_under_streams(client: VllmEngineClient, outcome: KillOutcome) -> 
         except EngineDead as exc:
             outcome.errors.append(exc)
 
-    outcome.errors.clear()
-    outcome.finished.clear()
     async with trio.open_nursery() as nursery:
         for _ in range(DOOMED_STREAMS):
             nursery.start_soon(doomed)
