@@ -508,7 +508,7 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: object,
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -525,8 +525,10 @@ class ChatTemplate:
         compiled = self._compiled[name]
         if prepared_tools and not compiled.tools:
             raise InvalidRequest("this model's chat template does not support tools", param="tools")
+        # The request's value as it came: prepare_messages refuses anything but a non-empty
+        # array (a `list()` of it here turned null or a number into a TypeError, a 500).
         prepared = prepare_messages(
-            list(messages), parts=compiled.parts, developer_role=compiled.developer
+            messages, parts=compiled.parts, developer_role=compiled.developer
         )
         context: dict[str, Any] = {**self._special, **extra}
         context.update(

@@ -276,7 +276,7 @@ class Tokenizer:
 
     def render_chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
+        messages: object,
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
