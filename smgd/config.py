@@ -504,9 +504,15 @@ def load_config(
     if path is not None:
         file = Path(path)
         try:
-            text = file.read_text()
+            text = file.read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
         except OSError as exc:
             raise ConfigError(f"cannot read {file}: {exc.strerror}", path="$") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{file} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})",
+                path="$",
+                hint="TOML files are UTF-8; save the file as UTF-8",
+            ) from None
         try:
             tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:

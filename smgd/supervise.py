@@ -391,6 +391,11 @@ class EngineSet:
             text = exc.one_line() if isinstance(exc, ConfigError) else exc.message
             log.error("reload rejected, nothing changed: %s", text)
             return ReloadResult(ok=False, error=text)
+        except Exception as exc:  # never trio.Cancelled (a BaseException): that one propagates
+            # A bug in reading or checking the new config must not take the serving daemon
+            # (and every stream in it) down: nothing was applied yet, so refusing is safe.
+            log.exception("reload rejected, nothing changed: internal error")
+            return ReloadResult(ok=False, error=f"internal error: {type(exc).__name__}: {exc}")
         for key in todo.needs_restart:
             log.warning("reload: %s changed; it takes effect after a restart", key)
         gateway.apply_config(todo.config, staged)

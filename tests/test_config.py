@@ -590,3 +590,16 @@ def test_an_admin_port_other_hosts_reach_needs_a_token(
         assert f"{host}:{port}" in str(error)
     else:
         assert load_config(path, environ={}).admin.host == host
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    # TOML is UTF-8 whatever the locale: a Latin-1 comment saved by an editor is named as
+    # such (a reload of it is refused the same way, not a crash of the daemon).
+    path = tmp_path / "smgd.toml"
+    path.write_bytes(b"[server]\nport = 8080\n# caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert info.value.path == "$"
+    assert info.value.message == f"{path} is not UTF-8 text (byte 26: 0xe9)"
+    path.write_bytes("[server]\nport = 8080\n# café\n".encode())
+    assert load_config(path, environ={}).server.port == 8080

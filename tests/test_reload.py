@@ -607,6 +607,29 @@ async def test_a_reload_that_cannot_be_applied_is_refused_whole(tmp_path: Path) 
 
 
 @pytest.mark.slow
+async def test_a_bug_in_checking_a_reload_refuses_it_and_smgd_serves_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("keep", "m-keep", step_ms=10)))
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
+        before, config = gateway.router.get("keep"), gateway.config
+
+        def broken_plan(*args: object) -> None:
+            raise RuntimeError("a bug in planning")
+
+        monkeypatch.setattr("smgd.supervise.plan", broken_plan)
+        rewrite_config(path, engine_toml("keep", "m-keep", step_ms=5))
+        result = await daemon.reload()
+        assert not result.ok
+        assert result.error == "internal error: RuntimeError: a bug in planning"
+        assert gateway.config is config and gateway.router.get("keep") is before
+        assert gateway.reload_failures_total == 1
+        await _serves(gateway, client, "keep", "m-keep")
+
+
+@pytest.mark.slow
 async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
     tmp_path: Path,
 ) -> None:

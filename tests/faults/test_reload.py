@@ -7,6 +7,7 @@ again, on a new process, without a restart of smgd; the daemon never exits.
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 import httpx
@@ -146,6 +147,46 @@ async def test_a_replaced_engine_answers_503_not_404_while_it_drains(
         assert refused.status_code == 503 and refused.headers.get("retry-after")
         assert refused.json()["error"]["type"] == "service_unavailable"
         assert complete(running, 300)  # the stream in flight finished on the old engine
+
+
+# What an editor or a careless hand saves over smgd.toml, each refused whole by a SIGHUP.
+BROKEN_FILES = {
+    "not_utf8": b"# caf\xe9\n",  # a Latin-1 comment: once a crash of the daemon
+    "not_toml": b"[server\n",
+    "unknown_key": b"[server]\nprot = 1\n",
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_FILES))
+async def test_a_sighup_of_a_broken_file_changes_nothing_and_cuts_no_stream(
+    tmp_path: Path, broken: str
+) -> None:
+    text = config(KEEP)
+    async with serve(tmp_path, text) as daemon, daemon.client() as client:
+        engines_before = set(daemon.engine_pids())
+        streams = [StreamOutcome(status=0) for _ in range(8)]
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for outcome in streams:
+                    nursery.start_soon(_run, client, "m-keep", KEEP_TOKENS, outcome)
+
+                async def under_way() -> bool:
+                    return all(len(o.chunks) >= 3 for o in streams)
+
+                await until(under_way, 30)
+                daemon.config_path.write_bytes(text.encode() + BROKEN_FILES[broken])
+                daemon.send_signal(signal.SIGHUP)
+
+                async def refused() -> bool:
+                    return "reload rejected, nothing changed" in daemon.log()
+
+                await until(refused, 10)
+        assert all(complete(o, KEEP_TOKENS) for o in streams)
+        assert daemon.proc.returncode is None and "Traceback" not in daemon.log()
+        assert set(daemon.engine_pids()) == engines_before
+        metrics = (await client.get("/metrics")).text
+        assert "\nsmgd_reload_failures_total 1.0\n" in metrics
+        assert complete(await stream(client, "m-keep", PROMPT, 5), 5)
 
 
 async def _run(client: httpx.AsyncClient, model: str, tokens: int, into: StreamOutcome) -> None:
