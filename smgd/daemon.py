@@ -39,7 +39,7 @@ from smgd.limits import raise_open_files_limit
 from smgd.logs import announce, setup_logging
 from smgd.sdnotify import notify, watchdog
 from smgd.supervise import EngineSet
-from smgd.worker_id import current_worker, for_worker
+from smgd.worker_id import current_worker, for_worker, report_started
 from smgd.workers import reload_others, serve_workers, watch_supervisor
 
 if TYPE_CHECKING:
@@ -214,12 +214,15 @@ def serve_main(
                 await nursery.start(
                     partial(run_daemon, config, config_path=config_path, overrides=overrides)
                 )
-                return  # the supervisor printed the banner
+                report_started()
+                return  # the supervisor prints the banner once every worker serves
             else:
                 running: Running = await nursery.start(
                     partial(run_daemon, config, config_path=config_path, overrides=overrides)
                 )
                 binds = running.binds
+            if not binds:
+                return  # stopped before it served (a SIGTERM while the workers started)
             for url in binds:
                 announce(f"smgd listening on {url}", url=url)
             model = config.engines[0].models[0] if config.engines else "MODEL"

@@ -21,14 +21,20 @@ if TYPE_CHECKING:
 __all__ = [
     "WORKER_ENV",
     "WORKER_FDS_ENV",
+    "WORKER_STARTED_FD_ENV",
     "Worker",
     "current_worker",
     "for_worker",
+    "report_started",
     "worker_listen_fds",
 ]
 
 WORKER_ENV = "SMGD_WORKER"  # "k/N" in a worker's environment
 WORKER_FDS_ENV = "SMGD_WORKER_FDS"  # its listening fds, comma-separated
+# The write end of a pipe the supervisor reads: one byte once the worker serves, or the end of
+# the pipe (the worker died) before that. How the supervisor tells a worker that could not start
+# (it exits, as one process would) from one that crashed later (it is restarted).
+WORKER_STARTED_FD_ENV = "SMGD_WORKER_STARTED_FD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,20 @@ def worker_listen_fds(environ: Mapping[str, str] | None = None) -> list[int]:
     """The public listening fds the supervisor passed this worker ([] outside worker mode)."""
     raw = (os.environ if environ is None else environ).get(WORKER_FDS_ENV, "")
     return [int(fd) for fd in raw.split(",") if fd]
+
+
+def report_started() -> None:
+    """In a worker that now serves: tell the supervisor (once; nothing outside worker mode)."""
+    raw = os.environ.pop(WORKER_STARTED_FD_ENV, "")
+    if not raw:
+        return
+    fd = int(raw)
+    try:
+        os.write(fd, b"1")
+    except OSError:
+        pass  # the supervisor is gone: the worker's own watch drains it (smgd.workers)
+    finally:
+        os.close(fd)
 
 
 def for_worker(config: Config, worker: Worker | None = None) -> Config:

@@ -489,8 +489,12 @@ async def serve(
         async with trio.open_nursery() as handlers:
             if sockets is None:
                 sockets = config.create_sockets()
-                for sock in sockets.insecure_sockets:
-                    sock.listen(config.backlog)
+            # Given sockets listen already (smgd's own, systemd's: listen again only sets the
+            # backlog), except a worker's: its supervisor binds them and the worker starts
+            # listening here, once it serves, so that no connection waits on a worker that is
+            # still starting, or could not (smgd.workers).
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
             binds = []
             for sock in sockets.insecure_sockets:
                 bind = repr_socket_addr(sock.family, sock.getsockname())
