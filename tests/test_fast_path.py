@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import h11
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -26,6 +27,7 @@ from smgd.api.core.pacer import LoadPacer
 from smgd.api.http import dispatch, fast_path, worker_loop
 from smgd.api.http.app import create_app
 from smgd.config import ServerConfig
+from smgd.wire.common import GenerateRequest
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
 from .http_helpers import dechunk
@@ -729,13 +731,58 @@ async def test_a_stream_of_two_choices_sends_its_head_with_its_first_event(
     assert len(heads) == 1 and b"data: " in heads[0], heads
 
 
-async def test_a_stream_that_fails_before_its_first_event_sends_head_then_error() -> None:
-    async with _client(DiesBeforeFirstToken()) as client:
+class _QueueFull(FakeEngine):
+    """An engine whose admission refuses every request: its queue is full."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = msgspec.structs.replace(self.config, max_inflight=1, max_queue=0)
+        self.admission.reconfigure(max_inflight=1, max_queue=0, queue_timeout_s=1.0)
+        assert self.admission.try_acquire("a request that holds the only slot")
+
+
+class _DiesInALongPrefill(FakeEngine):
+    async def _drive(self, req: GenerateRequest) -> None:
+        await trio.sleep(3 * dispatch.HEAD_HOLD_S)
+        self.die("crashed during prefill")
+
+
+@pytest.mark.parametrize(
+    ("engine", "status", "kind"),
+    [(DiesBeforeFirstToken, 502, "engine_error"), (_QueueFull, 429, "rate_limit_error")],
+)
+async def test_a_stream_that_fails_before_its_first_event_is_answered_with_its_status(
+    engine: type[FakeEngine], status: int, kind: str
+) -> None:
+    # Its head was still held for the first event: nothing of a 200 went out, so the client
+    # (or a balancer, which retries a 429 or a 5xx) gets the error's own status.
+    async with _client(engine()) as client:
         await client.send(_post("/v1/completions", _completion(3)))
-        answer = await client.response()  # a strict reader: the head comes first
+        answer = await client.response()  # a strict reader: one whole response
+        assert answer.status == status
+        error = answer.json()["error"]
+        assert error["type"] == kind and error["message"]
+        assert answer.header(b"x-request-id")
+        assert (answer.header(b"retry-after") is not None) == (status == 429)
+        assert answer.header(b"transfer-encoding") is None
+        # The connection serves on: the next request is answered on it, in order (the dead
+        # engine's: 503, no ready engine).
+        await client.send(_post("/v1/completions", _completion(3)))
+        again = await client.response()
+        assert again.status == (503 if status == 502 else status) and again.json()["error"]
+
+
+async def test_a_stream_that_fails_after_its_head_went_alone_sends_an_error_event(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The head went out alone after HEAD_HOLD_S (a long prefill): a 200 is on the wire, so
+    # the failure is the stream's error event.
+    async with _client(_DiesInALongPrefill()) as client:
+        await client.send(_post("/v1/completions", _completion(3)))
+        answer = await client.response()
     events = answer.events()
     assert answer.status == 200
-    assert "error" in events[0] and events[-1] == "[DONE]", events
+    assert events[0]["error"]["type"] == "engine_error" and events[-1] == "[DONE]", events
 
 
 # --------------------------------------------------------------------------- disconnects

@@ -54,6 +54,7 @@ __all__ = [
     "Cutoff",
     "EventWriter",
     "Job",
+    "RefusedBeforeOutput",
     "Renderer",
     "collect",
     "log_request",
@@ -398,6 +399,23 @@ class _ClientGone(Exception):
     """A direct write found the client's socket broken."""
 
 
+class RefusedBeforeOutput(Exception):
+    """A single-choice stream failed before any of it was written or yielded (the engine's
+    queue was full, no engine took it, it died before the first token).
+
+    Raised out of the stream's body instead of its error event, so the HTTP layer can still
+    answer with the error's own status (a 429 with ``Retry-After`` that a client or balancer
+    retries, where a 200 with an error event looks like a served request) when no byte of the
+    response went out yet; where some did, it sends ``event`` (the stream's error event and
+    its end) and ends the body as the stream would have.
+    """
+
+    def __init__(self, error: SmgdError, event: bytes) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.event = event
+
+
 @dataclass(slots=True, eq=False)
 class _DirectSink:
     """The reader task's side of a direct-mode stream: :meth:`sink` is the stream's sink.
@@ -555,6 +573,7 @@ async def _stream_one(
 ) -> AsyncGenerator[bytes, None]:
     choice = job.choice
     watch: _StreamWatch | None = None
+    yielded = False  # an event of this stream went to the dispatcher (not a direct stream's)
     try:
         watch = _StreamWatch(cutoff)
         while True:
@@ -582,12 +601,14 @@ async def _stream_one(
                             with trio.move_on_after(keepalive_s) as idle:
                                 await rs.wait()
                             if idle.cancelled_caught:
+                                yielded = True
                                 yield KEEPALIVE
                             continue
                         text = choice.apply(delta)
                         state.output_event(choice, trio.current_time())
                         out = render.delta(choice, text)
                         if out:
+                            yielded = True
                             yield out
                         if choice.done:
                             break
@@ -604,13 +625,23 @@ async def _stream_one(
         early = EngineDead(f"engine {job.engine.name} ended the request early")
         state.fail(early)
         state.error = "stream ended without a finish"
+        if not (yielded or _wrote(writer)):
+            raise RefusedBeforeOutput(early, render.error(early)) from None
         yield render.error(early)
     except Exception as exc:
-        yield render.error(_failed(state, exc))
+        err = _failed(state, exc)
+        if not (yielded or _wrote(writer)):
+            raise RefusedBeforeOutput(err, render.error(err)) from None
+        yield render.error(err)
     finally:
         if watch is not None:
             watch.close()
         log_request(state)
+
+
+def _wrote(writer: EventWriter | None) -> bool:
+    """A direct stream wrote (or queued) an event: a chunk, a keep-alive comment."""
+    return writer is not None and (writer.writes > 0 or bool(writer.backlog))
 
 
 _Item = tuple[int, TokenDelta | SmgdError]

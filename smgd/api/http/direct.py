@@ -65,6 +65,13 @@ CONNECTION_KEY = "smgd.connection"
 CANCELLED_ON_DISCONNECT = "smgd.cancelled_on_disconnect"
 
 
+# An ASGI message of smgd's own, which only a connection whose writer holds the response head
+# (the fast path's, smgd.api.http.fast_path) takes: the head goes unsent, and the app may start
+# another response, which it does when a stream failed before its first event
+# (smgd.api.http.dispatch). Anything sent of the response already makes it an error.
+RETRACT_HEAD = "smgd.http.response.retract"
+
+
 class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
@@ -124,6 +131,14 @@ class DirectWriter:
         """
         self._head = head
         self._stalled = True
+
+    def drop_head(self) -> bool:
+        """Forget the held head, unsent (the response is retracted); False if it went out."""
+        if not self._head:
+            return False
+        self._head = b""
+        self._restall()
+        return True
 
     def take_unsent(self) -> bytes:
         """The held head and the backlog, cleared: bytes that must precede anything the

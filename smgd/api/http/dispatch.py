@@ -54,11 +54,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 
 from smgd.api.core.errors import error_body, error_headers, http_error
+from smgd.api.core.execute import RefusedBeforeOutput
 from smgd.api.core.pipeline import check_request_id, new_request_id
 from smgd.api.core.prepare import Call
 from smgd.api.http.direct import (
     CANCELLED_ON_DISCONNECT,
     CONNECTION_KEY,
+    RETRACT_HEAD,
     DirectWriter,
     direct_writer,
 )
@@ -93,6 +95,7 @@ BODY_TIMEOUT_S = 60.0
 # paths clients try: the metric's cardinality stays bounded).
 UNMATCHED = "unmatched"
 _NO_EXTENSIONS: dict[str, Any] = {}  # a scope's "extensions" is optional in ASGI
+_RETRACT: Any = {"type": RETRACT_HEAD}  # smgd's own ASGI message (not in ASGI's types)
 # The longest a streamed response's head waits for its first event on the fast path, which
 # writes both at once (smgd.api.http.direct): the head alone is a write of its own, with a
 # wakeup of the client, ~9 % of a two-token request's CPU (docs/performance.md, sixteenth
@@ -382,17 +385,37 @@ class Dispatcher:
         if isinstance(reply.body, bytes):
             await self._send_whole(send, label, method, reply.status, reply.body, headers)
             return
-        if self._metrics is not None:
-            self._metrics.http(label, method, reply.status)
         events = reply.body
+        status = reply.status  # the one counted: a stream refused before its head went out
         try:
             await send(_start(reply.status, headers))
             if writer is not None and writer.head_held:
                 self._bound_head(writer)
-            async for chunk in events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except RefusedBeforeOutput as refused:
+                if writer is not None and writer.head_held:
+                    # No byte of the response went out (the fast path holds the head for
+                    # the first event): the error is answered with its own status.
+                    await send(_RETRACT)
+                    failure = refused.error
+                    status = failure.status
+                    body = error_body(failure)
+                    whole = {
+                        **error_headers(failure, call.request_id),
+                        "Content-Length": str(len(body)),
+                    }
+                    if extra:
+                        whole.update(extra)
+                    await send(_start(status, whole))
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    return
+                await send({"type": "http.response.body", "body": refused.event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            if self._metrics is not None:
+                self._metrics.http(label, method, status)
             await events.aclose()  # the stream's own finally: engine abort, request log
 
     def _bound_head(self, writer: DirectWriter) -> None:

@@ -52,7 +52,7 @@ import trio
 from hypercorn.events import Closed, RawData
 
 from smgd.api.core.errors import http_error
-from smgd.api.http.direct import CANCELLED_ON_DISCONNECT, DirectWriter
+from smgd.api.http.direct import CANCELLED_ON_DISCONNECT, RETRACT_HEAD, DirectWriter
 from smgd.api.http.h1 import NEED_DATA, UNSUPPORTED, Head, parse_head, response_head
 
 if TYPE_CHECKING:
@@ -576,6 +576,11 @@ class _Response:
                 await conn.protocol_send(RawData(data=head))
             else:
                 self._head = head  # goes out with the body, in one write
+        elif kind == RETRACT_HEAD:
+            writer = self._conn.direct_writer
+            if not (self.started and self._chunked and writer is not None and writer.drop_head()):
+                raise RuntimeError("no held response head to retract")
+            self.started = self._chunked = self.close = False
         elif kind == "http.response.body":
             if not self.started or self.ended:
                 raise RuntimeError("http.response.body outside a response")
