@@ -377,6 +377,11 @@ class EngineSet:
 
     async def _reload(self) -> ReloadResult:
         gateway = self.gateway
+        if gateway.draining:
+            # Shutting down: an engine it added would be launched only to be stopped, and one
+            # it replaced would cut the drain of the streams it still has.
+            log.error("reload rejected, nothing changed: smgd is draining (shutting down)")
+            return ReloadResult(ok=False, error="smgd is draining (shutting down)")
         try:
             # A worker (server.workers > 1) applies only its share of the engines.
             loaded = for_worker(load_config(self.config_path, overrides=self.overrides))

@@ -630,6 +630,26 @@ async def test_a_bug_in_checking_a_reload_refuses_it_and_smgd_serves_on(
 
 
 @pytest.mark.slow
+async def test_a_reload_while_smgd_drains_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("keep", "m-keep", step_ms=10), drain_s=30))
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
+        config = gateway.config
+        async with trio.open_nursery() as nursery:
+            results = _spawn_streams(nursery, client, {"m-keep": (4, 100)})
+            await _streaming(gateway, {"keep": 4}, results)
+            daemon.drain()
+            rewrite_config(
+                path, engine_toml("keep", "m-keep", step_ms=10), engine_toml("new", "m-new")
+            )
+            result = await daemon.reload()
+        assert not result.ok and result.error == "smgd is draining (shutting down)"
+        assert gateway.config is config and gateway.router.get("new") is None
+        assert results == {"m-keep": [(100, None)] * 4}  # the drain ran on, untouched
+
+
+@pytest.mark.slow
 async def test_an_engine_that_cannot_start_after_a_reload_leaves_smgd_serving(
     tmp_path: Path,
 ) -> None:
