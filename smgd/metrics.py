@@ -213,6 +213,13 @@ def abort_reason(err: BaseException, *, draining: bool) -> str:
     return "internal_error"
 
 
+# The methods ``smgd_http_requests`` counts under their own name (RFC 9110's and PATCH).
+KNOWN_METHODS = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+)
+UNKNOWN_METHOD = "other"
+
+
 class RequestMetrics:
     """Per-request counters and histograms (updated at request end, exported at scrape)."""
 
@@ -224,7 +231,9 @@ class RequestMetrics:
 
     # ---- recording (called once per request / response)
     def http(self, route: str, method: str, status: int) -> None:
-        key = (route, method, str(status))
+        # A method token may be any name a client invents: one series each would grow the
+        # registry (and every scrape) without bound, so the others share one label.
+        key = (route, method if method in KNOWN_METHODS else UNKNOWN_METHOD, str(status))
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
 
     def abort(self, reason: str, n: int = 1) -> None:

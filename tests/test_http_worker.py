@@ -359,8 +359,14 @@ BOTH_LENGTHS = (
         (BIG_HEADER, 431, "larger than 65536 bytes"),
         (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 501, "only chunked"),
         (BOTH_LENGTHS, 400, "both Content-Length and Transfer-Encoding"),
+        # One that fits h11's incomplete-head limit in its first read and ends in the next:
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", 431,
+         "larger than 65536 bytes"),
+        # HTTP/2 with prior knowledge, and a version that does not exist: smgd speaks 1.1.
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "HTTP/2.0 is not supported"),
+        (b"GET / HTTP/9.9\r\nhost: x\r\n\r\n", 505, "HTTP/9.9 is not supported"),
     ],
-)
+)  # fmt: skip
 async def test_a_request_h11_refuses_gets_the_error_envelope_and_the_connection_closes(
     request_bytes: bytes, status: int, message: str
 ) -> None:
@@ -379,6 +385,23 @@ async def test_a_request_h11_refuses_gets_the_error_envelope_and_the_connection_
     assert error["type"] == "invalid_request_error"
     assert error["param"] is None
     assert error["code"] is None
+
+
+async def test_an_upgrade_to_h2c_is_ignored_and_answered_in_http_1_1() -> None:
+    request = (
+        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+        b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n"
+    )
+    async with trio.open_nursery() as nursery:
+        port = await _serve(nursery, app, _config())
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(request)
+            data = bytearray()
+            with trio.fail_after(5):
+                while b"\r\n\r\n" not in data:
+                    data += await stream.receive_some(1 << 16)
+        nursery.cancel_scope.cancel()
+    assert data.startswith(b"HTTP/1.1 200 "), bytes(data)  # no 101 Switching Protocols
 
 
 # -- the graceful deadline: responses still running are asked to end, then cut ---------------

@@ -36,6 +36,7 @@ from smgd.metrics import (
 )
 from smgd.text.tokenizer import load_tokenizer
 from smgd.wire.common import EngineInfo, EngineLoad
+from tests.asgi_client import request
 from tests.fake_engine import (
     MODEL,
     TINY_MODEL,
@@ -140,6 +141,21 @@ async def test_counts_match_what_was_sent(autojump_clock: trio.abc.Clock) -> Non
     assert types["smgd_requests"] == "counter"
     assert types["smgd_time_to_first_token_seconds"] == "histogram"
     assert value(samples, "smgd_engine_generated_tokens_total", engine="fake", wire="fake") == 15
+
+
+async def test_methods_clients_invent_share_one_label(autojump_clock: trio.abc.Clock) -> None:
+    async with open_app(FakeEngine()) as (app, _):
+        for i in range(50):
+            answer = await request(app, f"X{i:03d}{'Y' * 100}", "/v1/models")
+            assert answer.status == 405
+        assert (await request(app, "PATCH", "/v1/models")).status == 405
+        samples, _ = await scrape(app)
+    label = frozenset({"route": "unmatched", "method": "other", "status": "405"}.items())
+    assert samples[("smgd_http_requests_total", label)] == 50
+    patch = frozenset({"route": "unmatched", "method": "PATCH", "status": "405"}.items())
+    assert samples[("smgd_http_requests_total", patch)] == 1
+    methods = {dict(labels)["method"] for name, labels in samples if name.startswith("smgd_http")}
+    assert methods <= {"GET", "PATCH", "other"}
 
 
 async def test_abort_causes(autojump_clock: trio.abc.Clock) -> None:

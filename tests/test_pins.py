@@ -33,6 +33,8 @@ TESTED = {"hypercorn": "0.18.0", "h11": "0.16.0"}
 PRIVATE: list[tuple[type, str, list[str], str]] = [
     (H11Protocol, "_create_stream", ["self", "request"],
      "worker_loop.H11Protocol: refuses a request with Content-Length and Transfer-Encoding"),
+    (H11Protocol, "_check_protocol", ["self", "event"],
+     "worker_loop.H11Protocol: overridden to take no switch to HTTP/2 (h2c, the preface)"),
     (H11Protocol, "_send_error_response", ["self", "status_code"],
      "worker_loop.H11Protocol: h11's refusals (400, 431, 501) carry the error envelope"),
     (H11Protocol, "_send_h11_event", ["self", "event"],

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # Statuses answered without a SmgdError → OpenAI error types: the dispatcher's own refusals
-# (404, 405, 408: smgd.api.http.dispatch) and the requests h11 refuses (400, 431, 501:
+# (404, 405, 408: smgd.api.http.dispatch) and the requests h11 refuses (400, 431, 501, 505:
 # smgd.api.http.worker_loop).
 HTTP_ERRORS: Mapping[int, str] = {
     400: "invalid_request_error",
@@ -35,6 +35,7 @@ HTTP_ERRORS: Mapping[int, str] = {
     408: "invalid_request_error",
     431: "invalid_request_error",
     501: "invalid_request_error",  # h11: a transfer coding it does not implement; the client's
+    505: "invalid_request_error",  # an HTTP version other than 1.x (HTTP/2's preface): the client's
 }
 
 

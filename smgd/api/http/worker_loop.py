@@ -103,7 +103,32 @@ class H11Protocol(HypercornH11Protocol):
     server may refuse it, and must close the connection after answering it.
     """
 
+    async def _check_protocol(self, event: h11.Request) -> None:
+        """smgd serves HTTP/1.1 only (and 1.0): hypercorn's switch to HTTP/2 here, on an
+        ``Upgrade: h2c`` or on HTTP/2's connection preface, is not taken. Its request
+        handling assumes one request per connection at a time (a client's disconnect cancels
+        *the* request; HTTP/2's per-stream resets would reach none), so a stream reset or a
+        connection closed under many streams left their handlers and engine requests running.
+        The upgrade is ignored, which a server may do (RFC 9110 §7.8): the request is answered
+        in HTTP/1.1. The preface is refused in :meth:`_create_stream`."""
+
     async def _create_stream(self, request: h11.Request) -> None:
+        if request.http_version not in (b"1.1", b"1.0"):
+            # HTTP/2's preface (``PRI * HTTP/2.0``, prior knowledge) or a version that does
+            # not exist: h11 parses any ``HTTP/d.d``.
+            version = request.http_version.decode("ascii", "replace")
+            await self._send_error_response(
+                505, f"HTTP/{version} is not supported: smgd speaks HTTP/1.1"
+            )
+            await self.send(Closed())
+            return
+        limit = self.config.h11_max_incomplete_size
+        if _head_size(request) > limit:
+            # h11 bounds a head that arrives in parts only; one that came whole is held to
+            # the same limit here.
+            await self._send_error_response(431)
+            await self.send(Closed())
+            return
         names = {name for name, _ in request.headers}
         if b"content-length" in names and b"transfer-encoding" in names:
             message = "a request may not have both Content-Length and Transfer-Encoding"
@@ -131,6 +156,13 @@ class H11Protocol(HypercornH11Protocol):
         if status == 501:
             return "the request's Transfer-Encoding is not supported (only chunked is)"
         return "malformed HTTP/1.1 request"
+
+
+def _head_size(request: h11.Request) -> int:
+    """About the bytes of ``request``'s request line and headers, as they came (each line's
+    separators counted; h11 stripped optional whitespace, which is not)."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
 
 
 class DirectSendTCPServer(TCPServer):
