@@ -91,6 +91,26 @@ async def test_hostile_requests_get_an_error_envelope_and_the_daemon_keeps_servi
         status, headers, body = await _raw(url, b"HELLO THERE\r\n\r\n")
         assert status == 400
         assert _envelope(body)["message"] == "malformed HTTP/1.1 request"
+        # HTTP/2 with prior knowledge: smgd speaks HTTP/1.1 only.
+        status, headers, body = await _raw(url, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert status == 505 and "HTTP/2.0 is not supported" in _envelope(body)["message"]
+        # An upgrade to HTTP/2 is ignored: the answer is HTTP/1.1's (no 101).
+        upgrade = _post(
+            "/v1/completions",
+            b'{"model": "m", "prompt": "hi", "max_tokens": 2}',
+            b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n",
+        ).replace(b"connection: close", b"connection: close, Upgrade, HTTP2-Settings")
+        status, headers, body = await _raw(url, upgrade)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+        # Invented methods: 405s, all counted under one metric label.
+        for i in range(20):
+            invented = b"M%03d /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % i
+            status, _, _ = await _raw(url, invented)
+            assert status == 405
+        metrics = (await client.get("/metrics")).text
+        assert 'smgd_http_requests_total{method="other",route="unmatched",status="405"} 20.0' in (
+            metrics
+        )
         # X-Request-Id as a proxy merges it: the first value is the id.
         response = await client.post(
             "/v1/completions",
