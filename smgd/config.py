@@ -443,25 +443,35 @@ def _parse_literal(text: str) -> Any:
 
 def _set_path(tree: dict[str, Any], dotted: list[str], value: Any, origin: str) -> None:
     node: Any = tree
+    at = "$"  # the key path walked so far, for the errors
     for i, key in enumerate(dotted):
         last = i == len(dotted) - 1
         if isinstance(node, list):
             if not key.isdigit():
-                raise ConfigError(f"{origin}: `{key}` is not a list index", path="$")
+                raise ConfigError(f"{origin}: `{key}` is not a list index", path=at)
             idx = int(key)
             if idx >= len(node):
                 raise ConfigError(
-                    f"{origin}: index {idx} is past the end ({len(node)} entries)", path="$"
+                    f"{origin}: index {idx} is past the end ({len(node)} entries)", path=at
                 )
             if last:
                 node[idx] = value
             else:
                 node = node[idx]
-        else:
+            at += f"[{idx}]"
+        elif isinstance(node, dict):
             if last:
                 node[key] = value
             else:
                 node = node.setdefault(key, {})
+            at += f".{key}"
+        else:
+            # `server.port.x` where the file (or an earlier override) gives server.port a value:
+            # a scalar has no keys to set.
+            raise ConfigError(
+                f"{origin}: {at} is a value ({node!r}), not a table: it has no key `{key}`",
+                path=at,
+            )
 
 
 # Top-level scalar keys reachable as SMGD_<KEY> (no section); SMGD_CONFIG is the file path.

@@ -119,6 +119,41 @@ def test_top_level_run_dir_from_env(tmp_path: Path) -> None:
 def test_override_past_list_end_is_an_error(tmp_path: Path) -> None:
     err = error_of(write(tmp_path, engine()), overrides=["engines.3.name=z"])
     assert "past the end" in err.message
+    assert err.path == "$.engines"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "at", "origin"),
+    [
+        (["--set", "server.port.x=1"], {}, "$.server.port", "--set server.port.x"),
+        (["--set", "engines.0.name.x=1"], {}, "$.engines[0].name", "--set engines.0.name.x"),
+        (
+            ["--set", "engines.0.models.0.x=1"],
+            {},
+            "$.engines[0].models[0]",
+            "--set engines.0.models.0.x",
+        ),
+        ([], {"SMGD_SERVER__PORT__X": "1"}, "$.server.port", "SMGD_SERVER__PORT__X"),
+    ],
+)
+def test_an_override_below_a_value_names_the_value_and_the_override(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    env: dict[str, str],
+    at: str,
+    origin: str,
+) -> None:
+    # server.port is a number in the file: `server.port.x` has nowhere to go (it was a
+    # TypeError traceback).
+    text = "[server]\nport = 8080\n" + engine().replace('"m"', '"builtin:tiny-model"')
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["check-config", str(write(tmp_path, text)), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"smgd: config error at {at}: {origin}: {at} is a value ("), err
+    assert len(err.splitlines()) == 1
 
 
 def test_routing_for_unserved_model(tmp_path: Path) -> None:
