@@ -157,6 +157,7 @@ async def test_port_in_use_names_the_address_and_launches_no_engine(
         _, err = await trio.to_thread.run_sync(lambda: proc.communicate(timeout=60))
     assert proc.returncode == 1
     assert f"smgd: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert f"choose another {listener}.port)" in err  # the key of the listener that failed
     assert "launching" not in err  # the port is bound before any engine is launched
     assert "Traceback" not in err
 

@@ -107,14 +107,15 @@ def bind_public(gateway: Gateway) -> PublicListener:
         sockets = [socket.socket(fileno=fd) for fd in fds]
     else:
         server = gateway.config.server
-        sockets = [listen_tcp(server.host, server.port, cfg.backlog)]
+        sockets = [listen_tcp(server.host, server.port, cfg.backlog, key="server.port")]
     for sock in sockets:
         sock.setblocking(False)
     return PublicListener(cfg, sockets)
 
 
-def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``; TransportError naming the address if not."""
+def listen_tcp(host: str, port: int, backlog: int, *, key: str) -> socket.socket:
+    """A listening TCP socket on ``host:port``; TransportError naming the address if not, and
+    ``key`` (the config key of the port: ``server.port``, ``admin.port``) if it is taken."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -125,7 +126,7 @@ def listen_tcp(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         hint = (
-            " (another process listens there: stop it, or choose another server.port)"
+            f" (another process listens there: stop it, or choose another {key})"
             if exc.errno == errno.EADDRINUSE
             else ""
         )
@@ -192,7 +193,8 @@ async def serve_admin(
     admin = gateway.config.admin
     if admin.port > 0:
         # Bound here, so a taken port is an error naming the address; hypercorn owns the fd.
-        cfg.bind = [f"fd://{listen_tcp(admin.host, admin.port, cfg.backlog).detach()}"]
+        sock = listen_tcp(admin.host, admin.port, cfg.backlog, key="admin.port")
+        cfg.bind = [f"fd://{sock.detach()}"]
     cfg.graceful_timeout = 1.0  # admin requests are short
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")  # through smgd's log format, once
