@@ -825,6 +825,15 @@ _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name 
 
 def validate(config: Config, *, check_paths: bool = True) -> None:
     """Cross-field checks msgspec cannot express."""
+    if not config.engines:
+        # An empty or half-written file (an editor's, a deploy tool's) must not start, or be
+        # reloaded into, a gateway that answers ready and 404s every request.
+        raise ConfigError(
+            "no engine: smgd would serve nothing",
+            path="$.engines",
+            hint="add an [[engines]] table (name, wire, models, model_dir); the built-in "
+            "default config has one (`smgd init` writes it out)",
+        )
     seen: dict[str, int] = {}
     served: dict[str, str] = {}
     tasks: dict[str, tuple[str, str]] = {}  # model -> (task, engine name)

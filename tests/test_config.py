@@ -636,5 +636,19 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> Non
         load_config(path, environ={})
     assert info.value.path == "$"
     assert info.value.message == f"{path} is not UTF-8 text (byte 26: 0xe9)"
-    path.write_bytes("[server]\nport = 8080\n# café\n".encode())
+    write(tmp_path, "[server]\nport = 8080\n# café\n" + engine())
     assert load_config(path, environ={}).server.port == 8080
+
+
+# --------------------------------------------------------------------------- no engine
+
+
+@pytest.mark.parametrize(
+    "text", ["", "# smgd.toml\n", "[server]\nport = 8080\n", 'run_dir = "/tmp/r"\n']
+)
+def test_a_config_without_an_engine_is_refused(tmp_path: Path, text: str) -> None:
+    # An empty or half-written file would start (or reload into) a gateway that answers
+    # ready with no engine and 404s every request.
+    err = error_of(write(tmp_path, text))
+    assert err.path == "$.engines"
+    assert err.hint is not None and "[[engines]]" in err.hint

@@ -12,7 +12,7 @@ import trio
 
 from smgd.api.http.app import create_app
 from smgd.api.http.cors import EXPOSED, MAX_AGE_S, CorsPolicy
-from smgd.config import Config, ServerConfig, validate
+from smgd.config import Config, EngineConfig, ServerConfig, WireFamily, validate
 from smgd.errors import ConfigError
 
 from .asgi_client import lifespan, request
@@ -29,6 +29,12 @@ COMPLETION = {**STREAM, "stream": False}
 
 def _server(**cors: object) -> ServerConfig:
     return msgspec.structs.replace(ServerConfig(), **cors)
+
+
+def _config(server: ServerConfig) -> Config:
+    """A config to validate: ``server`` and an engine (a config without one is refused)."""
+    engine = EngineConfig(name="e", wire=WireFamily.MOCK, models=[MODEL], model_dir="m")
+    return Config(server=server, engines=[engine])
 
 
 def _preflight_headers(origin: str, headers: str = "authorization,content-type") -> dict[str, str]:
@@ -121,14 +127,14 @@ def test_cors_keys_a_browser_could_never_match_are_config_errors(
     cors: dict[str, object], path: str
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        validate(Config(server=_server(**cors)), check_paths=False)
+        validate(_config(_server(**cors)), check_paths=False)
     assert info.value.path == path
 
 
 def test_valid_cors_keys_load() -> None:
     validate(
-        Config(
-            server=_server(
+        _config(
+            _server(
                 cors_allowed_origins=[UI, "https://ui.example", "tauri://localhost"],
                 cors_allowed_methods=["POST"],
                 cors_allowed_headers=["Authorization"],

@@ -107,9 +107,10 @@ def test_the_reload_guide_lists_exactly_the_in_place_and_replacing_keys() -> Non
 
 def test_restart_keys_keep_their_running_values(tmp_path: Path) -> None:
     path = tmp_path / "smgd.toml"
-    path.write_text('run_dir = "/tmp/a"\n[server]\nport = 1\nmax_body_bytes = 10\n')
+    engine = engine_toml("e", "m")  # a config has an engine
+    path.write_text('run_dir = "/tmp/a"\n[server]\nport = 1\nmax_body_bytes = 10\n' + engine)
     running = load_config(path, environ={})
-    path.write_text('run_dir = "/tmp/b"\n[server]\nport = 2\nmax_body_bytes = 20\n')
+    path.write_text('run_dir = "/tmp/b"\n[server]\nport = 2\nmax_body_bytes = 20\n' + engine)
     kept = keep_running(load_config(path, environ={}), running)
     assert (kept.run_dir, kept.server.port) == ("/tmp/a", 1)  # need a restart: the old values
     assert kept.server.max_body_bytes == 20  # applies live: the new value
@@ -603,6 +604,24 @@ async def test_a_reload_that_cannot_be_applied_is_refused_whole(tmp_path: Path) 
         assert gateway.config is config
         assert gateway.router.get("keep") is before and _pid(gateway, "keep") == pid
         assert gateway.router.get("bad") is None
+        await _serves(gateway, client, "keep", "m-keep")
+
+
+@pytest.mark.slow
+async def test_a_reload_to_a_file_without_an_engine_is_refused(tmp_path: Path) -> None:
+    # An editor's or a deploy tool's half-written file: a reload must not remove every engine.
+    path = tmp_path / "smgd.toml"
+    path.write_text(config_text(engine_toml("keep", "m-keep", step_ms=10)))
+    async with running_daemon(path) as (daemon, client):
+        gateway = daemon.gateway
+        before, config = gateway.router.get("keep"), gateway.config
+        run_line = path.read_text().split("\n", 1)[0]
+        for text in ("", run_line + "\n[server]\n"):
+            path.write_text(text)
+            result = await daemon.reload()
+            assert not result.ok
+            assert (result.error or "").startswith("config error at $.engines: no engine")
+        assert gateway.config is config and gateway.router.get("keep") is before
         await _serves(gateway, client, "keep", "m-keep")
 
 
