@@ -78,10 +78,23 @@ _BUILTIN_NOTE = (
 )
 
 
+def _check_startable(config: Config) -> None:
+    """What serve checks of a loaded config before it launches anything, for check-config:
+    every engine's tokenizer and chat template load (smgd.gateway), and every engine's client
+    can be built (a context length known). Nothing is bound, launched or connected."""
+    from smgd.gateway import Gateway  # the text and engine layers: only what checks pays for them
+    from smgd.supervise import build_engine_client
+
+    gateway = Gateway.from_config(config)
+    for engine in config.engines:
+        build_engine_client(engine, config, gateway.texts)
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     path, builtin = _config_path(args, args.path)
     config = load_config(path, overrides=_overrides(args))
     check_secrets(config)  # as serve does: a configured key source without a key is an error
+    _check_startable(config)
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(config), indent=2).decode() + "\n")
     if builtin:
         print("smgd: " + _BUILTIN_NOTE % path, file=sys.stderr)

@@ -823,6 +823,41 @@ def _check_scheduling(engine: EngineConfig, at: str) -> None:
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
 
 
+def _path_values(config: Config) -> Iterator[tuple[str, str, bool]]:
+    """(value, key path, whether it names a directory) for every key that names a path."""
+    if config.run_dir is not None:
+        yield config.run_dir, "$.run_dir", True
+    if config.server.api_keys_file is not None:
+        yield config.server.api_keys_file, "$.server.api_keys_file", False
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        yield engine.model_dir, f"{at}.model_dir", True
+        for key, is_dir in (("tokenizer_dir", True), ("ipc_dir", True), ("chat_template", False)):
+            value = getattr(engine, key)
+            if value is not None:
+                yield value, f"{at}.{key}", is_dir
+        if engine.mock.script is not None:
+            yield engine.mock.script, f"{at}.mock.script", False
+        for name, value in engine.lora.adapters.items() if engine.lora is not None else ():
+            yield value, f"{at}.lora.adapters.{name}", True
+
+
+def _check_path_values(config: Config) -> None:
+    """Every ``builtin:`` path names a packaged directory, on a key that takes a directory;
+    checked before anything resolves a path, so the error names the key."""
+    for value, key, is_dir in _path_values(config):
+        if not value.startswith(BUILTIN_PREFIX):
+            continue
+        if value[len(BUILTIN_PREFIX) :] not in BUILTIN_DIRS:
+            raise ConfigError(f"{value!r} names no built-in directory", path=key, hint=_BUILTINS)
+        if not is_dir:
+            raise ConfigError(
+                f"{value!r} is a packaged directory; this key names a file",
+                path=key,
+                hint=f"`{BUILTIN_PREFIX}` names directories shipped with smgd ({_BUILTINS})",
+            )
+
+
 def validate(config: Config, *, check_paths: bool = True) -> None:
     """Cross-field checks msgspec cannot express."""
     if not config.engines:
@@ -834,6 +869,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             hint="add an [[engines]] table (name, wire, models, model_dir); the built-in "
             "default config has one (`smgd init` writes it out)",
         )
+    _check_path_values(config)
     seen: dict[str, int] = {}
     served: dict[str, str] = {}
     tasks: dict[str, tuple[str, str]] = {}  # model -> (task, engine name)
@@ -859,15 +895,6 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             value = getattr(engine, key)
             if value is None:
                 continue
-            if (
-                value.startswith(BUILTIN_PREFIX)
-                and value[len(BUILTIN_PREFIX) :] not in BUILTIN_DIRS
-            ):
-                raise ConfigError(
-                    f"{key} {value!r} names no built-in directory",
-                    path=f"{at}.{key}",
-                    hint=_BUILTINS,
-                )
             if check_paths and not resolve_path(config, value).is_dir():
                 raise ConfigError(
                     f"{key} {value!r} is not a directory",

@@ -105,24 +105,25 @@ class Gateway:
         for text in self.texts.values():
             cache.setdefault(text.key, text)
         for i, engine in enumerate(config.engines):
-            model_dir = resolve_path(self.config, engine.model_dir)
-            tok_dir = (
-                resolve_path(self.config, engine.tokenizer_dir) if engine.tokenizer_dir else None
-            )
+            at = f"$.engines[{i}]"
+            model_dir = resolve_path(config, engine.model_dir)
+            tok_dir = resolve_path(config, engine.tokenizer_dir) if engine.tokenizer_dir else None
             template = (
-                str(resolve_path(self.config, engine.chat_template))
-                if engine.chat_template
-                else None
+                str(resolve_path(config, engine.chat_template)) if engine.chat_template else None
             )
             key = (str(model_dir), str(tok_dir) if tok_dir else None, template)
             if key not in cache:
-                try:
-                    tokenizer = load_tokenizer(model_dir, tok_dir, chat_template=template)
-                except ConfigError as exc:
-                    exc.path = f"$.engines[{i}].model_dir"
-                    raise
+                # Each error names the key its file came from (load_tokenizer knows which).
+                tokenizer = load_tokenizer(
+                    model_dir,
+                    tok_dir,
+                    chat_template=template,
+                    model_key=f"{at}.model_dir",
+                    tokenizer_key=f"{at}.tokenizer_dir" if tok_dir else None,
+                    template_key=f"{at}.chat_template",
+                )
                 _ = tokenizer.byte_level  # built now rather than on the first request
-                config_json = _read_json(model_dir / "config.json")
+                config_json = _read_json(model_dir / "config.json", f"{at}.model_dir")
                 cache[key] = ModelText(tokenizer, model_dir, config_json, key)
             for model in engine.models:
                 texts[model] = cache[key]
@@ -137,11 +138,11 @@ class Gateway:
             ) from None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, key: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        raise ConfigError(f"cannot read {path}: {exc}", path=key) from None
     return data if isinstance(data, dict) else {}

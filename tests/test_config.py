@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from smgd.config import (
     resolve_path,
 )
 from smgd.errors import ConfigError
+from smgd.gateway import Gateway
 from smgd.reload import ReloadResult
 from tests.asgi_client import lifespan, request
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, open_gateway, post
@@ -193,7 +195,7 @@ def test_check_config_cli_exit_2_one_line(
 
 
 def test_check_config_prints_resolved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write(tmp_path, engine())
+    path = write(tmp_path, engine().replace('"m"', '"builtin:tiny-model"'))
     assert main(["check-config", str(path), "--server-port", "1234"]) == 0
     assert '"port": 1234' in capsys.readouterr().out
 
@@ -400,6 +402,43 @@ def test_unknown_builtin_is_refused_even_without_path_checks(tmp_path: Path) -> 
     err = error_of(write(tmp_path, text), check_paths=False)
     assert err.path == "$.engines[0].model_dir"
     assert err.hint is not None and "builtin:tiny-model" in err.hint
+
+
+@pytest.mark.parametrize(
+    ("text", "at"),
+    [
+        (engine() + 'chat_template = "builtin:nope"\n', "$.engines[0].chat_template"),
+        (engine() + 'tokenizer_dir = "builtin:nope"\n', "$.engines[0].tokenizer_dir"),
+        (engine() + 'ipc_dir = "builtin:nope"\n', "$.engines[0].ipc_dir"),
+        (engine() + '[engines.mock]\nscript = "builtin:nope"\n', "$.engines[0].mock.script"),
+        (
+            engine() + '[engines.lora]\nadapters = { sql = "builtin:nope" }\n',
+            "$.engines[0].lora.adapters.sql",
+        ),
+        ('[server]\napi_keys_file = "builtin:nope"\n' + engine(), "$.server.api_keys_file"),
+        ('run_dir = "builtin:nope"\n' + engine(), "$.run_dir"),
+    ],
+)
+def test_an_unknown_builtin_is_refused_at_its_key(tmp_path: Path, text: str, at: str) -> None:
+    err = error_of(write(tmp_path, text), check_paths=False)
+    assert (err.path, err.message) == (at, "'builtin:nope' names no built-in directory")
+    assert err.hint is not None and "builtin:tiny-model" in err.hint
+
+
+@pytest.mark.parametrize(
+    ("text", "at"),
+    [
+        (engine() + 'chat_template = "builtin:tiny-model"\n', "$.engines[0].chat_template"),
+        (engine() + '[engines.mock]\nscript = "builtin:tiny-model"\n', "$.engines[0].mock.script"),
+        ('[server]\napi_keys_file = "builtin:tiny-model"\n' + engine(), "$.server.api_keys_file"),
+    ],
+)
+def test_a_builtin_directory_where_a_file_is_named_is_refused(
+    tmp_path: Path, text: str, at: str
+) -> None:
+    err = error_of(write(tmp_path, text), check_paths=False)
+    assert err.path == at
+    assert err.message == "'builtin:tiny-model' is a packaged directory; this key names a file"
 
 
 def test_missing_model_dir_hint_names_the_builtin(tmp_path: Path) -> None:
@@ -652,3 +691,77 @@ def test_a_config_without_an_engine_is_refused(tmp_path: Path, text: str) -> Non
     err = error_of(write(tmp_path, text))
     assert err.path == "$.engines"
     assert err.hint is not None and "[[engines]]" in err.hint
+
+
+# --------------------------------------------------------------------------- texts
+
+
+TOKENIZER_JSON = (TINY_MODEL_DIR / "tokenizer.json").read_bytes()
+
+
+def _model(tmp_path: Path, files: dict[str, bytes]) -> None:
+    """The tiny model at tmp_path/model, then ``files`` written (relative to tmp_path)."""
+    shutil.copytree(TINY_MODEL_DIR, tmp_path / "model")
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+
+
+@pytest.mark.parametrize(
+    ("files", "keys", "at", "needle"),
+    [
+        ({}, 'chat_template = "gone.jinja"\n', "chat_template", "cannot read chat template"),
+        ({"bad.jinja": b"{% if %}"}, 'chat_template = "bad.jinja"\n', "chat_template", "compile"),
+        ({"l1.jinja": b"caf\xe9"}, 'chat_template = "l1.jinja"\n', "chat_template", "not UTF-8"),
+        ({"tok/x": b""}, 'tokenizer_dir = "tok"\n', "tokenizer_dir", "no tokenizer.json in"),
+        ({"model/tokenizer.json": b"{}"}, "", "model_dir", "cannot load"),
+        ({"model/tokenizer_config.json": b"garbage{"}, "", "model_dir", "is not valid JSON"),
+        (
+            {"model/tokenizer_config.json": b'{"chat_template": 5}'},
+            "",
+            "model_dir",
+            "must be a string or a list",
+        ),
+        (
+            {
+                "tok/tokenizer.json": TOKENIZER_JSON,
+                "tok/tokenizer_config.json": b'{"chat_template": 5}',
+            },
+            'tokenizer_dir = "tok"\n',
+            "tokenizer_dir",
+            "must be a string or a list",
+        ),
+        ({"model/config.json": b'{"x": "caf\xe9"}'}, "", "model_dir", "is not UTF-8 text"),
+    ],
+)
+def test_check_config_loads_the_tokenizers_and_templates_serve_loads(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    files: dict[str, bytes],
+    keys: str,
+    at: str,
+    needle: str,
+) -> None:
+    _model(tmp_path, files)
+    text = engine().replace('"m"', '"model"') + keys
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:  # serve's own loading
+        Gateway.from_config(load_config(path, environ={}))
+    assert info.value.path == f"$.engines[0].{at}"
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"smgd: config error at $.engines[0].{at}: "), err
+    assert needle in err and err == f"smgd: {info.value.one_line()}\n"
+
+
+def test_check_config_needs_a_context_length_as_serve_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An engine smgd does not launch, on a model whose config.json has no context length.
+    _model(tmp_path, {"model/config.json": b"{}"})
+    text = engine(wire="sglang").replace('"m"', '"model"')
+    assert main(["check-config", str(write(tmp_path, text))]) == 2
+    assert "config error at $.engines[0].max_model_len: no context length" in (
+        capsys.readouterr().err
+    )
+    assert main(["check-config", str(write(tmp_path, text + "max_model_len = 2048\n"))]) == 0

@@ -96,8 +96,59 @@ def test_separate_tokenizer_dir(tmp_path: Path, model_copy: Path) -> None:
 def test_missing_tokenizer_json_is_config_error(model_copy: Path) -> None:
     (model_copy / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"no tokenizer\.json") as info:
-        load_tokenizer(model_copy, config_path="$.engines[0].model_dir")
+        load_tokenizer(model_copy, model_key="$.engines[0].model_dir")
     assert info.value.path == "$.engines[0].model_dir"
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_json_file_that_is_not_utf8_is_a_config_error(model_copy: Path, name: str) -> None:
+    # A Latin-1 byte in a model's JSON was a UnicodeDecodeError traceback at start-up.
+    (model_copy / name).write_bytes(b'{"note": "caf\xe9"}')
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(model_copy, model_key="$.engines[0].model_dir")
+    assert info.value.message == f"{model_copy / name} is not UTF-8 text (byte 13: 0xe9)"
+    assert info.value.path == "$.engines[0].model_dir"
+
+
+@pytest.mark.parametrize("override", [False, True])
+def test_a_chat_template_that_is_not_utf8_is_a_config_error(
+    tmp_path: Path, model_copy: Path, override: bool
+) -> None:
+    template = tmp_path / "t.jinja" if override else model_copy / "chat_template.jinja"
+    template.write_bytes(b"{{ 'caf\xe9' }}")
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(
+            model_copy,
+            chat_template=template if override else None,
+            model_key="$.engines[0].model_dir",
+            template_key="$.engines[0].chat_template",
+        )
+    assert info.value.message == f"chat template {template} is not UTF-8 text (byte 7: 0xe9)"
+    # The override is the chat_template key's fault; the model's own template, model_dir's.
+    key = "chat_template" if override else "model_dir"
+    assert info.value.path == f"$.engines[0].{key}"
+
+
+def test_each_error_names_the_key_its_file_came_from(tmp_path: Path, model_copy: Path) -> None:
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    keys = {
+        "model_key": "$.engines[0].model_dir",
+        "tokenizer_key": "$.engines[0].tokenizer_dir",
+        "template_key": "$.engines[0].chat_template",
+    }
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(model_copy, tok_dir, **keys)
+    assert info.value.path == "$.engines[0].tokenizer_dir"  # no tokenizer.json there
+    shutil.copy(model_copy / "tokenizer.json", tok_dir)
+    (model_copy / "config.json").write_text("[1,")
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(model_copy, tok_dir, **keys)
+    assert info.value.path == "$.engines[0].model_dir"
+    (model_copy / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(model_copy, tok_dir, tmp_path / "gone.jinja", **keys)
+    assert info.value.path == "$.engines[0].chat_template"
 
 
 def test_invalid_tokenizer_json_is_config_error(model_copy: Path) -> None:

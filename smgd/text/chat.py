@@ -572,6 +572,19 @@ def _template_from_config(config: Mapping[str, Any], origin: str) -> Mapping[str
     raise ConfigError(f"chat_template in {origin} must be a string or a list")
 
 
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"chat template {path} is not UTF-8 text "
+            f"(byte {exc.start}: {exc.object[exc.start]:#04x})",
+            hint="save the template as UTF-8",
+        ) from None
+
+
 def load_chat_template(
     tokenizer_dir: Path,
     tokenizer_config: Mapping[str, Any],
@@ -582,17 +595,11 @@ def load_chat_template(
     """Find and compile the model's chat template, or ``None`` if it has none."""
     if override is not None:
         path = Path(override)
-        try:
-            source = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from exc
-        return ChatTemplate(source, special_tokens=special_tokens, origin=str(path))
+        return ChatTemplate(_read_template(path), special_tokens=special_tokens, origin=str(path))
     jinja_file = tokenizer_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return ChatTemplate(
-            jinja_file.read_text(encoding="utf-8"),
-            special_tokens=special_tokens,
-            origin=str(jinja_file),
+            _read_template(jinja_file), special_tokens=special_tokens, origin=str(jinja_file)
         )
     candidates: list[tuple[Mapping[str, Any], str]] = []
     json_file = tokenizer_dir / "chat_template.json"

@@ -65,6 +65,12 @@ def _read_json(path: Path, *, required: bool, config_path: str) -> dict[str, Any
         return {}
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}", path=config_path) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})",
+            path=config_path,
+            hint="JSON files are UTF-8",
+        ) from None
     try:
         data = json.loads(text)
     except ValueError as exc:
@@ -311,33 +317,38 @@ def load_tokenizer(
     tokenizer_dir: str | Path | None = None,
     chat_template: str | Path | None = None,
     *,
-    config_path: str = "$",
+    model_key: str = "$",
+    tokenizer_key: str | None = None,
+    template_key: str = "$",
 ) -> Tokenizer:
     """Load the tokenizer of ``model_dir`` (tokenizer files from ``tokenizer_dir`` if given).
 
-    ``chat_template`` is an override template file. ``config_path`` is the smgd.toml key the
-    dirs came from (``$.engines[0].model_dir``), used in ``ConfigError`` messages.
+    ``chat_template`` is an override template file. The keys are the smgd.toml keys the model
+    dir, the tokenizer dir and the template came from (``$.engines[0].model_dir``...), named
+    by a ``ConfigError`` about what was read from each; ``tokenizer_key`` defaults to
+    ``model_key`` (the tokenizer files are the model dir's).
     """
     model = Path(model_dir)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else model
+    tok_key = model_key if tokenizer_key is None else tokenizer_key
     tokenizer_file = tok_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ConfigError(
             f"no tokenizer.json in {tok_dir}",
-            path=config_path,
+            path=tok_key,
             hint="smgd needs a fast tokenizer (tokenizer.json); set tokenizer_dir if elsewhere",
         )
     try:
         hf = HfTokenizer.from_file(str(tokenizer_file))
     except Exception as exc:  # the Rust side raises plain Exception for every parse error
-        raise ConfigError(f"cannot load {tokenizer_file}: {exc}", path=config_path) from exc
+        raise ConfigError(f"cannot load {tokenizer_file}: {exc}", path=tok_key) from exc
     tokenizer_config = _read_json(
-        tok_dir / "tokenizer_config.json", required=False, config_path=config_path
+        tok_dir / "tokenizer_config.json", required=False, config_path=tok_key
     )
     generation_config = _read_json(
-        model / "generation_config.json", required=False, config_path=config_path
+        model / "generation_config.json", required=False, config_path=model_key
     )
-    model_config = _read_json(model / "config.json", required=False, config_path=config_path)
+    model_config = _read_json(model / "config.json", required=False, config_path=model_key)
     special = {
         name: text
         for name in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -348,7 +359,11 @@ def load_tokenizer(
             tok_dir, tokenizer_config, override=chat_template, special_tokens=special
         )
     except ConfigError as exc:
-        raise ConfigError(exc.message, path=config_path, hint=exc.hint) from exc
+        if chat_template is not None:  # the override file's fault
+            raise ConfigError(exc.message, path=template_key, hint=exc.hint) from exc
+        # The tokenizer's own template (chat_template.jinja / .json, tokenizer_config.json).
+        hint = exc.hint or "set chat_template to a template file to use instead"
+        raise ConfigError(exc.message, path=tok_key, hint=hint) from exc
     return Tokenizer(
         hf,
         tokenizer_config=tokenizer_config,

@@ -162,6 +162,35 @@ async def test_impossible_values_are_refused(
         assert "round_robin" not in err and "debug" in err
 
 
+# -------------------------------------------------------------------- check-config as serve
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ('chat_template = "gone.jinja"\n', "$.engines[0].chat_template"),
+        ('tokenizer_dir = "."\n', "$.engines[0].tokenizer_dir"),  # no tokenizer.json there
+        (None, "$.engines"),  # no [[engines]] at all
+    ],
+)
+async def test_check_config_refuses_what_serve_refuses(
+    tmp_path: Path, extra: str | None, key: str
+) -> None:
+    engines = () if extra is None else (mock_engine_toml("e0", "m", extra=extra),)
+    err = await refused(tmp_path, daemon_toml(*engines))
+    with trio.fail_after(REFUSE_TIMEOUT_S):
+        checked = await trio.run_process(
+            [sys.executable, "-m", "smgd", "check-config", str(tmp_path / "smgd.toml")],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert checked.returncode == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"smgd: config error at {key}: ")
+    assert checked.stderr.decode() == line + "\n"  # the same error, word for word
+
+
 # -------------------------------------------------------------------- the defaults
 
 
