@@ -823,29 +823,43 @@ def _check_scheduling(engine: EngineConfig, at: str) -> None:
 _BUILTINS = "built-in directories: " + ", ".join(BUILTIN_PREFIX + name for name in BUILTIN_DIRS)
 
 
-def _path_values(config: Config) -> Iterator[tuple[str, str, bool]]:
-    """(value, key path, whether it names a directory) for every key that names a path."""
+def _path_values(config: Config) -> Iterator[tuple[str, str, bool, str | None]]:
+    """(value, key path, whether it names a directory, what leaving the key out means; None for
+    a required key) for every key that names a path."""
     if config.run_dir is not None:
-        yield config.run_dir, "$.run_dir", True
+        default = "$XDG_RUNTIME_DIR/smgd, else /tmp/smgd-<uid>"
+        yield config.run_dir, "$.run_dir", True, f"the default run_dir ({default})"
     if config.server.api_keys_file is not None:
-        yield config.server.api_keys_file, "$.server.api_keys_file", False
+        yield config.server.api_keys_file, "$.server.api_keys_file", False, "no key file"
     for i, engine in enumerate(config.engines):
         at = f"$.engines[{i}]"
-        yield engine.model_dir, f"{at}.model_dir", True
-        for key, is_dir in (("tokenizer_dir", True), ("ipc_dir", True), ("chat_template", False)):
+        yield engine.model_dir, f"{at}.model_dir", True, None
+        for key, is_dir, unset in (
+            ("tokenizer_dir", True, "the tokenizer files in model_dir"),
+            ("ipc_dir", True, "<run_dir>/<engine name>"),
+            ("chat_template", False, "the tokenizer's chat template"),
+        ):
             value = getattr(engine, key)
             if value is not None:
-                yield value, f"{at}.{key}", is_dir
+                yield value, f"{at}.{key}", is_dir, unset
         if engine.mock.script is not None:
-            yield engine.mock.script, f"{at}.mock.script", False
+            yield engine.mock.script, f"{at}.mock.script", False, "no script (prompts echoed)"
         for name, value in engine.lora.adapters.items() if engine.lora is not None else ():
-            yield value, f"{at}.lora.adapters.{name}", True
+            yield value, f"{at}.lora.adapters.{name}", True, None
 
 
 def _check_path_values(config: Config) -> None:
-    """Every ``builtin:`` path names a packaged directory, on a key that takes a directory;
-    checked before anything resolves a path, so the error names the key."""
-    for value, key, is_dir in _path_values(config):
+    """Every key that names a path names one, before anything resolves it (so the error names
+    the key): not empty (which the code would take as unset, or as the config file's
+    directory), and ``builtin:`` only with a packaged directory's name, on a directory key."""
+    for value, key, is_dir, unset in _path_values(config):
+        if not value.strip():
+            raise ConfigError(
+                f"empty path {value!r}",
+                path=key,
+                hint=f"name a {'directory' if is_dir else 'file'}"
+                + (f", or leave the key out for {unset}" if unset else ""),
+            )
         if not value.startswith(BUILTIN_PREFIX):
             continue
         if value[len(BUILTIN_PREFIX) :] not in BUILTIN_DIRS:
@@ -856,6 +870,39 @@ def _check_path_values(config: Config) -> None:
                 path=key,
                 hint=f"`{BUILTIN_PREFIX}` names directories shipped with smgd ({_BUILTINS})",
             )
+
+
+def _check_listeners(config: Config) -> None:
+    """Listener hosts are named, and the admin listener does not take the public one's port."""
+    server, admin = config.server, config.admin
+    for key, host in (("$.server.host", server.host), ("$.admin.host", admin.host)):
+        if not host.strip():
+            # The socket layer would take "" as every interface: say so if that is meant.
+            raise ConfigError(
+                f"empty host {host!r}",
+                path=key,
+                hint='"127.0.0.1" for this host only, "0.0.0.0" (or "::") for every interface',
+            )
+    if server.port > 0 and admin.port == server.port and _binds_overlap(server.host, admin.host):
+        raise ConfigError(
+            f"admin.port {admin.port} is server.port too (on {server.host} and {admin.host})",
+            path="$.admin.port",
+            hint="give the admin listener a port of its own, or 0 for the unix socket "
+            "<run_dir>/admin.sock",
+        )
+
+
+def _binds_overlap(a: str, b: str) -> bool:
+    """Whether TCP listeners on hosts ``a`` and ``b`` with one port collide: the same host, or
+    a wildcard address, which takes the port on every address of its family (``::`` on IPv4's
+    too: Linux's listeners are dual-stack unless bindv6only)."""
+    if a == b:
+        return True
+    try:
+        x, y = (ipaddress.ip_address(host.strip("[]")) for host in (a, b))
+    except ValueError:
+        return False  # a host name: which address it binds is known only then
+    return any(p.is_unspecified and p.version in (q.version, 6) for p, q in ((x, y), (y, x)))
 
 
 def validate(config: Config, *, check_paths: bool = True) -> None:
@@ -870,6 +917,7 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
             "default config has one (`smgd init` writes it out)",
         )
     _check_path_values(config)
+    _check_listeners(config)
     seen: dict[str, int] = {}
     served: dict[str, str] = {}
     tasks: dict[str, tuple[str, str]] = {}  # model -> (task, engine name)
@@ -888,7 +936,19 @@ def validate(config: Config, *, check_paths: bool = True) -> None:
         seen[engine.name] = i
         if not engine.models:
             raise ConfigError("an engine serves at least one model name", path=f"{at}.models")
-        for model in engine.models:
+        for j, model in enumerate(engine.models):
+            if not model.strip():
+                raise ConfigError(
+                    f"model name {model!r} is empty",
+                    path=f"{at}.models[{j}]",
+                    hint="a model name is what requests send as `model`",
+                )
+            if model in engine.models[:j]:
+                raise ConfigError(
+                    f"model name {model!r} is listed twice (also models"
+                    f"[{engine.models.index(model)}])",
+                    path=f"{at}.models[{j}]",
+                )
             served.setdefault(model, engine.name)
         _check_task(engine, at, tasks)
         for key in ("model_dir", "tokenizer_dir"):

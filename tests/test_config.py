@@ -23,11 +23,13 @@ from smgd.config import (
     RoutingPolicy,
     ServerConfig,
     WireFamily,
+    default_run_dir,
     diff_engines,
     load_admin_token,
     load_api_keys,
     load_config,
     resolve_path,
+    run_dir,
 )
 from smgd.errors import ConfigError
 from smgd.gateway import Gateway
@@ -691,6 +693,76 @@ def test_a_config_without_an_engine_is_refused(tmp_path: Path, text: str) -> Non
     err = error_of(write(tmp_path, text))
     assert err.path == "$.engines"
     assert err.hint is not None and "[[engines]]" in err.hint
+
+
+# --------------------------------------------------------------------------- empty strings
+
+
+@pytest.mark.parametrize(
+    ("text", "at"),
+    [
+        ('[server]\nhost = ""\n' + engine(), "$.server.host"),
+        ('[server]\nhost = " "\n' + engine(), "$.server.host"),
+        ('[admin]\nhost = ""\nport = 9000\n' + engine(), "$.admin.host"),
+        ('run_dir = ""\n' + engine(), "$.run_dir"),
+        (engine().replace('"m"', '""'), "$.engines[0].model_dir"),
+        (engine() + 'tokenizer_dir = ""\n', "$.engines[0].tokenizer_dir"),
+        (engine() + 'ipc_dir = ""\n', "$.engines[0].ipc_dir"),
+        (engine() + 'chat_template = ""\n', "$.engines[0].chat_template"),
+        ('[server]\napi_keys_file = ""\n' + engine(), "$.server.api_keys_file"),
+        (engine().replace('["x"]', '[""]'), "$.engines[0].models[0]"),
+        (engine().replace('["x"]', '["x", "  "]'), "$.engines[0].models[1]"),
+    ],
+)
+def test_an_empty_string_is_refused_at_its_key(tmp_path: Path, text: str, at: str) -> None:
+    # Each used to mean something else silently: host "" every interface, run_dir "" the
+    # default, a path "" the config file's directory, a model "" a name no one can ask for.
+    assert error_of(write(tmp_path, text)).path == at
+
+
+def test_run_dir_left_out_is_the_default(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, engine()), environ={})
+    assert config.run_dir is None
+    assert run_dir(config) == default_run_dir()
+
+
+def test_a_model_name_listed_twice_in_one_engine_is_refused(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, engine().replace('["x"]', '["x", "y", "x"]')))
+    assert err.path == "$.engines[0].models[2]"
+    assert err.message == "model name 'x' is listed twice (also models[0])"
+
+
+@pytest.mark.parametrize(
+    ("server_host", "admin_host", "refused"),
+    [
+        ("127.0.0.1", "127.0.0.1", True),
+        ("0.0.0.0", "127.0.0.1", True),  # the wildcard takes the port on every address
+        ("::", "127.0.0.1", True),  # and "::" on IPv4's too (dual-stack)
+        ("::1", "::1", True),
+        ("127.0.0.1", "127.0.0.2", False),
+        ("127.0.0.1", "::1", False),
+        ("0.0.0.0", "::1", False),
+    ],
+)
+def test_the_admin_listener_cannot_take_the_public_port(
+    tmp_path: Path, server_host: str, admin_host: str, refused: bool
+) -> None:
+    listeners = f'[server]\nhost = "{server_host}"\nport = 9000\n[admin]\nhost = "{admin_host}"\n'
+    path = write(tmp_path, listeners + "port = 9000\n" + engine())
+    if refused:
+        err = error_of(path)
+        assert err.path == "$.admin.port"
+        assert err.message.startswith("admin.port 9000 is server.port too")
+    else:
+        assert load_config(path, environ={}).admin.port == 9000
+    other = load_config(write(tmp_path, listeners + "port = 9001\n" + engine()), environ={})
+    assert other.admin.port == 9001
+
+
+def test_port_0_on_both_listeners_is_not_a_clash(tmp_path: Path) -> None:
+    # server.port 0 is any free port; admin.port 0 the unix socket.
+    config = load_config(write(tmp_path, "[server]\nport = 0\n" + engine()), environ={})
+    assert (config.server.port, config.admin.port) == (0, 0)
 
 
 # --------------------------------------------------------------------------- texts
