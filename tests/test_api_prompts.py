@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import trio
 
+from smgd.api.core import prepare
 from smgd.api.core.prepare import BIG_PROMPT_CHARS, encode
 from smgd.assets import TINY_MODEL_DIR
 from smgd.errors import InvalidRequest
@@ -119,3 +120,34 @@ async def test_every_generation_route_refuses_a_prompt_that_cannot_fit_before_to
     assert error["param"] == param
     assert len(calls.threads) == (1 if isinstance(body.get("prompt"), list) else 0)  # "short"
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])
+async def test_a_big_chat_body_is_rendered_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # 250,000 messages in an 8 MB body took 0.75 s to check and render: every stream on the
+    # loop paused for it. A body of BIG_BODY_BYTES or more is rendered in a worker thread.
+    threads: list[int] = []
+    render = Tokenizer.render_chat
+
+    def recorded(self: Tokenizer, *args: Any, **kwargs: Any) -> str:
+        threads.append(threading.get_ident())
+        return render(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "render_chat", recorded)
+    # The tiny model's context (4,096 tokens) holds no 64 KiB chat: a smaller bound here.
+    monkeypatch.setattr(prepare, "BIG_BODY_BYTES", 2_000)
+    loop = threading.get_ident()
+    small = [{"role": "user", "content": "hi"}]
+    big = [{"role": "user", "content": "hello there"}] * 60  # ~2.5 KB of JSON
+    async with open_app(FakeEngine()) as (app, _):
+        for messages in (small, big):
+            reply = await post(app, path, {"model": MODEL, "messages": messages, "max_tokens": 1})
+            assert reply.status == 200, reply.body
+        # A refusal raised in the thread is the same 400.
+        bad = [*big[:-1], {"role": 5, "content": "x"}]
+        reply = await post(app, path, {"model": MODEL, "messages": bad, "max_tokens": 1})
+        assert reply.status == 400 and reply.json()["error"]["param"].startswith("messages[")
+    assert threads[0] == loop
+    assert threads[1] != loop and threads[2] != loop

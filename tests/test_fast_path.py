@@ -520,6 +520,25 @@ async def test_a_large_body_in_many_reads_is_read_whole(h11_events: H11Events) -
     assert h11_events.sent == []
 
 
+@pytest.mark.parametrize("declared", [5000, 10**12])
+async def test_a_declared_length_over_the_limit_gets_413_before_the_body(
+    h11_events: H11Events, declared: int
+) -> None:
+    # Only the head has arrived: the answer does not wait for a body it would refuse
+    # (it waited for the body timeout, 60 s, then said 408).
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % declared
+    )
+    async with _client(server=ServerConfig(max_body_bytes=1000)) as client:
+        await client.send(head + b'{"prompt": ')
+        with trio.fail_after(2):
+            answer = await client.response()
+    assert answer.status == 413 and answer.header(b"connection") == b"close"
+    assert "1000" in answer.json()["error"]["message"]
+    assert h11_events.sent == []
+
+
 async def test_a_body_over_the_limit_gets_413_and_the_connection_closes(
     h11_events: H11Events,
 ) -> None:

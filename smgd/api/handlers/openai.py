@@ -36,6 +36,7 @@ from smgd.api.core.prepare import (
     Reply,
     context_len,
     encode,
+    off_the_loop,
     plan_jobs,
     resolve_model,
 )
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from smgd.api.core.execute import Job
     from smgd.api.core.pipeline import Choice
     from smgd.api.core.prepare import Call, SamplingFor
-    from smgd.api.core.tools import ChoiceParser
+    from smgd.api.core.tools import ChoiceParser, ToolRequest
     from smgd.gateway import ModelText
     from smgd.sampling import TextOptions
     from smgd.text.tokenizer import Tokenizer
@@ -577,6 +578,21 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def _render_chat(
+    text: ModelText, body: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[ToolRequest, str]:
+    """The request's tools, checked, and its messages rendered to the prompt (off the loop
+    for a big request: :func:`~smgd.api.core.prepare.off_the_loop`)."""
+    tools = read_tool_choice(body, prepare_tools(body.get("tools")))
+    prompt = text.tokenizer.render_chat(
+        body["messages"],
+        add_generation_prompt=_flag(body, "add_generation_prompt", True),
+        tools=body.get("tools"),
+        **kwargs,
+    )
+    return tools, prompt
+
+
 async def chat_reply(call: Call) -> Reply:
     """``POST /v1/chat/completions``: 4xx errors are raised before any engine sees the request."""
     body = call.json()
@@ -601,13 +617,7 @@ async def chat_reply(call: Call) -> Reply:
         )
     if "messages" not in body:
         raise InvalidRequest("`messages` is required", param="messages")
-    tools = read_tool_choice(body, prepare_tools(body.get("tools")))
-    prompt = text.tokenizer.render_chat(
-        body["messages"],
-        add_generation_prompt=_flag(body, "add_generation_prompt", True),
-        tools=body.get("tools"),
-        **kwargs,
-    )
+    tools, prompt = await off_the_loop(call, _render_chat, text, body, kwargs)
     # Chat templates render BOS themselves; vLLM also defaults to no special tokens here.
     ids = await encode(
         text.tokenizer,

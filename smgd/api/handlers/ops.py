@@ -21,11 +21,19 @@ answer for all of them: this worker asks the others (:mod:`smgd.worker_peers`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
 
-from smgd.api.core.prepare import JSON_HEADERS, Reply, encode, json_reply, resolve_model
+from smgd.api.core.prepare import (
+    JSON_HEADERS,
+    Reply,
+    encode,
+    json_reply,
+    off_the_loop,
+    resolve_model,
+)
 from smgd.api.core.sse import encode_json
 from smgd.errors import InvalidRequest, ModelNotFound
 from smgd.worker_peers import ask_all, merge_load, merge_metrics, merge_readiness
@@ -173,8 +181,13 @@ async def tokenize(call: Call) -> Reply:
     if special is not None and not isinstance(special, bool):
         raise InvalidRequest("`add_special_tokens` must be a boolean", param="add_special_tokens")
     if "messages" in body:
-        prompt = tokenizer.render_chat(
-            body["messages"], add_generation_prompt=body.get("add_generation_prompt") is not False
+        prompt = await off_the_loop(
+            call,
+            partial(
+                tokenizer.render_chat,
+                body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt") is not False,
+            ),
         )
         ids = await encode(
             tokenizer, prompt, add_special_tokens=bool(special), limiter=ctx.tokenize_limiter

@@ -250,7 +250,7 @@ class Dispatcher:
     async def serve(self, scope: Any, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         """One HTTP request, from its body to the end of its response."""
         limit = self.ctx.max_body_bytes
-        outcome, data = await read_body(receive, limit, BODY_TIMEOUT_S)
+        outcome, data = await read_body(receive, limit, BODY_TIMEOUT_S, scope)
         if outcome == "disconnected":
             return  # gone before the body's end: nothing to answer
         conn: DirectSendTCPServer | None = (scope.get("state") or {}).get(CONNECTION_KEY)
@@ -523,14 +523,15 @@ def _header(scope: Any, name: bytes) -> str | None:
 
 
 async def read_body(
-    receive: ASGIReceiveCallable, limit: int | None, wait_s: float | None
+    receive: ASGIReceiveCallable, limit: int | None, wait_s: float | None, scope: Any = None
 ) -> tuple[BodyOutcome, bytes]:
     """The request's whole body, read up to its end, ``limit`` bytes or ``wait_s`` seconds.
 
     Messages already queued (hypercorn queues a small request's body and its end as two
     messages before the request's task first runs) are taken without a scheduler pass or a
     cancel scope; only a body still on its way is awaited, under the timeout. Messages after
-    the body's end (a disconnect) stay queued.
+    the body's end (a disconnect) stay queued. A body still on its way whose declared length
+    (``scope``'s ``Content-Length``) is over ``limit`` is not waited for: too large at once.
     """
     body = _Body(limit)
     nowait = _nowait_receiver(receive)
@@ -542,6 +543,10 @@ async def read_body(
                 break
             if (outcome := body.add(message)) is not None:
                 return outcome, body.data(outcome)
+    if limit is not None and scope is not None:
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return "too_large", b""
     with trio.move_on_after(math.inf if wait_s is None else wait_s):
         while True:
             if (outcome := body.add(await receive())) is not None:
