@@ -416,7 +416,8 @@ def _translate(err: msgspec.ValidationError, root: type[msgspec.Struct] = Config
     hint = None
     if unknown := _UNKNOWN.match(msg):
         field = unknown["field"]
-        valid = _fields_of(path, root)
+        # base_dir is smgd's own (the config file's directory), never a key to write.
+        valid = [name for name in _fields_of(path, root) if name != "base_dir"]
         close = difflib.get_close_matches(field, valid, n=1)
         path = f"{path}.{field}"
         msg = f"unknown key `{field}`"
@@ -1051,8 +1052,57 @@ def _sockets(config: Config) -> Iterator[tuple[str, str]]:
         yield str(run_dir(config) / ADMIN_SOCKET), "$.run_dir"
 
 
+# The ZMQ transports an engine's endpoint may use: a unix socket, or TCP (TokenSpeed's
+# handshake must be TCP; an engine elsewhere on the host's network may be too).
+ADDRESS_SCHEMES = ("ipc://", "tcp://")
+
+
+def _check_addresses(config: Config) -> None:
+    """Refuse at load an endpoint no engine could be reached on, and two engines on one
+    socket (each would take the other's outputs for its own, or fail to bind)."""
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        for name in ("input", "output", "handshake"):
+            address = getattr(engine.addresses, name)
+            if address is not None and not address.startswith(ADDRESS_SCHEMES):
+                raise ConfigError(
+                    f"{name} address {address!r} is not an ipc:// or tcp:// endpoint",
+                    path=f"{at}.addresses.{name}",
+                    hint="e.g. ipc:///run/smgd/engine/in.sock or tcp://127.0.0.1:30500",
+                )
+    admin = str(run_dir(config) / ADMIN_SOCKET) if config.admin.port == 0 else None
+    owner: dict[str, str] = {}  # a socket directory or an endpoint -> the engine it is for
+    for i, engine in enumerate(config.engines):
+        at = f"$.engines[{i}]"
+        places: list[tuple[str, str]] = []
+        for name in ("input", "output", "handshake"):
+            address = getattr(engine.addresses, name)
+            if address is not None and not address.endswith(":*"):  # ":*": any free port
+                places.append((address, f"{at}.addresses.{name}"))
+        if not (engine.addresses.input and engine.addresses.output):
+            key = f"{at}.ipc_dir" if engine.ipc_dir else f"{at}.name"
+            where = str(engine_ipc_dir(config, engine))
+            if where == admin:
+                raise ConfigError(
+                    f"engine {engine.name!r}'s socket directory {where!r} is the admin "
+                    "socket's path",
+                    path=key,
+                    hint="name the engine otherwise, or give it an ipc_dir",
+                )
+            places.append((where, key))
+        for place, key in places:
+            if owner.get(place, at) != at:
+                raise ConfigError(
+                    f"{place!r} is {owner[place]}'s already: two engines cannot share it",
+                    path=key,
+                    hint="give each engine sockets (or an ipc_dir) of its own",
+                )
+            owner[place] = at
+
+
 def _check_socket_paths(config: Config) -> None:
     """Refuse at load a socket path that could not be bound (serve would fail later)."""
+    _check_addresses(config)
     for sock, key in _sockets(config):
         size = len(os.fsencode(sock))
         if size <= SUN_PATH_MAX:

@@ -382,6 +382,36 @@ def test_explicit_addresses_move_the_engine_sockets(tmp_path: Path) -> None:
     assert error_of(write(tmp_path, vllm)).path == "$.run_dir"  # hs.sock is still there
 
 
+@pytest.mark.parametrize("address", ["foo://bar", "/run/smgd/in.sock", "inproc://x", ""])
+def test_an_address_that_is_no_ipc_or_tcp_endpoint_is_refused(tmp_path: Path, address: str) -> None:
+    text = engine() + f'[engines.addresses]\ninput = "{address}"\n'
+    err = error_of(write(tmp_path, text))
+    assert err.path == "$.engines[0].addresses.input"
+    assert "not an ipc:// or tcp:// endpoint" in err.message
+
+
+def test_two_engines_on_one_socket_are_refused(tmp_path: Path) -> None:
+    shared = 'ipc_dir = "/tmp/smgd-shared"\n'
+    err = error_of(write(tmp_path, engine() + shared + engine("b", model="y") + shared))
+    assert err.path == "$.engines[1].ipc_dir"
+    assert "'/tmp/smgd-shared' is $.engines[0]'s already" in err.message
+    same = '[engines.addresses]\ninput = "tcp://127.0.0.1:5001"\n'
+    err = error_of(write(tmp_path, engine() + same + engine("b", model="y") + same))
+    assert err.path == "$.engines[1].addresses.input"
+    # One engine's own endpoints, and "any free port" twice, are no conflict.
+    free = '[engines.addresses]\nhandshake = "tcp://127.0.0.1:*"\n'
+    load_config(write(tmp_path, engine() + free + engine("b", model="y") + free), environ={})
+
+
+def test_an_engine_whose_socket_directory_is_the_admin_socket_is_refused(
+    tmp_path: Path,
+) -> None:
+    err = error_of(write(tmp_path, engine("admin.sock")))
+    assert err.path == "$.engines[0].name"
+    assert "is the admin socket's path" in err.message
+    load_config(write(tmp_path, engine("admin.sock")), environ={}, overrides=["admin.port=9000"])
+
+
 def test_check_config_refuses_a_long_run_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -837,3 +867,9 @@ def test_check_config_needs_a_context_length_as_serve_does(
         capsys.readouterr().err
     )
     assert main(["check-config", str(write(tmp_path, text + "max_model_len = 2048\n"))]) == 0
+
+
+def test_an_unknown_top_level_key_lists_the_keys_one_may_write(tmp_path: Path) -> None:
+    err = error_of(write(tmp_path, "bogus = 1\n" + engine()))
+    assert err.path == "$.bogus"
+    assert err.hint == "valid keys: server, admin, logging, routing, run_dir, engines"
