@@ -109,11 +109,13 @@ async def serve(
     args: tuple[str, ...] = (),
     wait_ready: bool = True,
     prefix: tuple[str, ...] = (),
+    while_starting: Callable[[trio.Process], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Daemon]:
     """Start ``smgd serve`` on ``config_text``; on exit, kill whatever is left of it.
 
     ``prefix``: a command that execs the daemon (``prlimit --nofile=256:``), so its pid is
-    the daemon's."""
+    the daemon's. ``while_starting``: done to the process as soon as it runs, before its
+    banner is awaited (a signal while it still starts)."""
     config_path = tmp_path / "smgd.toml"
     config_path.write_text(config_text)
     proc = await trio.lowlevel.open_process(
@@ -128,6 +130,8 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_pump_stderr, daemon, listening)
+            if while_starting is not None:
+                await while_starting(proc)
             with trio.fail_after(START_TIMEOUT_S):
                 await listening.wait()
             if not daemon.url:

@@ -7,28 +7,14 @@ again, on a new process, without a restart of smgd; the daemon never exits.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from .harness import (
-    Daemon,
-    StreamOutcome,
-    _pump_stderr,
-    daemon_toml,
-    descendants,
-    mock_engine_toml,
-    serve,
-    stream,
-    until,
-)
+from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream, until
 
 pytestmark = pytest.mark.slow
 
@@ -211,40 +197,17 @@ def _ignores_sighup(pid: int) -> bool:
 async def test_a_sighup_while_smgd_still_starts_does_not_end_it(tmp_path: Path) -> None:
     # An init system or a deploy script may send its reload at any time, the first half
     # second included, when smgd still imports and has no handler of its own yet.
-    path = tmp_path / "smgd.toml"
-    path.write_text(config(KEEP))
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "smgd", "serve", "--config", str(path)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    daemon = Daemon(proc=proc, config_path=path)
-    listening = trio.Event()
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_stderr, daemon, listening)
-            with trio.fail_after(30):
-                while not _ignores_sighup(proc.pid):  # noqa: ASYNC110 - another process's state
-                    await trio.sleep(0.002)
-            assert not listening.is_set()  # still starting
-            proc.send_signal(signal.SIGHUP)
-            with trio.fail_after(30):
-                await listening.wait()
-            assert proc.returncode is None, daemon.log()
-            await daemon.wait_ready()
-            async with daemon.client() as client:
-                assert complete(await stream(client, "m-keep", PROMPT, 5), 5)
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            survivors = descendants(proc.pid)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            for pid in survivors:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+
+    async def sighup_at_once(proc: trio.Process) -> None:
+        with trio.fail_after(30):
+            while not _ignores_sighup(proc.pid):  # noqa: ASYNC110 - another process's state
+                await trio.sleep(0.002)
+        proc.send_signal(signal.SIGHUP)
+
+    async with serve(tmp_path, config(KEEP), while_starting=sighup_at_once) as daemon:
+        assert daemon.proc.returncode is None, daemon.log()
+        async with daemon.client() as client:
+            assert complete(await stream(client, "m-keep", PROMPT, 5), 5)
 
 
 async def _run(client: httpx.AsyncClient, model: str, tokens: int, into: StreamOutcome) -> None:
