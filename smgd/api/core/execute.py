@@ -54,8 +54,8 @@ __all__ = [
     "Cutoff",
     "EventWriter",
     "Job",
-    "RefusedBeforeOutput",
     "Renderer",
+    "StreamFailed",
     "collect",
     "log_request",
     "stream",
@@ -399,15 +399,15 @@ class _ClientGone(Exception):
     """A direct write found the client's socket broken."""
 
 
-class RefusedBeforeOutput(Exception):
-    """A single-choice stream failed before any of it was written or yielded (the engine's
-    queue was full, no engine took it, it died before the first token).
+class StreamFailed(Exception):
+    """A single-choice stream failed (the engine's queue was full, no engine took it, it died,
+    the drain ran out): raised out of the stream's body where its error event would go.
 
-    Raised out of the stream's body instead of its error event, so the HTTP layer can still
-    answer with the error's own status (a 429 with ``Retry-After`` that a client or balancer
-    retries, where a 200 with an error event looks like a served request) when no byte of the
-    response went out yet; where some did, it sends ``event`` (the stream's error event and
-    its end) and ends the body as the stream would have.
+    The HTTP layer knows what of the response went out: where nothing did (the fast path
+    still holds the head for the first event) it answers with the error's own status (a 429
+    with ``Retry-After`` that a client or balancer retries, where a 200 with an error event
+    looks like a served request); else it sends ``event`` (the stream's error event and its
+    end) and ends the body as the stream would have.
     """
 
     def __init__(self, error: SmgdError, event: bytes) -> None:
@@ -573,7 +573,6 @@ async def _stream_one(
 ) -> AsyncGenerator[bytes, None]:
     choice = job.choice
     watch: _StreamWatch | None = None
-    yielded = False  # an event of this stream went to the dispatcher (not a direct stream's)
     try:
         watch = _StreamWatch(cutoff)
         while True:
@@ -601,14 +600,12 @@ async def _stream_one(
                             with trio.move_on_after(keepalive_s) as idle:
                                 await rs.wait()
                             if idle.cancelled_caught:
-                                yielded = True
                                 yield KEEPALIVE
                             continue
                         text = choice.apply(delta)
                         state.output_event(choice, trio.current_time())
                         out = render.delta(choice, text)
                         if out:
-                            yielded = True
                             yield out
                         if choice.done:
                             break
@@ -625,23 +622,14 @@ async def _stream_one(
         early = EngineDead(f"engine {job.engine.name} ended the request early")
         state.fail(early)
         state.error = "stream ended without a finish"
-        if not (yielded or _wrote(writer)):
-            raise RefusedBeforeOutput(early, render.error(early)) from None
-        yield render.error(early)
+        raise StreamFailed(early, render.error(early)) from None
     except Exception as exc:
         err = _failed(state, exc)
-        if not (yielded or _wrote(writer)):
-            raise RefusedBeforeOutput(err, render.error(err)) from None
-        yield render.error(err)
+        raise StreamFailed(err, render.error(err)) from None
     finally:
         if watch is not None:
             watch.close()
         log_request(state)
-
-
-def _wrote(writer: EventWriter | None) -> bool:
-    """A direct stream wrote (or queued) an event: a chunk, a keep-alive comment."""
-    return writer is not None and (writer.writes > 0 or bool(writer.backlog))
 
 
 _Item = tuple[int, TokenDelta | SmgdError]

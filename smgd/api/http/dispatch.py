@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import trio
 
 from smgd.api.core.errors import error_body, error_headers, http_error
-from smgd.api.core.execute import RefusedBeforeOutput
+from smgd.api.core.execute import StreamFailed
 from smgd.api.core.pipeline import check_request_id, new_request_id
 from smgd.api.core.prepare import Call
 from smgd.api.http.direct import (
@@ -386,7 +386,7 @@ class Dispatcher:
             await self._send_whole(send, label, method, reply.status, reply.body, headers)
             return
         events = reply.body
-        status = reply.status  # the one counted: a stream refused before its head went out
+        streamed = True  # counted as the stream's status (not if answered whole instead)
         try:
             await send(_start(reply.status, headers))
             if writer is not None and writer.head_held:
@@ -394,28 +394,22 @@ class Dispatcher:
             try:
                 async for chunk in events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except RefusedBeforeOutput as refused:
+            except StreamFailed as failed:
                 if writer is not None and writer.head_held:
                     # No byte of the response went out (the fast path holds the head for
                     # the first event): the error is answered with its own status.
                     await send(_RETRACT)
-                    failure = refused.error
-                    status = failure.status
-                    body = error_body(failure)
-                    whole = {
-                        **error_headers(failure, call.request_id),
-                        "Content-Length": str(len(body)),
-                    }
-                    if extra:
-                        whole.update(extra)
-                    await send(_start(status, whole))
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    streamed = False
+                    error = failed.error
+                    refusal = error_headers(error, call.request_id)
+                    body = error_body(error)
+                    await self._send_whole(send, label, method, error.status, body, refusal, extra)
                     return
-                await send({"type": "http.response.body", "body": refused.event, "more_body": True})
+                await send({"type": "http.response.body", "body": failed.event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if self._metrics is not None:
-                self._metrics.http(label, method, status)
+            if streamed and self._metrics is not None:
+                self._metrics.http(label, method, reply.status)
             await events.aclose()  # the stream's own finally: engine abort, request log
 
     def _bound_head(self, writer: DirectWriter) -> None:
