@@ -47,6 +47,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import trio
@@ -182,9 +183,7 @@ class _Supervisor:
                 self.rebind_listener(index)
             except TransportError as exc:
                 log.error("worker %d not restarted: %s; retrying in %.0f s", index, exc, delay)
-                with trio.move_on_after(delay):
-                    await self.stopped.wait()
-                delay = min(delay * 2, RESTART_MAX_S)
+                delay = await self._back_off(delay)
                 continue
             read_end, write_end = os.pipe()
             try:
@@ -230,9 +229,13 @@ class _Supervisor:
             if trio.current_time() - since > RESTART_RESET_S:
                 delay = RESTART_INITIAL_S
             log.warning("worker %d exited with code %d; restarting in %.0f s", index, code, delay)
-            with trio.move_on_after(delay):
-                await self.stopped.wait()
-            delay = min(delay * 2, RESTART_MAX_S)
+            delay = await self._back_off(delay)
+
+    async def _back_off(self, delay: float) -> float:
+        """Wait ``delay`` before a restart (a stop ends the wait); the next delay."""
+        with trio.move_on_after(delay):
+            await self.stopped.wait()
+        return min(delay * 2, RESTART_MAX_S)
 
     def signal_all(self, signum: int, *, skip: int | None = None) -> None:
         for index, proc in list(self.procs.items()):
@@ -336,10 +339,8 @@ async def serve_workers(
                     task_status.started(binds)
             nursery.cancel_scope.cancel()  # every worker is gone: stop the signal task too
     finally:
-        for sock in {id(s): s for group in listeners for s in group}.values():
-            sock.close()
-        for sock in metrics_sockets:
-            sock.close()
+        for sock in [*chain.from_iterable(listeners), *metrics_sockets]:
+            sock.close()  # systemd's shared sockets come once per worker: a close is idempotent
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if failed is not None:
         index, code = failed
