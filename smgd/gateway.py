@@ -16,7 +16,6 @@ module assigns a field it does not own.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from smgd.config import Config, resolve_path
-from smgd.errors import ConfigError, ModelNotFound
+from smgd.errors import ModelNotFound
 from smgd.router import Router
 from smgd.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -123,8 +122,7 @@ class Gateway:
                     template_key=f"{at}.chat_template",
                 )
                 _ = tokenizer.byte_level  # built now rather than on the first request
-                config_json = _read_json(model_dir / "config.json", f"{at}.model_dir")
-                cache[key] = ModelText(tokenizer, model_dir, config_json, key)
+                cache[key] = ModelText(tokenizer, model_dir, tokenizer.model_config, key)
             for model in engine.models:
                 texts[model] = cache[key]
         return texts
@@ -136,13 +134,3 @@ class Gateway:
             raise ModelNotFound(
                 f"The model `{model}` does not exist.", param="model", code="model_not_found"
             ) from None
-
-
-def _read_json(path: Path, key: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}", path=key) from None
-    return data if isinstance(data, dict) else {}

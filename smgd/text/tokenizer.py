@@ -220,6 +220,9 @@ class Tokenizer:
         self.add_bos = bool(tokenizer_config.get("add_bos_token", False))
         self.add_eos = bool(tokenizer_config.get("add_eos_token", False))
         self.max_model_len: int | None = _context_len(model_config)
+        # The model's config.json ({} without one), read once here: the gateway's ModelText
+        # answers from it too (vocabulary size, context length, embedding dimensions).
+        self.model_config: dict[str, Any] = dict(model_config)
         # Once per tokenizer: a pass over the vocabulary (~30 ms for 150 K entries).
         self.max_token_chars: int | None = max_token_chars(hf)
 
