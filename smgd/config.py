@@ -1060,16 +1060,6 @@ ADDRESS_SCHEMES = ("ipc://", "tcp://")
 def _check_addresses(config: Config) -> None:
     """Refuse at load an endpoint no engine could be reached on, and two engines on one
     socket (each would take the other's outputs for its own, or fail to bind)."""
-    for i, engine in enumerate(config.engines):
-        at = f"$.engines[{i}]"
-        for name in ("input", "output", "handshake"):
-            address = getattr(engine.addresses, name)
-            if address is not None and not address.startswith(ADDRESS_SCHEMES):
-                raise ConfigError(
-                    f"{name} address {address!r} is not an ipc:// or tcp:// endpoint",
-                    path=f"{at}.addresses.{name}",
-                    hint="e.g. ipc:///run/smgd/engine/in.sock or tcp://127.0.0.1:30500",
-                )
     admin = str(run_dir(config) / ADMIN_SOCKET) if config.admin.port == 0 else None
     owner: dict[str, str] = {}  # a socket directory or an endpoint -> the engine it is for
     for i, engine in enumerate(config.engines):
@@ -1077,7 +1067,15 @@ def _check_addresses(config: Config) -> None:
         places: list[tuple[str, str]] = []
         for name in ("input", "output", "handshake"):
             address = getattr(engine.addresses, name)
-            if address is not None and not address.endswith(":*"):  # ":*": any free port
+            if address is None:
+                continue
+            if not address.startswith(ADDRESS_SCHEMES):
+                raise ConfigError(
+                    f"{name} address {address!r} is not an ipc:// or tcp:// endpoint",
+                    path=f"{at}.addresses.{name}",
+                    hint="e.g. ipc:///run/smgd/engine/in.sock or tcp://127.0.0.1:30500",
+                )
+            if not address.endswith(":*"):  # ":*": any free port, never another's
                 places.append((address, f"{at}.addresses.{name}"))
         if not (engine.addresses.input and engine.addresses.output):
             key = f"{at}.ipc_dir" if engine.ipc_dir else f"{at}.name"
