@@ -1,7 +1,8 @@
 """Fault suite: more requests than an engine's admission takes (``max_inflight``, ``max_queue``).
 
 What a client sees: a request refused because the engine's queue is full gets a real 429 with
-``Retry-After`` and the OpenAI envelope (``code: "queue_full"``), streamed or not, so a client
+``Retry-After`` and the OpenAI envelope (``code: "queue_full"``), streamed or not, with one
+choice or several, so a client
 or a balancer retries it; the requests that were admitted or queued are served whole.
 """
 
@@ -44,8 +45,9 @@ async def test_a_full_queue_answers_429_streamed_or_not_and_serves_the_admitted(
                 )
 
             await until(full, 10)
-            for streamed in (True, False, True):
-                body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": streamed}
+            # n = 2 is a stream of two engine requests, merged: refused alike.
+            for streamed, n in ((True, 1), (False, 1), (True, 2), (False, 2), (True, 1)):
+                body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": streamed, "n": n}
                 refused = await client.post("/v1/completions", json=body)
                 assert refused.status_code == 429, refused.text
                 assert refused.headers["retry-after"] == "1"

@@ -400,8 +400,9 @@ class _ClientGone(Exception):
 
 
 class StreamFailed(Exception):
-    """A single-choice stream failed (the engine's queue was full, no engine took it, it died,
-    the drain ran out): raised out of the stream's body where its error event would go.
+    """A stream failed (the engine's queue was full, no engine took it, it died, the drain ran
+    out; with ``n > 1``, any of its choices): raised out of the stream's body where its error
+    event would go.
 
     The HTTP layer knows what of the response went out: where nothing did (the fast path
     still holds the head for the first event) it answers with the error's own status (a 429
@@ -709,7 +710,8 @@ async def _stream_many(
             yield b"".join(out)
         yield render.end()
     except Exception as exc:
-        yield render.error(_failed(state, exc))
+        err = _failed(state, exc)
+        raise StreamFailed(err, render.error(err)) from None
     finally:
         cutoff.unwatch(end)
         for scope in scopes.values():
