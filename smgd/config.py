@@ -29,6 +29,7 @@ from smgd.assets import BUILTIN_DIRS, BUILTIN_PREFIX, builtin_dir
 from smgd.errors import ConfigError
 from smgd.ipc import SUN_PATH_MAX
 from smgd.parse.registry import REASONING_PARSERS, TOOL_PARSERS
+from smgd.textfile import read_utf8
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
@@ -514,16 +515,7 @@ def load_config(
     base = Path.cwd()
     if path is not None:
         file = Path(path)
-        try:
-            text = file.read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
-        except OSError as exc:
-            raise ConfigError(f"cannot read {file}: {exc.strerror}", path="$") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"{file} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})",
-                path="$",
-                hint="TOML files are UTF-8; save the file as UTF-8",
-            ) from None
+        text = read_utf8(file, hint="TOML files are UTF-8; save the file as UTF-8")
         try:
             tree = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -589,12 +581,7 @@ def _check_workers(config: Config, served: dict[str, str]) -> None:
 
 def load_mock_script(path: Path) -> MockScript:
     """Read a mock engine script; :class:`ConfigError` says what is wrong where in the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read mock script {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"mock script {path} is not UTF-8 text") from None
+    text = read_utf8(path, what="mock script ", hint="TOML files are UTF-8")
     try:
         tree = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -1138,13 +1125,8 @@ def load_api_keys(config: Config, environ: Mapping[str, str] | None = None) -> t
         keys += found
     if server.api_keys_file is not None:
         path = resolve_path(config, server.api_keys_file)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
-            raise ConfigError(
-                f"cannot read api_keys_file {str(path)!r}: {reason}", path="$.server.api_keys_file"
-            ) from None
+        key = "$.server.api_keys_file"
+        lines = read_utf8(path, what="api_keys_file ", key=key).splitlines()
         found = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
         if not found:
             raise ConfigError(

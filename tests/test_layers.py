@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "smgd.worker_id",  # Worker, current_worker, for_worker
             "smgd.limits",  # the open-files limit
             "smgd.gc_tuning",  # the collector's thresholds (daemon and mock engine)
+            "smgd.textfile",  # the config's text files, read one way
             # LAYERS.md has it in L1; config validates socket paths with its SUN_PATH_MAX,
             # and it imports nothing but errors, so it is a leaf.
             "smgd.ipc",

@@ -59,6 +59,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from smgd.errors import ConfigError, InvalidRequest
+from smgd.textfile import read_utf8
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -573,16 +574,7 @@ def _template_from_config(config: Mapping[str, Any], origin: str) -> Mapping[str
 
 
 def _read_template(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read chat template {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"chat template {path} is not UTF-8 text "
-            f"(byte {exc.start}: {exc.object[exc.start]:#04x})",
-            hint="save the template as UTF-8",
-        ) from None
+    return read_utf8(path, what="chat template ", hint="save the template as UTF-8")
 
 
 def load_chat_template(

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from smgd.errors import ConfigError, InvalidRequest
 from smgd.text.bytelevel import ByteLevelVocab
 from smgd.text.chat import ChatTemplate, load_chat_template
+from smgd.textfile import read_utf8
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -57,20 +58,11 @@ _KEEPING_PRE_TOKENIZERS = frozenset(
 
 
 def _read_json(path: Path, *, required: bool, config_path: str) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not path.exists():
         if required:
-            raise ConfigError(f"{path} not found", path=config_path) from None
+            raise ConfigError(f"{path} not found", path=config_path)
         return {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}", path=config_path) from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start]:#04x})",
-            path=config_path,
-            hint="JSON files are UTF-8",
-        ) from None
+    text = read_utf8(path, key=config_path, hint="JSON files are UTF-8")
     try:
         data = json.loads(text)
     except ValueError as exc:
