@@ -293,8 +293,10 @@ async def post_stream(
                     cancel.deadline = disconnected_at + 1.0
                     break
     assert not cancel.cancelled_caught, "the app did not end its call after the hang-up"
-    events, comments = parse_sse(bytes(raw))
     assert conn.status is not None
+    # A stream that failed before its first event is answered whole (a JSON error): no events.
+    sse = httpx.Headers(conn.headers).get("content-type", "").startswith("text/event-stream")
+    events, comments = parse_sse(bytes(raw)) if sse else ([], 0)
     return SseReply(
         conn.status, httpx.Headers(conn.headers), bytes(raw), events, comments, disconnected_at
     )

@@ -109,9 +109,12 @@ async def test_a_stream_waiting_for_admission_ends_without_reaching_the_engine(
         await trio.sleep(0.1)
         assert fake.admission.queue_depth == 1
         app.end_responses()
-    for reply in replies:
-        assert reply.events[-1] == "[DONE]"
-        assert_drain_error(json.loads(reply.events[-2])["error"])
+    running, queued = sorted(replies, key=lambda reply: reply.status)
+    assert running.status == 200 and running.events[-1] == "[DONE]"
+    assert_drain_error(json.loads(running.events[-2])["error"])
+    # Nothing of the queued one's response went out: the cut is answered with its status.
+    assert queued.status == 503 and queued.headers["retry-after"] == "5"
+    assert_drain_error(json.loads(queued.raw)["error"])
     assert len(fake.requests) == 1  # the queued one never reached the engine
     assert fake.aborts == [fake.requests[0].rid]
     assert fake.admission.queue_depth == 0
@@ -124,7 +127,8 @@ async def test_a_request_after_the_cut_ends_at_once(autojump_clock: trio.abc.Clo
         app.end_responses()  # nothing running: nothing to end
         streamed = await post_stream(app, "/v1/completions", BODY)
         whole = await post(app, "/v1/completions", {**BODY, "stream": False})
-    assert_drain_error(json.loads(streamed.events[-2])["error"])
+    assert streamed.status == 503  # before its first event: its own status, as a whole one
+    assert_drain_error(json.loads(streamed.raw)["error"])
     assert whole.status == 503
     assert fake.requests == []
 

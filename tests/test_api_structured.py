@@ -3,6 +3,7 @@ and how a refusal looks to the client, streamed or not, on every endpoint that t
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -92,11 +93,10 @@ async def test_a_refused_grammar_is_a_400_naming_the_param(autojump_clock: trio.
         "engine fake could not apply the structured output constraint in `response_format`: "
         "Failed to compile json grammar: bad"
     )
-    # Streamed, the refusal comes after the 200 (the engine answers after the stream began):
-    # an error event with the same envelope, then [DONE].
-    assert stream.status == 200
-    assert stream.events[-1] == "[DONE]"
-    assert stream.chunks()[-1] == {"error": error}
+    # Streamed, the refusal comes before the first event, while the head still waits for it:
+    # the same 400 with the same envelope, and no stream.
+    assert stream.status == 400 and stream.events == []
+    assert json.loads(stream.raw) == {"error": error}
     # The same abort for a request without a constraint is an engine rejection naming nothing.
     assert plain.status == 400
     assert plain.json()["error"]["param"] is None

@@ -8,13 +8,15 @@ or a balancer retries it; the requests that were admitted or queued are served w
 
 from __future__ import annotations
 
+import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import trio
 
+from ..http_helpers import post_bytes
 from .harness import StreamOutcome, daemon_toml, mock_engine_toml, serve, stream, until
 
 if TYPE_CHECKING:
@@ -54,10 +56,30 @@ async def test_a_full_queue_answers_429_streamed_or_not_and_serves_the_admitted(
                 assert refused.headers["content-type"].startswith("application/json")
                 error = refused.json()["error"]
                 assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+            # HTTP/1.0, as nginx proxies by default: h11 reads it and writes a head as soon
+            # as it is given one, and no event is written directly. Refused alike.
+            answer = await _http10(daemon.url, {**body, "stream": True, "n": 1})
+            head, _, whole = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 429 "), answer
+            assert b"\r\nretry-after: 1\r\n" in head.lower() + b"\r\n"
+            assert json.loads(whole)["error"]["code"] == "queue_full"
         for outcome in held:
             assert outcome.status == 200 and outcome.error is None and outcome.done
             assert outcome.usage is not None and outcome.usage["completion_tokens"] == TOKENS
         assert "Traceback" not in daemon.log()
+
+
+async def _http10(url: str, body: dict[str, Any]) -> bytes:
+    """POST ``body`` as HTTP/1.0 and read the answer to its end (the server closes)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    request = post_bytes("/v1/completions", body).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    answer = bytearray()
+    with trio.fail_after(10):
+        async with await trio.open_tcp_stream(host, int(port)) as conn:
+            await conn.send_all(request)
+            while chunk := await conn.receive_some():
+                answer += chunk
+    return bytes(answer)
 
 
 async def _run(client: httpx.AsyncClient, into: StreamOutcome) -> None:

@@ -68,7 +68,9 @@ CANCELLED_ON_DISCONNECT = "smgd.cancelled_on_disconnect"
 # An ASGI message of smgd's own, which only a connection whose writer holds the response head
 # (the fast path's, smgd.api.http.fast_path) takes: the head goes unsent, and the app may start
 # another response, which it does when a stream failed before its first event
-# (smgd.api.http.dispatch). Anything sent of the response already makes it an error.
+# (smgd.api.http.dispatch). Anything sent of the response already makes it an error. The fast
+# path names it among its scope's extensions, as ASGI servers declare what they take beyond
+# the spec; under any other server the dispatcher holds a stream's head back itself.
 RETRACT_HEAD = "smgd.http.response.retract"
 
 

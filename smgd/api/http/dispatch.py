@@ -67,7 +67,7 @@ from smgd.api.http.direct import (
 from smgd.errors import Draining, PayloadTooLarge, SmgdError, Unauthorized
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Mapping
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 
@@ -387,24 +387,37 @@ class Dispatcher:
             return
         events = reply.body
         streamed = True  # counted as the stream's status (not if answered whole instead)
+        start = _start(reply.status, headers)
         try:
-            await send(_start(reply.status, headers))
-            if writer is not None and writer.head_held:
-                self._bound_head(writer)
-            try:
-                async for chunk in events:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except StreamFailed as failed:
+            if writer is not None or RETRACT_HEAD in (scope.get("extensions") or _NO_EXTENSIONS):
+                # The head goes to the server now: the engine's reader may write the events
+                # itself, past this loop. The fast path holds it for the first event and
+                # takes it back on request; h11's path writes it at once.
+                await send(start)
                 if writer is not None and writer.head_held:
-                    # No byte of the response went out (the fast path holds the head for
-                    # the first event): the error is answered with its own status.
+                    self._bound_head(writer)
+                failed = await _send_events(send, events)
+                retracted = failed is not None and writer is not None and writer.head_held
+                if retracted:
                     await send(_RETRACT)
-                    streamed = False
-                    error = failed.error
-                    refusal = error_headers(error, call.request_id)
-                    body = error_body(error)
-                    await self._send_whole(send, label, method, error.status, body, refusal, extra)
-                    return
+            else:  # no direct writes, and a server that writes a head at once: held here
+                held = _HeldStart(send, start)
+                async with trio.open_nursery() as timer:
+                    timer.start_soon(held.send_after, HEAD_HOLD_S)
+                    failed = await _send_events(send, events, held)
+                    retracted = failed is not None and held.retract()
+                    if not retracted:
+                        await held.send()  # (or wait until the deadline's send has written it)
+                    timer.cancel_scope.cancel()
+            if failed is not None and retracted:
+                # No byte of the response went out: the error is answered with its own status.
+                streamed = False
+                error = failed.error
+                refusal = error_headers(error, call.request_id)
+                body = error_body(error)
+                await self._send_whole(send, label, method, error.status, body, refusal, extra)
+                return
+            if failed is not None:
                 await send({"type": "http.response.body", "body": failed.event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -437,6 +450,59 @@ class Dispatcher:
             whole.update(extra)
         await send(_start(status, whole))
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _HeldStart:
+    """A streamed response's start, kept back until its first chunk (or :data:`HEAD_HOLD_S`)
+    where the server writes a head as soon as it is given one and no event is written past
+    the dispatcher (HTTP/1.0, as nginx proxies by default; the admin listener; the tests'
+    client), so that a stream failing before its first event can still be answered with its
+    own status, as on the fast path.
+
+    Two tasks may send it (the request's, at its first chunk, and the deadline's): the lock
+    keeps the request's chunks behind a start still being written by the other."""
+
+    __slots__ = ("_lock", "_message", "_send", "_taken", "sent")
+
+    def __init__(self, send: ASGISendCallable, message: Any) -> None:
+        self._send, self._message = send, message
+        self._lock = trio.Lock()
+        self._taken = False  # sent, being sent, or retracted: decided
+        self.sent = False  # written whole: a chunk may follow
+
+    async def send(self) -> None:
+        """Send the start, unless it went or was retracted; returns once it is written."""
+        async with self._lock:
+            if not self._taken:
+                self._taken = True
+                await self._send(self._message)
+                self.sent = True
+
+    async def send_after(self, delay_s: float) -> None:
+        await trio.sleep(delay_s)
+        await self.send()
+
+    def retract(self) -> bool:
+        """Never send the start (another response will be sent); False if it went already."""
+        if self._taken:
+            return False
+        self._taken = True
+        return True
+
+
+async def _send_events(
+    send: ASGISendCallable, events: AsyncGenerator[bytes, None], held: _HeldStart | None = None
+) -> StreamFailed | None:
+    """Send the stream's chunks, the held start before the first; its failure, if it failed
+    (the caller sends the start of a stream that ends without a chunk)."""
+    try:
+        async for chunk in events:
+            if held is not None and not held.sent:
+                await held.send()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except StreamFailed as failed:
+        return failed
+    return None
 
 
 async def _refuse_websocket(scope: Any, send: ASGISendCallable) -> None:

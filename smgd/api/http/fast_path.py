@@ -306,7 +306,7 @@ class FastPath:
             "client": conn.client,
             "server": conn.server_addr,
             "state": conn.request_state(),
-            "extensions": {CANCELLED_ON_DISCONNECT: True},
+            "extensions": {CANCELLED_ON_DISCONNECT: True, RETRACT_HEAD: True},
         }
         conn.requests += 1
         conn.direct_writer = None  # the previous request's: this one's app makes its own
