@@ -101,6 +101,7 @@ class Connection:
         self.status: int | None = None
         self.headers: list[tuple[str, str]] = []
         self.ended = False
+        self.started_at: float | None = None  # trio's clock when the response start came
 
     def send(self, data: bytes, *, more: bool = False) -> None:
         self._to_app.send_nowait({"type": "http.request", "body": data, "more_body": more})
@@ -116,6 +117,7 @@ class Connection:
             if message["type"] == "http.response.start":
                 assert self.status is None, "two response starts"
                 self.status = message["status"]
+                self.started_at = trio.current_time()
                 self.headers = [(k.decode(), v.decode("latin-1")) for k, v in message["headers"]]
             elif message["type"] == "http.response.body":
                 assert self.status is not None, "a body before the response start"

@@ -15,11 +15,11 @@ import trio.testing
 
 from smgd.api.core.prepare import Reply, json_reply
 from smgd.api.http.app import create_app
-from smgd.api.http.dispatch import BODY_TIMEOUT_S, Route, origin_path, read_body
+from smgd.api.http.dispatch import BODY_TIMEOUT_S, HEAD_HOLD_S, Route, origin_path, read_body
 from smgd.config import ServerConfig
 
 from .asgi_client import connect, http_scope, lifespan, request
-from .fake_engine import MODEL, Behaviour, FakeEngine, open_gateway
+from .fake_engine import MODEL, Behaviour, FakeEngine, open_app, open_gateway
 from .http_helpers import post_bytes
 from .test_direct import serving
 
@@ -373,3 +373,24 @@ async def test_an_absolute_form_target_needs_the_key_its_path_needs(tmp_path: Pa
 )
 def test_origin_path_reduces_only_http_absolute_form(target: str, path: str) -> None:
     assert origin_path(target) == path
+
+
+@pytest.mark.parametrize(("first_s", "head_s"), [(0.25, 0.25), (3.0, HEAD_HOLD_S)])
+async def test_a_streamed_head_waits_for_the_first_event_for_at_most_the_hold(
+    autojump_clock: trio.abc.Clock, first_s: float, head_s: float
+) -> None:
+    """Under a server that writes a head once given it (here the tests' client), the
+    dispatcher holds a stream's head for its first event, or HEAD_HOLD_S at the most."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+    payload = json.dumps(body).encode()
+    async with open_app(FakeEngine(behaviour=Behaviour(first_step_s=first_s))) as (app, _):
+        began = trio.current_time()
+        async with connect(app, http_scope("POST", "/v1/completions", length=len(payload))) as conn:
+            conn.send(payload)
+            first = await conn.receive()
+            first_at = trio.current_time() - began
+            rest = await conn.read_all()
+    assert conn.status == 200 and conn.started_at is not None
+    assert conn.started_at - began == pytest.approx(head_s)
+    assert first_at == pytest.approx(first_s)
+    assert first.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n")
