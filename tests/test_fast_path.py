@@ -416,17 +416,52 @@ async def test_a_chunked_request_moves_the_connection_to_h11_for_good(
     assert h11_events.responses() == [200, 200]  # and the third too: the connection stays
 
 
-@pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
-async def test_a_request_that_closes_its_connection_is_answered_by_h11(
-    h11_events: H11Events, version: bytes
-) -> None:
-    extra = b"connection: close\r\n" if version == b"HTTP/1.1" else b""
+async def test_an_http10_request_is_answered_by_h11_which_closes(h11_events: H11Events) -> None:
     async with _client() as client:
-        await client.send(_post("/v1/completions", _plain(3), extra=extra, version=version))
+        await client.send(_post("/v1/completions", _plain(3), version=b"HTTP/1.0"))
         answer = await client.response()
         assert await client.closed_by_server()
     assert answer.status == 200 and _usage(answer) == 3
     assert h11_events.responses() == [200]
+
+
+@pytest.mark.parametrize("body", [_completion(3), _plain(3)], ids=["streamed", "whole"])
+@pytest.mark.parametrize("value", [b"close", b"Close"])
+async def test_connection_close_is_served_on_the_fast_path_as_h11_serves_it(
+    monkeypatch: pytest.MonkeyPatch, h11_events: H11Events, body: dict[str, Any], value: bytes
+) -> None:
+    """The answer says ``connection: close`` and the connection ends after it, as on h11's
+    path."""
+    request = _post("/v1/completions", body, extra=b"connection: %b\r\n" % value)
+
+    async def answer() -> tuple[int, list[bytes], Any]:
+        async with _client() as client:
+            await client.send(request)
+            got = await client.response()
+            assert got.header(b"connection") == b"close"
+            assert await client.closed_by_server()
+        status, names, content = _normal(got)
+        return status, sorted(names), content  # (h11 puts `connection` elsewhere)
+
+    fast = await answer()
+    assert h11_events.sent == []
+    monkeypatch.setattr(worker_loop.DirectSendTCPServer, "_fast_path", lambda server: None)
+    assert await answer() == fast
+    assert h11_events.responses() == [200]
+
+
+async def test_a_request_sent_after_connection_close_is_not_answered(
+    h11_events: H11Events,
+) -> None:
+    """Nothing the client sends after a ``Connection: close`` request is a request (RFC 9112
+    §9.6): the connection ends after the first answer."""
+    closing = _post("/v1/completions", _plain(3), extra=b"connection: close\r\n")
+    async with _client() as client:
+        await client.send(closing + _post("/v1/completions", _plain(2)))
+        first = await client.response()
+        assert await client.closed_by_server()
+    assert first.status == 200 and _usage(first) == 3
+    assert h11_events.sent == []
 
 
 async def test_an_http10_get_is_answered(h11_events: H11Events) -> None:
@@ -1395,7 +1430,7 @@ async def test_a_response_header_with_a_line_break_is_refused_naming_it(
         direct_writer=None,
         protocol_send=protocol_send,
     )
-    fast = SimpleNamespace(body_pending=False)
+    fast = SimpleNamespace(body_pending=False, close_asked=False)
     server = SimpleNamespace(get=lambda: [(b"server", b"smgd")])
     good = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 

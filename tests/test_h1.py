@@ -82,7 +82,6 @@ UNSUPPORTED_HEADS = [
     ("expect", b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n"),
     ("upgrade", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: keep-alive\r\nupgrade: h2c\r\n\r\n"),
     ("te", b"GET / HTTP/1.1\r\nhost: x\r\nTE: trailers\r\n\r\n"),
-    ("connection-close", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"),
     ("connection-upgrade", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n\r\n"),
     ("connection-list", b"GET / HTTP/1.1\r\nhost: x\r\nconnection: keep-alive, te\r\n\r\n"),
     (
@@ -166,6 +165,21 @@ def test_h11_only_header_names_are_matched_in_any_case(name: bytes) -> None:
 def test_connection_keep_alive_in_any_case_is_common(value: bytes) -> None:
     head = _head(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: %s\r\n\r\n" % value)
     assert (b"connection", value) in head.headers
+    assert not head.close
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [b"connection: close"],
+        [b"Connection: CLOSE"],
+        [b"connection: keep-alive", b"connection: close"],  # close wins, as in h11
+    ],
+)
+def test_connection_close_is_common_and_noted(fields: list[bytes]) -> None:
+    head = _head(b"GET / HTTP/1.1\r\nhost: x\r\n%s\r\n\r\n" % b"\r\n".join(fields))
+    assert head.close
+    assert head.headers[-1][1].lower() == fields[-1].split(b": ")[1].lower()
 
 
 def test_a_head_over_max_size_is_h11s_without_waiting_for_its_end() -> None:

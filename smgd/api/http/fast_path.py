@@ -28,12 +28,12 @@ waking the read loop.
 
 What the fast path keeps from hypercorn: one request at a time per connection (a pipelined
 request waits in the buffer until the response before it has ended); ``keep-alive`` (the worker
-loop's reaper, :mod:`smgd.api.http.keep_alive`); ``keep_alive_max_requests``
-(then ``connection: close``); the ``date`` and ``server`` headers of ``config``; closing after
-a response whose request body did not fully arrive, after an app error, and once the server
-shuts down. A client that goes away ends the request (``http.disconnect`` in its inbox, and
-the connection's ``on_disconnect``). With ``logging.access_log`` on, hypercorn writes the access
-log, so every request takes its path.
+loop's reaper, :mod:`smgd.api.http.keep_alive`); a request's ``Connection: close`` and
+``keep_alive_max_requests`` (then ``connection: close`` and the connection ends); the ``date``
+and ``server`` headers of ``config``; closing after a response whose request body did not fully
+arrive, after an app error, and once the server shuts down. A client that goes away ends the
+request (``http.disconnect`` in its inbox, and the connection's ``on_disconnect``). With
+``logging.access_log`` on, hypercorn writes the access log, so every request takes its path.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class FastPath:
         "_waiting",
         "buffer",
         "busy",
+        "close_asked",
         "ending",
         "off",
         "wake_scope",
@@ -157,6 +158,7 @@ class FastPath:
         # a request (RFC 9112 §9.6), and the rest of a request body still arriving is dropped
         # until the client closes or _linger_until passes (then the connection ends).
         self.ending = False
+        self.close_asked = False  # the running request said `Connection: close`
         self._linger_until = math.inf
         self._body_left = 0  # bytes of the running request's body still to arrive
         self._inbox: _Inbox | None = None  # the running request's ASGI receive
@@ -287,6 +289,7 @@ class FastPath:
         body = bytes(self.buffer[head.size : end])
         del self.buffer[:end]
         self._body_left = head.length - len(body)
+        self.close_asked = head.close
         first = {"type": "http.request", "body": body, "more_body": self._body_left > 0}
         # Room for the first message at least, which is queued before the app runs.
         self._inbox = inbox = _Inbox(max(1, conn.config.max_app_queue_size), first)
@@ -548,11 +551,13 @@ class _Response:
                 raise RuntimeError("http.response.start sent twice")
             extra = self._headers.get()
             conn = self._conn
-            # The connection ends with this response: after its last allowed request, when
-            # the request's body has not all arrived (the app answered early, as with a 413),
-            # or once the server shuts down. The client is told so.
+            # The connection ends with this response: when the client asked for it, after
+            # its last allowed request, when the request's body has not all arrived (the app
+            # answered early, as with a 413), or once the server shuts down. The client is
+            # told so.
             if (
-                conn.requests >= conn.config.keep_alive_max_requests
+                self._fast.close_asked
+                or conn.requests >= conn.config.keep_alive_max_requests
                 or self._fast.body_pending
                 or conn.context.terminated.is_set()
             ):

@@ -8,10 +8,11 @@ times over (building the ``Response``, ``set_comma_header`` for ``Content-Length
 ``Transfer-Encoding``, and the cleaned-up copy). :func:`parse_head` reads exactly that common
 shape with two regular expressions; *anything else* is :data:`UNSUPPORTED` and goes to h11,
 unchanged: other methods, HTTP/1.0, ``Transfer-Encoding``, ``Expect``, ``Upgrade``,
-``Connection`` other than ``keep-alive``, a repeated or malformed ``Content-Length``, a missing
-``Host``, obsolete line folding, a bare ``LF``, a head over the size limit, any byte the grammar
-does not allow. So a request h11 would refuse (or frame differently) is never read here: h11
-refuses it as before, with smgd's error envelope (:class:`smgd.api.http.worker_loop.H11Protocol`).
+``Connection`` other than ``keep-alive`` or ``close``, a repeated or malformed
+``Content-Length``, a missing ``Host``, obsolete line folding, a bare ``LF``, a head over the
+size limit, any byte the grammar does not allow. So a request h11 would refuse (or frame
+differently) is never read here: h11 refuses it as before, with smgd's error envelope
+(:class:`smgd.api.http.worker_loop.H11Protocol`).
 
 The grammar is RFC 9112's, narrowed: ``method SP request-target SP "HTTP/1.1" CRLF``, then
 ``field-name ":" OWS field-value OWS CRLF`` lines (a field value is visible ASCII, obs-text,
@@ -86,6 +87,8 @@ class Head:
 
     ``headers``: (lower-case name, value) pairs in order, as ASGI wants them.
     ``length``: the body's Content-Length (0 without one). ``size``: the head's bytes.
+    ``close``: the client asked for the connection to end with the response
+    (``Connection: close``).
     """
 
     method: bytes
@@ -93,6 +96,7 @@ class Head:
     headers: list[tuple[bytes, bytes]]
     length: int
     size: int
+    close: bool = False
 
 
 def parse_head(buf: bytes | bytearray, max_size: int) -> Head | str:
@@ -112,6 +116,7 @@ def parse_head(buf: bytes | bytearray, max_size: int) -> Head | str:
     pos = line.end()
     headers: list[tuple[bytes, bytes]] = []
     host = False
+    close = False
     length: bytes | None = None
     while pos < stop:
         field = _FIELD.match(buf, pos, stop)
@@ -129,8 +134,12 @@ def parse_head(buf: bytes | bytearray, max_size: int) -> Head | str:
             if host:
                 return UNSUPPORTED
             host = True
-        elif name == b"connection" and value.lower() != b"keep-alive":
-            return UNSUPPORTED
+        elif name == b"connection":
+            token = value.lower()
+            if token == b"close":
+                close = True
+            elif token != b"keep-alive":
+                return UNSUPPORTED
         headers.append((name, value))
         pos = field.end()
     if not host:  # HTTP/1.1 requires one; h11 answers 400
@@ -141,6 +150,7 @@ def parse_head(buf: bytes | bytearray, max_size: int) -> Head | str:
         headers=headers,
         length=int(length) if length is not None else 0,
         size=end + 4,
+        close=close,
     )
 
 
