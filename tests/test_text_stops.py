@@ -97,3 +97,16 @@ def test_hit_end_is_where_the_stop_ends_in_the_fed_text() -> None:
     assert m.feed("Answer.\n\nUs") == ("Answe", None)
     assert m.feed("er: more") == ("r.", "\n\nUser:")
     assert m.hit_end == 3  # "er:" of the second piece
+
+
+def test_long_stops_are_matched_without_a_combined_pattern() -> None:
+    """32 stops of 50,000 characters sharing a prefix (the most a request may send): re.compile
+    of their alternation strips the shared prefix one character at a time (quadratic), 8.3 s
+    on the event loop. They are searched one by one instead, and still match as before."""
+    shared = "z" * 50_000
+    stops = [f"{shared}{i:02d}" for i in range(32)]
+    matcher = StopMatcher(stops)
+    assert matcher._any is None  # no alternation was compiled
+    text, hits = run(matcher, ["hi ", shared[:30_000], shared[30_000:], "17 tail"])
+    assert (text, hits) == ("hi ", [f"{shared}17"])
+    assert cut_at_first_stop(f"hi {shared}17 tail", stops) == ("hi ", f"{shared}17")

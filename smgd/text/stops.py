@@ -51,6 +51,15 @@ def cut_at_first_stop(
     return text[: start + len(stop) if include_stop else start], stop
 
 
+# Stops whose lengths add up to more than this are searched for one by one (``str.find``, linear
+# time) instead of through one compiled alternation: re.compile's parser strips a prefix the
+# alternatives share one character at a time from lists, which is quadratic in its length, so
+# 32 stops of 50,000 characters took 8.3 s to compile, a pause of every stream on the loop. At
+# this size the worst case compiles in about a millisecond; real stop lists are a few short
+# strings, far below it.
+MAX_COMBINED_CHARS = 1024
+
+
 @functools.lru_cache(maxsize=256)
 def _any_of(stops: tuple[str, ...]) -> re.Pattern[str]:
     """A pattern matching any of ``stops``. Cached: clients tend to send the same few stop
@@ -71,8 +80,10 @@ class StopMatcher:
             self.stops = tuple(dict.fromkeys(stops))  # dedupe, keep order
             self._hold = max(map(len, self.stops)) - 1
             # One C-level scan answers "is any stop in here?" (the per-token common case: no);
-            # only on a hit does _first_stop work out which stop ends first.
-            self._any: re.Pattern[str] | None = _any_of(self.stops)
+            # only on a hit does _first_stop work out which stop ends first. Long stops skip
+            # it (MAX_COMBINED_CHARS): _first_stop's finds then answer alone.
+            short = sum(map(len, self.stops)) <= MAX_COMBINED_CHARS
+            self._any: re.Pattern[str] | None = _any_of(self.stops) if short else None
         else:  # most requests: a matcher that matches nothing, built in a few steps
             self.stops = ()
             self._hold = 0
@@ -96,8 +107,8 @@ class StopMatcher:
         # Stops entirely inside _pending were already searched for, so any match found here
         # ends in the new text; _pending is short, so this is O(len(text)) per stop.
         buf = self._pending + text
-        assert self._any is not None
-        found = _first_stop(buf, self.stops) if self._any.search(buf) else None
+        maybe = self._any is None or self._any.search(buf) is not None
+        found = _first_stop(buf, self.stops) if maybe else None
         if found is not None:
             start, stop = found
             self.hit = stop
