@@ -118,8 +118,27 @@ async def test_every_generation_route_refuses_a_prompt_that_cannot_fit_before_to
     error = reply.json()["error"]
     assert error["code"] == "context_length_exceeded"
     assert error["param"] == param
-    assert len(calls.threads) == (1 if isinstance(body.get("prompt"), list) else 0)  # "short"
+    assert calls.threads == []  # not even the batch's "short" prompt
     assert fake.requests == []
+
+
+async def test_a_batch_of_prompts_big_together_is_tokenized_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each prompt is small, so each was tokenized inline, one after the other: 2,048 embedding
+    # inputs of 3,600 characters paused every stream on the loop for 2.4 s. Together they are
+    # big: one encode_batch in a worker thread (tests/faults/test_feature_surface.py has the
+    # embeddings' case against the real daemon).
+    prompts = ["hello world " * 40] * (BIG_PROMPT_CHARS // 480 + 1)
+    async with open_app(FakeEngine()) as (app, gateway):
+        tok = gateway.text(MODEL).tokenizer
+        calls = Calls(monkeypatch, tok)
+        reply = await post(
+            app, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 1}
+        )
+    assert reply.status == 200, reply.body
+    assert len(reply.json()["choices"]) == len(prompts)
+    assert len(calls.threads) == 1 and calls.threads != [threading.get_ident()]
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/tokenize"])

@@ -18,7 +18,7 @@ import trio
 from smgd.api.core.embed import check_dimensions, embedding_response, parse_embed_request
 from smgd.api.core.embed_run import EmbedJob, run_embeddings
 from smgd.api.core.pipeline import new_engine_rid
-from smgd.api.core.prepare import context_len, encode, json_reply, resolve_model
+from smgd.api.core.prepare import context_len, encode_all, json_reply, resolve_model
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.wire.common import EmbedRequest
 
@@ -52,21 +52,17 @@ async def embeddings_reply(call: Call) -> Reply:
     params = parse_embed_request(body)
     check_dimensions(params.dimensions, model, text.config_json)
     context = context_len(gateway, model)
-    prompts: list[list[int]] = []
-    for item in params.inputs:
-        if item.text is None:
-            assert item.ids is not None
-            prompts.append(item.ids)
-            continue
-        ids = await encode(
+    encoded = iter(
+        await encode_all(
             text.tokenizer,
-            item.text,
+            [item.text for item in params.inputs if item.text is not None],
             add_special_tokens=True,
             limiter=ctx.tokenize_limiter,
             context=context,
             param="input",
         )
-        prompts.append(ids)
+    )
+    prompts = [next(encoded) if item.ids is None else item.ids for item in params.inputs]
     t_start = trio.current_time()  # where a completion's clock starts: input tokenized
     jobs: list[EmbedJob] = []
     for ids in prompts:

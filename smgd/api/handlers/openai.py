@@ -36,6 +36,7 @@ from smgd.api.core.prepare import (
     Reply,
     context_len,
     encode,
+    encode_all,
     off_the_loop,
     plan_jobs,
     resolve_model,
@@ -687,20 +688,16 @@ async def completion_reply(call: Call) -> Reply:
     raw = _completion_prompts(body)
     add_special = _flag(body, "add_special_tokens", True)
     context = context_len(call.ctx.gateway, model)
-    prompts: list[list[int]] = []
-    for item in raw:
-        if isinstance(item, str):
-            prompts.append(
-                await encode(
-                    text.tokenizer,
-                    item,
-                    add_special_tokens=add_special,
-                    limiter=call.ctx.tokenize_limiter,
-                    context=context,
-                )
-            )
-        else:
-            prompts.append(list(item))
+    encoded = iter(
+        await encode_all(
+            text.tokenizer,
+            [item for item in raw if isinstance(item, str)],
+            add_special_tokens=add_special,
+            limiter=call.ctx.tokenize_limiter,
+            context=context,
+        )
+    )
+    prompts = [next(encoded) if isinstance(item, str) else list(item) for item in raw]
     state = call.new_state("completion", model)
     # Prompt logprobs the client did not name come from `echo` (with `logprobs`).
     implied = body.get("prompt_logprobs") is None
