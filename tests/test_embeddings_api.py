@@ -146,6 +146,9 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
             ({"input": [5000]}, "input"),  # outside the 1024-token vocabulary
             ({"input": [5] * 5000}, "input"),  # longer than the context
             ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+            # Embedding inputs run in arrival order: a priority is refused, not ignored.
+            ({"input": "x", "priority": 1}, "priority"),
+            ({"input": "x", "priority": "high"}, "priority"),
             ({}, "input"),
         ]
         for body, param in bad:
@@ -158,5 +161,5 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
             assert long.json()["error"]["code"] == "context_length_exceeded"
             assert (await post(client, model=model, input=[[5] * fits])).status_code == 200
         # The daemon is fine after all of that.
-        ok = await post(client, model="emb-vllm", input="still here")
+        ok = await post(client, model="emb-vllm", input="still here", priority=0)
         assert ok.status_code == 200

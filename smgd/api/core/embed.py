@@ -5,8 +5,8 @@ list of such lists (each item one embedding, answered in order); ``encoding_form
 ``float`` (JSON numbers) or ``base64`` (the vector's little-endian float32 bytes, as OpenAI,
 vLLM and SGLang send it); ``dimensions`` keeps the first that many dimensions, for a model
 trained for it (Matryoshka: vLLM's rule, from the model's ``config.json``); ``user`` is
-accepted and ignored. The trio part (one engine request per input) is
-:mod:`smgd.api.core.embed_run`.
+accepted and ignored; a ``priority`` other than 0 is refused. The trio part (one engine
+request per input) is :mod:`smgd.api.core.embed_run`.
 """
 
 from __future__ import annotations
@@ -104,6 +104,15 @@ def parse_embed_request(body: dict[str, Any]) -> EmbedParams:
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
         raise InvalidRequest("`dimensions` must be a positive integer", param="dimensions")
+    # The wires' embedding requests go without a priority (each engine's default order), so a
+    # priority that would change it is refused rather than ignored; 0 is every request's.
+    priority = body.get("priority")
+    if priority is not None and (not _is_int(priority) or priority != 0):
+        raise InvalidRequest(
+            "`priority` is not supported on /v1/embeddings (inputs run in arrival order); "
+            f"omit it or send 0, got {priority!r}",
+            param="priority",
+        )
     return EmbedParams(inputs=inputs, encoding_format=fmt, dimensions=dimensions)
 
 
