@@ -163,3 +163,19 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
         # The daemon is fine after all of that.
         ok = await post(client, model="emb-vllm", input="still here", priority=0)
         assert ok.status_code == 200
+
+
+async def test_add_special_tokens_false_embeds_the_text_without_them(tmp_path: Path) -> None:
+    # vLLM's embeddings request field (default true); it was ignored: BOS was added anyway.
+    async with running_daemon(_config(tmp_path)) as (_, client):
+        bare = TOKENIZER.encode("hello world", add_special_tokens=False)
+        assert bare != ids_of("hello world")
+        for wire in WIRES:
+            r = await post(
+                client, model=f"emb-{wire}", input=["hello world"], add_special_tokens=False
+            )
+            assert r.status_code == 200, r.text
+            assert floats(r.json()) == [mock_embedding(bare)]
+            assert r.json()["usage"]["prompt_tokens"] == len(bare)
+        r = await post(client, model="emb-vllm", input="x", add_special_tokens="no")
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "add_special_tokens")

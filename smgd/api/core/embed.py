@@ -5,7 +5,8 @@ list of such lists (each item one embedding, answered in order); ``encoding_form
 ``float`` (JSON numbers) or ``base64`` (the vector's little-endian float32 bytes, as OpenAI,
 vLLM and SGLang send it); ``dimensions`` keeps the first that many dimensions, for a model
 trained for it (Matryoshka: vLLM's rule, from the model's ``config.json``); ``user`` is
-accepted and ignored; a ``priority`` other than 0 is refused. The trio part (one engine
+accepted and ignored; a ``priority`` other than 0 is refused; ``add_special_tokens: false``
+(vLLM's) tokenizes strings without the model's special tokens. The trio part (one engine
 request per input) is :mod:`smgd.api.core.embed_run`.
 """
 
@@ -47,6 +48,7 @@ class EmbedParams:
     inputs: list[EmbedInput]
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = None
+    add_special_tokens: bool = True  # vLLM's field: strings get the model's BOS / EOS
 
 
 def _is_int(value: object) -> bool:
@@ -113,7 +115,12 @@ def parse_embed_request(body: dict[str, Any]) -> EmbedParams:
             f"omit it or send 0, got {priority!r}",
             param="priority",
         )
-    return EmbedParams(inputs=inputs, encoding_format=fmt, dimensions=dimensions)
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise InvalidRequest("`add_special_tokens` must be a boolean", param="add_special_tokens")
+    return EmbedParams(
+        inputs=inputs, encoding_format=fmt, dimensions=dimensions, add_special_tokens=special
+    )
 
 
 def check_dimensions(dimensions: int | None, model: str, config_json: dict[str, Any]) -> None:

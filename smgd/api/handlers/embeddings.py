@@ -4,9 +4,9 @@
 Every 4xx comes before any engine sees the request: the body (:mod:`smgd.api.core.embed`), the
 model (404 unknown, 400 naming ``model`` when it is not served for embeddings), ``dimensions``
 against the model's config.json, each input tokenized (strings with the model's special tokens,
-as both engines' own servers do) and checked by its engine (vocabulary, context length). Then
-one engine request per input runs (:mod:`smgd.api.core.embed_run`), and the vectors come back
-in input order.
+as both engines' own servers do, unless ``add_special_tokens`` is false) and checked by its
+engine (vocabulary, context length). Then one engine request per input runs
+(:mod:`smgd.api.core.embed_run`), and the vectors come back in input order.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def embeddings_reply(call: Call) -> Reply:
         await encode_all(
             text.tokenizer,
             [item.text for item in params.inputs if item.text is not None],
-            add_special_tokens=True,
+            add_special_tokens=params.add_special_tokens,
             limiter=ctx.tokenize_limiter,
             context=context,
             param="input",
