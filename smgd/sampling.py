@@ -423,11 +423,13 @@ def _structured_openai(body: Mapping[str, Any], ignored: list[str]) -> Structure
             param=second,
         )
     if not found:
-        if so is not None and options:  # vLLM answers the same: options without a constraint
+        if options:  # vLLM answers the same: options without a constraint
+            named = so is not None and any(so.get(key) is not None for key in _SO_OPTIONS)
+            where = "structured_outputs" if named else "guided_whitespace_pattern"
             raise InvalidRequest(
-                "`structured_outputs` has options but no constraint (json, regex, choice, "
-                "grammar or json_object)",
-                param="structured_outputs",
+                f"`{where}` has options but no constraint (json, regex, choice, grammar or "
+                "json_object)",
+                param=where,
             )
         return None
     opts = _Reader(options, prefix="structured_outputs.")

@@ -223,6 +223,8 @@ def _nested(depth: int) -> dict[str, Any]:
          "structured_outputs.whitespace_pattern", "string"),
         ({"guided_regex": "a", "guided_whitespace_pattern": 1}, "guided_whitespace_pattern",
          "string"),
+        # An option with nothing to apply it to, in vLLM's older spelling too (it was ignored).
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "no constraint"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_a_400_naming_the_param(
