@@ -48,12 +48,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from smgd.errors import InvalidRequest
 from smgd.wire.common import SamplingParams, Structured, StructuredKind
+
+if TYPE_CHECKING:
+    from types import EllipsisType
 
 __all__ = [
     "MAX_N",
@@ -340,6 +343,7 @@ def _constraint(field: str, value: Any, param: str) -> Structured:
 # structured_outputs fields: the constraints (at most one), then vLLM's options for them.
 _SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+_SO_KNOWN = frozenset((*_SO_CONSTRAINTS, *_SO_OPTIONS, "structural_tag"))
 
 
 def _response_format(value: Any) -> Structured | None:
@@ -379,14 +383,25 @@ _STRUCTURED_OPENAI_KEYS = frozenset(
 )
 
 
-def _structured_openai(body: Mapping[str, Any], ignored: list[str]) -> Structured | None:
+def _structured_openai(
+    body: Mapping[str, Any], ignored: list[str], known: Structured | EllipsisType | None = ...
+) -> Structured | None:
     """The request's one constraint from every OpenAI/vLLM spelling, or None.
 
     ``structured_outputs`` fields nobody here knows are appended to ``ignored`` (vLLM ignores
-    them too).
+    them too). ``known``: the constraint as this was read for another prompt of the request.
     """
     if _STRUCTURED_OPENAI_KEYS.isdisjoint(body):
         return None  # nearly every request: none of the seven keys to look at
+    if known is not ...:
+        so = body.get("structured_outputs")
+        if isinstance(so, dict):  # (the first read refused anything else)
+            ignored.extend(
+                f"structured_outputs.{key}"
+                for key, value in so.items()
+                if value is not None and key not in _SO_KNOWN
+            )
+        return known
     found: list[Structured] = []
     fmt = body.get("response_format")
     if fmt is not None and (rf := _response_format(fmt)) is not None:
@@ -581,11 +596,16 @@ def from_openai(
     context_len: int,
     vocab_size: int,
     eos_token_ids: Sequence[int] = (),
+    structured: Structured | EllipsisType | None = ...,
 ) -> tuple[SamplingParams, TextOptions]:
     """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt.
 
     A key the request does not name is not read (``key in body`` first): most requests name a
     handful of the thirty-odd keys, and each read is a call.
+
+    ``structured``: the request's constraint (``SamplingParams.structured``) as this call read
+    it for another prompt of the same request; it is then not read again. Its cost grows with
+    the schema (3 MB of schema: 70 ms), and a completions batch has up to 64 prompts.
     """
     r = _Reader(body)
     n = (r.integer("n", 1, 1, MAX_N) or 1) if "n" in body else 1
@@ -623,9 +643,9 @@ def from_openai(
     if prompt_logprobs is not None:
         params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
     ignored = [k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS]
-    structured = _structured_openai(body, ignored)
-    if structured is not None:
-        params = msgspec.structs.replace(params, structured=structured)
+    constraint = _structured_openai(body, ignored, structured)
+    if constraint is not None:
+        params = msgspec.structs.replace(params, structured=constraint)
     if n > 1 and params.temperature < GREEDY_TEMPERATURE:
         raise r.fail("n", f"n must be 1 when using greedy sampling, got {n}.")  # vLLM's words
     if "spaces_between_special_tokens" in body:

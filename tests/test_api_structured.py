@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import trio
 
+from smgd import sampling
 from smgd.config import StructuredOutputConfig
 from smgd.wire.common import Finish, FinishReason, Structured, StructuredKind
 from tests.fake_engine import MODEL, Behaviour, FakeEngine, open_app, post, post_stream
@@ -100,3 +101,29 @@ async def test_a_refused_grammar_is_a_400_naming_the_param(autojump_clock: trio.
     # The same abort for a request without a constraint is an engine rejection naming nothing.
     assert plain.status == 400
     assert plain.json()["error"]["param"] is None
+
+
+async def test_a_batchs_schema_is_read_once_for_all_its_prompts(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading a schema walks it (its nesting), a cost that grows with it: 3 MB took 70 ms, and
+    # it was read again for each of up to 64 prompts (tests/faults/test_feature_surface.py).
+    walks: list[object] = []
+    walk = sampling._too_deep
+
+    def counted(value: Any) -> bool:
+        walks.append(value)
+        return walk(value)
+
+    monkeypatch.setattr(sampling, "_too_deep", counted)
+    fake = with_grammar(FakeEngine())
+    body = {"model": MODEL, "prompt": ["a", "bb", "ccc"], "max_tokens": 2}
+    async with open_app(fake) as (app, _):
+        reply = await post(app, "/v1/completions", {**body, "guided_json": SCHEMA})
+        typo = await post(app, "/v1/completions", {**body, "structured_outputs": {"jsn": {}}})
+    assert reply.status == 200, reply.body
+    assert walks == [SCHEMA]
+    want = Structured(kind=StructuredKind.JSON, param="guided_json", spec=SCHEMA)
+    assert [r.sampling.structured for r in fake.requests[:3]] == [want] * 3
+    assert typo.status == 200  # an unknown field is ignored, as vLLM does, for every prompt
+    assert [r.sampling.structured for r in fake.requests[3:]] == [None] * 3

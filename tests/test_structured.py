@@ -13,6 +13,7 @@ import pytest
 
 from smgd.errors import InvalidRequest
 from smgd.sampling import MAX_SCHEMA_NESTING, from_native, from_openai
+from smgd.wire import common
 from smgd.wire.common import (
     JSON_OBJECT_SCHEMA,
     Structured,
@@ -292,3 +293,23 @@ def test_choice_regex_escapes_what_a_regex_reads(choices: tuple[str, ...], regex
     characters are \\n/\\t/\\r/\\uXXXX (xgrammar does not match \\xNN). That xgrammar accepts
     exactly the alternatives is checked on the real engines (tests/real_engines)."""
     assert choice_regex(choices) == regex
+
+
+def test_a_schema_shared_by_a_requests_choices_is_written_out_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every choice of a request (up to 64) is its own engine request with the same Structured;
+    # a 3 MB schema took 40 ms to write out as JSON, each time.
+    written: list[object] = []
+    dumps = common.json.dumps
+
+    def counted(value: Any) -> str:
+        written.append(value)
+        return dumps(value)
+
+    monkeypatch.setattr(common.json, "dumps", counted)
+    one = Structured(kind=StructuredKind.JSON, param="guided_json", spec={"type": "object"})
+    other = Structured(kind=StructuredKind.JSON, param="guided_json", spec={"type": "object"})
+    texts = [common.grammar_fields(s)[0] for s in (one, one, one, other, other)]
+    assert texts == ['{"type": "object"}'] * 5
+    assert len(written) == 2  # once per constraint (equal ones are not compared)

@@ -52,14 +52,27 @@ _REGEX_META = frozenset("\\.^$|?*+()[]{}")
 _REGEX_CONTROL = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
+# The constraint whose object schema was written out last, and its text. A request's choices
+# (up to 64 prompts x n) share one Structured and each goes to its engine as its own request:
+# a 3 MB schema took 40 ms to write out, each time. The same object, not an equal one: comparing
+# two big schemas costs about what writing one does. (It keeps that one schema alive until
+# another is written.)
+_last_written: tuple[Structured, str] | None = None
+
+
 def schema_text(s: Structured) -> str:
     """A JSON / JSON_OBJECT constraint's schema as JSON text, the way SGLang's front end writes
     it (``json.dumps`` of an object schema, text passed on as given)."""
+    global _last_written
     if s.kind is StructuredKind.JSON_OBJECT:
         return JSON_OBJECT_SCHEMA
     if isinstance(s.spec, str):
         return s.spec
-    return json.dumps(s.spec)
+    if _last_written is not None and _last_written[0] is s:
+        return _last_written[1]
+    text = json.dumps(s.spec)
+    _last_written = (s, text)
+    return text
 
 
 def choice_regex(choices: tuple[str, ...]) -> str:

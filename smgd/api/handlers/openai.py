@@ -547,6 +547,7 @@ def _sampler(
     """``forced``: the constraint of a ``required`` / named ``tool_choice``."""
     eos = text.tokenizer.eos_token_ids
     vocab_size = text.vocab_size
+    read: list[Structured | None] = []  # the request's own constraint, once the first read it
 
     def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
         params, options = from_openai(
@@ -556,7 +557,10 @@ def _sampler(
             context_len=context_len,
             vocab_size=vocab_size,
             eos_token_ids=eos,
+            structured=read[0] if read else ...,
         )
+        if not read:
+            read.append(params.structured)
         if forced is not None:
             if params.structured is not None:
                 raise InvalidRequest(
