@@ -261,14 +261,18 @@ class _Reader:
 
 
 def _too_deep(value: Any) -> bool:
-    """Whether objects/arrays nest deeper than MAX_SCHEMA_NESTING (breadth-first, no recursion)."""
+    """Whether objects/arrays nest deeper than MAX_SCHEMA_NESTING (breadth-first, no recursion).
+
+    Exact type tests (decoded JSON has no subclasses) rather than isinstance: a 7 MB schema of
+    600,000 small arrays took 0.6 s to walk, on the event loop, and an array of numbers 4x as
+    long as with these."""
     level = [value]
     for _ in range(MAX_SCHEMA_NESTING):
         level = [
             child
             for node in level
-            for child in (node.values() if isinstance(node, dict) else node)
-            if isinstance(child, dict | list)
+            for child in (node.values() if type(node) is dict else node)
+            if type(child) is dict or type(child) is list
         ]
         if not level:
             return False

@@ -326,7 +326,11 @@ class _Loader(_Engine):
 def _call(engines: list[_Loader], body: Mapping[str, object]) -> Call:
     gateway = SimpleNamespace(config=Config(), router=_router(*engines))
     ctx = SimpleNamespace(gateway=gateway)
-    return cast("Call", SimpleNamespace(ctx=ctx, json=lambda: body))
+
+    async def json() -> Mapping[str, object]:
+        return body
+
+    return cast("Call", SimpleNamespace(ctx=ctx, json=json))
 
 
 async def test_a_second_load_of_a_name_under_way_is_refused() -> None:

@@ -41,7 +41,7 @@ async def embeddings_reply(call: Call) -> Reply:
     """``POST /v1/embeddings``."""
     ctx = call.ctx
     gateway = ctx.gateway
-    body = call.json()
+    body = await call.json()
     model, text = resolve_model(gateway, body)
     task = model_task(gateway, model)
     if task != "embed":

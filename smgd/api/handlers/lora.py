@@ -80,7 +80,7 @@ def _targets(gateway: Gateway, engines: list[EngineClient], model: str) -> list[
 
 async def load_lora_adapter(call: Call) -> Reply:
     """``POST /v1/load_lora_adapter``."""
-    body = call.json()
+    body = await call.json()
     gateway = call.ctx.gateway
     name, path = _string(body, "lora_name"), _string(body, "lora_path")
     if not name or not path:
@@ -143,7 +143,7 @@ async def load_lora_adapter(call: Call) -> Reply:
 
 async def unload_lora_adapter(call: Call) -> Reply:
     """``POST /v1/unload_lora_adapter``."""
-    body = call.json()
+    body = await call.json()
     gateway = call.ctx.gateway
     name = _string(body, "lora_name")
     if not name:

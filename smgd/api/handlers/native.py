@@ -201,7 +201,7 @@ async def generate_reply(call: Call) -> Reply:
     A valid ``rid`` becomes the request's id (``call.request_id``): echoed in ``X-Request-Id``,
     on errors too, and named in the log line.
     """
-    body = call.json()
+    body = await call.json()
     model, text = _resolve_lora_path(call.ctx.gateway, body)
     for key in _UNSUPPORTED:
         if body.get(key) is not None:

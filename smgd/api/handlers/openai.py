@@ -600,7 +600,7 @@ def _render_chat(
 
 async def chat_reply(call: Call) -> Reply:
     """``POST /v1/chat/completions``: 4xx errors are raised before any engine sees the request."""
-    body = call.json()
+    body = await call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     for key in _CHAT_UNSUPPORTED:
@@ -686,7 +686,7 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
 
 async def completion_reply(call: Call) -> Reply:
     """``POST /v1/completions``: 4xx errors are raised before any engine sees the request."""
-    body = call.json()
+    body = await call.json()
     model, text = resolve_model(call.ctx.gateway, body)
     streaming, include_usage = _stream_flags(body)
     raw = _completion_prompts(body)

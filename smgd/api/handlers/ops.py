@@ -174,7 +174,7 @@ async def retrieve_model(call: Call) -> Reply:
 async def tokenize(call: Call) -> Reply:
     """``POST /v1/tokenize``, ``POST /tokenize``."""
     ctx = call.ctx
-    body = call.json()
+    body = await call.json()
     model, text = resolve_model(ctx.gateway, body)
     tokenizer = text.tokenizer
     special = body.get("add_special_tokens")
@@ -211,7 +211,7 @@ async def tokenize(call: Call) -> Reply:
 
 async def detokenize(call: Call) -> Reply:
     """``POST /v1/detokenize``, ``POST /detokenize``."""
-    body = call.json()
+    body = await call.json()
     _, text = resolve_model(call.ctx.gateway, body)
     tokens = body.get("tokens")
     vocab = text.vocab_size
