@@ -267,6 +267,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_many(
+        self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """Decode several id lists in one ``decode_batch`` call (releases the GIL; ``decode``
+        holds it: 0.5 s for 2.6 million ids)."""
+        texts = self.hf.decode_batch([list(ids) for ids in batch], skip_special_tokens)
+        return [str(text) for text in texts]
+
     def id_to_token(self, token_id: int) -> str | None:
         token = self.hf.id_to_token(token_id)
         return None if token is None else str(token)
