@@ -65,6 +65,7 @@ __all__ = [
     "MAX_STOPS",
     "MIN_PRIORITY",
     "TextOptions",
+    "check_nesting",
     "for_choice",
     "from_native",
     "from_openai",
@@ -294,13 +295,19 @@ def _schema(value: Any, param: str, *, text_ok: bool = True) -> dict[str, Any] |
     if not isinstance(parsed, dict):
         what = "a JSON schema object" if text_ok else "an object (the JSON schema)"
         raise InvalidRequest(f"`{param}` must be {what}", param=param)
-    if _too_deep(parsed):
+    check_nesting(parsed, param)
+    return value if isinstance(value, str) else parsed
+
+
+def check_nesting(schema: dict[str, Any], param: str, *, within: str = "") -> None:
+    """Refuse (400 naming ``param``) a schema whose objects and arrays nest deeper than
+    :data:`MAX_SCHEMA_NESTING`; ``within``: what the limit counts, when more than ``param``."""
+    if _too_deep(schema):
         raise InvalidRequest(
             f"`{param}` is nested too deeply: objects and arrays may nest at most "
-            f"{MAX_SCHEMA_NESTING} levels",
+            f"{MAX_SCHEMA_NESTING} levels{within}",
             param=param,
         )
-    return value if isinstance(value, str) else parsed
 
 
 def _text(value: Any, param: str, *, what: str, empty_ok: bool) -> str:

@@ -20,6 +20,7 @@ from smgd.api.core.tools import (
     ParseSpec,
     ToolRequest,
     delta_fields,
+    forced_constraint,
     read_tool_choice,
     required_schema,
 )
@@ -101,6 +102,35 @@ def test_required_schema_is_vllms_shape() -> None:
     # A tool without parameters takes an empty object (vLLM's _params_or_empty_object).
     assert second["properties"]["parameters"] == {"type": "object", "properties": {}}
     assert "maxItems" not in required_schema(tool_request(tool_choice="required"))
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """An object schema whose objects nest ``levels`` deep (two JSON levels each)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "levels"),
+    [("required", 30), ({"type": "function", "function": {"name": "deep"}}, 32)],
+)
+def test_a_forced_calls_schema_is_held_to_the_nesting_limit(tool_choice: Any, levels: int) -> None:
+    # response_format's schema may nest 64 levels (a deeper one can exhaust a grammar backend's
+    # recursion); the schema a tool_choice makes of the tools' parameters went to the engine
+    # however deep. ("required" wraps each tool's parameters in 5 levels of its own.)
+    tools = [
+        {"type": "function", "function": {"name": "flat"}},
+        {"type": "function", "function": {"name": "deep", "parameters": _nested(levels)}},
+    ]
+    request = read_tool_choice({"tool_choice": tool_choice}, tools)
+    with pytest.raises(InvalidRequest) as info:
+        forced_constraint(request)
+    assert info.value.param == "tools[1].function.parameters"
+    assert "nested too deeply" in info.value.message
+    shallower = [tools[0], {**tools[1], "function": {"name": "deep", "parameters": _nested(28)}}]
+    assert forced_constraint(read_tool_choice({"tool_choice": tool_choice}, shallower))
 
 
 def test_no_parser_without_tools_or_reasoning_parser() -> None:

@@ -41,6 +41,7 @@ from smgd.parse import (
     stream_parser,
 )
 from smgd.parse.scan import random_id
+from smgd.sampling import check_nesting
 from smgd.wire.common import Structured, StructuredKind
 
 if TYPE_CHECKING:
@@ -177,11 +178,24 @@ def required_schema(request: ToolRequest) -> dict[str, Any]:
 
 
 def forced_constraint(request: ToolRequest) -> Structured | None:
-    """The engine's constraint for ``required`` / a named function (None for the others)."""
+    """The engine's constraint for ``required`` / a named function (None for the others).
+
+    Its schema is held to the nesting limit of a ``response_format`` schema (a deeper one can
+    exhaust a grammar backend's recursion): a 400 naming the tool whose parameters go past it.
+    """
     if request.choice == "required":
         schema = required_schema(request)
+        for i, tool in enumerate(request.tools):
+            one = msgspec.structs.replace(request, tools=[tool])
+            check_nesting(
+                required_schema(one),
+                f"tools[{i}].function.parameters",
+                within=" with tool_choice 'required' (its schema adds 5 around them)",
+            )
     elif request.choice == "function":
         schema = named_schema(request)
+        at = _tool_names(request.tools).index(str(request.name))
+        check_nesting(schema, f"tools[{at}].function.parameters")
     else:
         return None
     return Structured(kind=StructuredKind.JSON, param="tool_choice", spec=schema)
