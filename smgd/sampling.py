@@ -64,6 +64,7 @@ __all__ = [
     "MAX_SCHEMA_NESTING",
     "MAX_STOPS",
     "MIN_PRIORITY",
+    "TRUNCATION_UNSUPPORTED",
     "TextOptions",
     "check_nesting",
     "for_choice",
@@ -108,7 +109,7 @@ _OPENAI_API_KEYS = frozenset(
         "model", "messages", "prompt", "stream", "stream_options", "tools", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
         "continue_final_message", "documents", "request_id", "user", "metadata", "store",
-        "service_tier",
+        "service_tier", "truncate_prompt_tokens",
     }
 )  # fmt: skip
 _OPENAI_SAMPLING_KEYS = frozenset(
@@ -581,7 +582,12 @@ def _openai_logprobs(r: _Reader, chat: bool) -> int | None:
 
 
 # The keys _openai_features checks: a request without any of them (nearly every one) skips it.
-_OPENAI_FEATURE_KEYS = frozenset({*_OPENAI_UNSUPPORTED, "best_of", "suffix", "modalities"})
+_OPENAI_FEATURE_KEYS = frozenset(
+    {*_OPENAI_UNSUPPORTED, "best_of", "suffix", "modalities", "truncate_prompt_tokens"}
+)
+# vLLM's prompt truncation (keep the last k tokens; -1: the context's worth). smgd never cuts a
+# prompt: a prompt longer than the context is a 400, and one that fits runs whole.
+TRUNCATION_UNSUPPORTED = "prompts are not truncated; one longer than the context is a 400"
 
 
 def _openai_features(r: _Reader, n: int) -> None:
@@ -589,6 +595,7 @@ def _openai_features(r: _Reader, n: int) -> None:
     if _OPENAI_FEATURE_KEYS.isdisjoint(body):
         return
     r.reject_present(_OPENAI_UNSUPPORTED, "no predicted outputs, audio or function-call parsing")
+    r.reject_present(("truncate_prompt_tokens",), TRUNCATION_UNSUPPORTED)
     best_of = r.integer("best_of", None, 1, None)
     if best_of is not None and best_of not in (1, n):
         raise r.fail("best_of", "`best_of` is not supported (only 1 or equal to `n`)")

@@ -149,6 +149,8 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
             # Embedding inputs run in arrival order: a priority is refused, not ignored.
             ({"input": "x", "priority": 1}, "priority"),
             ({"input": "x", "priority": "high"}, "priority"),
+            # vLLM's truncation: refused, not ignored (the whole input was embedded).
+            ({"input": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
             ({}, "input"),
         ]
         for body, param in bad:

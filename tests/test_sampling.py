@@ -201,6 +201,9 @@ def test_min_tokens_above_max_tokens() -> None:
         ({"prediction": {"type": "content"}}, "prediction"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        # vLLM's: keep the prompt's last k tokens. It was ignored: the whole prompt ran.
+        ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
     ],
 )
 def test_unsupported_features_are_named(body: dict[str, Any], param: str) -> None:
@@ -209,7 +212,9 @@ def test_unsupported_features_are_named(body: dict[str, Any], param: str) -> Non
 
 
 def test_harmless_forms_of_unsupported_features() -> None:
-    params, opts = completion({"best_of": 2, "n": 2, "suffix": "", "guided_json": None})
+    params, opts = completion(
+        {"best_of": 2, "n": 2, "suffix": "", "guided_json": None, "truncate_prompt_tokens": None}
+    )
     assert opts.n == 2
     assert params.max_tokens == 90
 

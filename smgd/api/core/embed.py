@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from smgd.errors import InvalidRequest
+from smgd.sampling import TRUNCATION_UNSUPPORTED
 
 __all__ = [
     "MAX_INPUTS",
@@ -114,6 +115,11 @@ def parse_embed_request(body: dict[str, Any]) -> EmbedParams:
             "`priority` is not supported on /v1/embeddings (inputs run in arrival order); "
             f"omit it or send 0, got {priority!r}",
             param="priority",
+        )
+    if body.get("truncate_prompt_tokens") is not None:
+        raise InvalidRequest(
+            f"`truncate_prompt_tokens` is not supported by smgd ({TRUNCATION_UNSUPPORTED})",
+            param="truncate_prompt_tokens",
         )
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
