@@ -109,7 +109,7 @@ _OPENAI_API_KEYS = frozenset(
         "model", "messages", "prompt", "stream", "stream_options", "tools", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "add_generation_prompt", "add_special_tokens",
         "continue_final_message", "documents", "request_id", "user", "metadata", "store",
-        "service_tier", "truncate_prompt_tokens",
+        "service_tier", "truncate_prompt_tokens", "include_reasoning",
     }
 )  # fmt: skip
 _OPENAI_SAMPLING_KEYS = frozenset(

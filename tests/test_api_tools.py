@@ -244,6 +244,30 @@ async def test_message_and_stream_agree(autojump_clock: trio.abc.Clock) -> None:
         assert json.loads(got["arguments"]) == json.loads(want["function"]["arguments"])
 
 
+async def test_include_reasoning_false_leaves_the_reasoning_out(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # vLLM's field (default true). It was ignored: the reasoning came back anyway.
+    fake = parsing_engine()
+    body = {**CHAT, "include_reasoning": False}
+    async with open_app(fake) as (app, _):
+        reply = await post(app, "/v1/chat/completions", body)
+        streamed = await post_stream(app, "/v1/chat/completions", {**body, "stream": True})
+        bad = await post(app, "/v1/chat/completions", {**CHAT, "include_reasoning": "no"})
+    assert reply.status == 200, reply.body
+    message = reply.json()["choices"][0]["message"]
+    assert "reasoning_content" not in message
+    assert message["content"] == "\n\nChecking.\n"
+    assert len(message["tool_calls"]) == 2
+    deltas = [c["choices"][0]["delta"] for c in streamed.chunks() if c["choices"]]
+    assert not any(d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    # The reasoning's tokens were still generated: usage counts them.
+    ids = TOK.encode(REPLY, add_special_tokens=False)
+    assert reply.json()["usage"]["completion_tokens"] == len(ids) + 1
+    assert bad.status == 400 and bad.json()["error"]["param"] == "include_reasoning"
+
+
 async def test_plain_request_builds_no_parser(
     autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

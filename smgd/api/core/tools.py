@@ -206,6 +206,7 @@ class ParseSpec(msgspec.Struct, frozen=True):
 
     tools: ToolRequest
     thinking: bool = True  # False: the template closed the reasoning block (enable_thinking)
+    reasoning: bool = True  # False (vLLM's include_reasoning): the reasoning is left out
 
     def for_engine(
         self, tool_parser: str | None, reasoning_parser: str | None
@@ -222,18 +223,23 @@ class ParseSpec(msgspec.Struct, frozen=True):
                 thinking=self.thinking,
             ),
             self.tools,
+            keep_reasoning=self.reasoning,
         )
 
 
 class ChoiceParser:
     """One choice's parser state: text pieces in, delta fields and the final message out."""
 
-    __slots__ = ("events", "forced", "parallel", "parser", "request")
+    __slots__ = ("events", "forced", "keep_reasoning", "parallel", "parser", "request")
 
-    def __init__(self, parser: StreamParser, request: ToolRequest) -> None:
+    def __init__(
+        self, parser: StreamParser, request: ToolRequest, *, keep_reasoning: bool = True
+    ) -> None:
         self.parser = parser
         self.request = request
         self.parallel = request.parallel
+        # The reasoning is still parsed out (it must not reach the content), then dropped.
+        self.keep_reasoning = keep_reasoning
         # A forced call is JSON the grammar wrote: held whole and read at the end, as vLLM
         # does (its non-streamed parse), so streaming and not agree.
         self.forced: list[str] | None = [] if request.forced else None
@@ -257,6 +263,8 @@ class ChoiceParser:
             events = out
         if not self.parallel:
             events = [e for e in events if not isinstance(e, ToolCallDelta) or e.index == 0]
+        if not self.keep_reasoning:
+            events = [e for e in events if not isinstance(e, ReasoningDelta)]
         self.events += events
         return events
 

@@ -641,7 +641,11 @@ async def chat_reply(call: Call) -> Reply:
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
     _no_streamed_prompt_logprobs(body, streaming)
-    spec = ParseSpec(tools, thinking=kwargs.get("enable_thinking") is not False)
+    spec = ParseSpec(
+        tools,
+        thinking=kwargs.get("enable_thinking") is not False,
+        reasoning=_flag(body, "include_reasoning", True),
+    )
     parsers: dict[int, ChoiceParser] = {}
     for job in jobs:
         config = job.engine.config
