@@ -151,6 +151,9 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
             ({"input": "x", "priority": "high"}, "priority"),
             # vLLM's truncation: refused, not ignored (the whole input was embedded).
             ({"input": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+            # vLLM's: raw, unnormalized vectors. Refused, not ignored (they came normalized).
+            ({"input": "x", "normalize": False}, "normalize"),
+            ({"input": "x", "normalize": "yes"}, "normalize"),
             ({}, "input"),
         ]
         for body, param in bad:
@@ -163,7 +166,7 @@ async def test_model_and_input_errors_name_their_parameter(tmp_path: Path) -> No
             assert long.json()["error"]["code"] == "context_length_exceeded"
             assert (await post(client, model=model, input=[[5] * fits])).status_code == 200
         # The daemon is fine after all of that.
-        ok = await post(client, model="emb-vllm", input="still here", priority=0)
+        ok = await post(client, model="emb-vllm", input="still here", priority=0, normalize=True)
         assert ok.status_code == 200
 
 

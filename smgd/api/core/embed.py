@@ -121,6 +121,12 @@ def parse_embed_request(body: dict[str, Any]) -> EmbedParams:
             f"`truncate_prompt_tokens` is not supported by smgd ({TRUNCATION_UNSUPPORTED})",
             param="truncate_prompt_tokens",
         )
+    # Both wires ask the engine for the normalized vector (vLLM's use_activation; SGLang's
+    # embedding models normalize); vLLM's per-request switch to raw vectors is not passed on.
+    if body.get("normalize") not in (None, True):
+        raise InvalidRequest(
+            "`normalize` may only be true (the vectors are L2-normalized)", param="normalize"
+        )
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise InvalidRequest("`add_special_tokens` must be a boolean", param="add_special_tokens")
