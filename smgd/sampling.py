@@ -48,15 +48,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from smgd.errors import InvalidRequest
 from smgd.wire.common import SamplingParams, Structured, StructuredKind
-
-if TYPE_CHECKING:
-    from types import EllipsisType
 
 __all__ = [
     "MAX_N",
@@ -68,6 +65,7 @@ __all__ = [
     "TextOptions",
     "check_nesting",
     "for_choice",
+    "for_prompt",
     "from_native",
     "from_openai",
     "read_priority",
@@ -221,7 +219,7 @@ class _Reader:
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in value
         ):
             raise self.fail(key, f"`{key}` must be an array of token ids in [0, {vocab_size})")
-        return tuple(value)
+        return tuple(dict.fromkeys(value))  # a set: at most the vocabulary goes to the engine
 
     def logit_bias(self, key: str, vocab_size: int) -> dict[int, float] | None:
         value = self.body.get(key)
@@ -355,7 +353,6 @@ def _constraint(field: str, value: Any, param: str) -> Structured:
 # structured_outputs fields: the constraints (at most one), then vLLM's options for them.
 _SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 _SO_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-_SO_KNOWN = frozenset((*_SO_CONSTRAINTS, *_SO_OPTIONS, "structural_tag"))
 
 
 def _response_format(value: Any) -> Structured | None:
@@ -395,25 +392,14 @@ _STRUCTURED_OPENAI_KEYS = frozenset(
 )
 
 
-def _structured_openai(
-    body: Mapping[str, Any], ignored: list[str], known: Structured | EllipsisType | None = ...
-) -> Structured | None:
+def _structured_openai(body: Mapping[str, Any], ignored: list[str]) -> Structured | None:
     """The request's one constraint from every OpenAI/vLLM spelling, or None.
 
     ``structured_outputs`` fields nobody here knows are appended to ``ignored`` (vLLM ignores
-    them too). ``known``: the constraint as this was read for another prompt of the request.
+    them too).
     """
     if _STRUCTURED_OPENAI_KEYS.isdisjoint(body):
         return None  # nearly every request: none of the seven keys to look at
-    if known is not ...:
-        so = body.get("structured_outputs")
-        if isinstance(so, dict):  # (the first read refused anything else)
-            ignored.extend(
-                f"structured_outputs.{key}"
-                for key, value in so.items()
-                if value is not None and key not in _SO_KNOWN
-            )
-        return known
     found: list[Structured] = []
     fmt = body.get("response_format")
     if fmt is not None and (rf := _response_format(fmt)) is not None:
@@ -530,8 +516,7 @@ def _common(
 ) -> SamplingParams:
     body = r.body
     min_tokens = (r.integer(min_key, 0, 0, None) or 0) if min_key in body else 0
-    if min_tokens > max_tokens:
-        raise r.fail(min_key, f"`{min_key}` ({min_tokens}) exceeds the output limit {max_tokens}")
+    _check_min_tokens(r, min_key, min_tokens, max_tokens)
     fields: dict[str, Any] = {}
     if seed_key in body:
         fields["seed"] = r.seed(seed_key)
@@ -606,32 +591,14 @@ def _openai_features(r: _Reader, n: int) -> None:
         raise r.fail("modalities", "only the text modality is supported")
 
 
-def from_openai(
-    body: Mapping[str, Any],
-    *,
-    chat: bool,
-    prompt_len: int,
-    context_len: int,
-    vocab_size: int,
-    eos_token_ids: Sequence[int] = (),
-    structured: Structured | EllipsisType | None = ...,
-) -> tuple[SamplingParams, TextOptions]:
-    """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt.
-
-    A key the request does not name is not read (``key in body`` first): most requests name a
-    handful of the thirty-odd keys, and each read is a call.
-
-    ``structured``: the request's constraint (``SamplingParams.structured``) as this call read
-    it for another prompt of the same request; it is then not read again. Its cost grows with
-    the schema (3 MB of schema: 70 ms), and a completions batch has up to 64 prompts.
-    """
-    r = _Reader(body)
-    n = (r.integer("n", 1, 1, MAX_N) or 1) if "n" in body else 1
-    _openai_features(r, n)
+def _openai_max_tokens(
+    r: _Reader, *, chat: bool, prompt_len: int, context_len: int
+) -> tuple[int, bool]:
+    """(max_tokens, echo_only) of an OpenAI body for a prompt of ``prompt_len`` tokens."""
+    body = r.body
     key = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         key = "max_completion_tokens"  # the current name; max_tokens is deprecated for chat
-    what = "messages" if chat else "prompt"
     echo = r.flag("echo", False) if "echo" in body else False
     # vLLM's "echo without generation": completions `echo` may ask for no new tokens.
     requested = r.integer(key, None, 0 if echo and not chat else 1, None)
@@ -641,7 +608,58 @@ def from_openai(
         key=key,
         prompt_len=prompt_len,
         context_len=context_len,
-        what=what,
+        what="messages" if chat else "prompt",
+    )
+    return max_tokens, echo_only
+
+
+def for_prompt(
+    body: Mapping[str, Any],
+    params: SamplingParams,
+    *,
+    chat: bool,
+    prompt_len: int,
+    context_len: int,
+) -> SamplingParams:
+    """``params``, which :func:`from_openai` made for another prompt of the same ``body``, for a
+    prompt of ``prompt_len`` tokens. Only ``max_tokens`` depends on the prompt (by default the
+    room it leaves), so nothing else is read again: everything else costs what the body's
+    size does, and a completions batch has up to 64 prompts (1,000,000 ``stop_token_ids`` were
+    checked for each of them, 6.4 s)."""
+    r = _Reader(body)
+    max_tokens, _ = _openai_max_tokens(r, chat=chat, prompt_len=prompt_len, context_len=context_len)
+    _check_min_tokens(r, "min_tokens", params.min_tokens, max_tokens)
+    if max_tokens == params.max_tokens:
+        return params
+    return msgspec.structs.replace(params, max_tokens=max_tokens)
+
+
+def _check_min_tokens(r: _Reader, key: str, min_tokens: int, max_tokens: int) -> None:
+    if min_tokens > max_tokens:
+        raise r.fail(key, f"`{key}` ({min_tokens}) exceeds the output limit {max_tokens}")
+
+
+def from_openai(
+    body: Mapping[str, Any],
+    *,
+    chat: bool,
+    prompt_len: int,
+    context_len: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int] = (),
+) -> tuple[SamplingParams, TextOptions]:
+    """Normalize an OpenAI chat/completions body (sampling part) after tokenizing the prompt.
+
+    A key the request does not name is not read (``key in body`` first): most requests name a
+    handful of the thirty-odd keys, and each read is a call. For the request's other prompts,
+    :func:`for_prompt`.
+    """
+    r = _Reader(body)
+    n = (r.integer("n", 1, 1, MAX_N) or 1) if "n" in body else 1
+    _openai_features(r, n)
+    echo = r.flag("echo", False) if "echo" in body else False
+    max_tokens, echo_only = _openai_max_tokens(
+        r, chat=chat, prompt_len=prompt_len, context_len=context_len
     )
     logprobs = _openai_logprobs(r, chat) if not _LOGPROBS_KEYS.isdisjoint(body) else None
     prompt_logprobs = (
@@ -661,9 +679,9 @@ def from_openai(
     if prompt_logprobs is not None:
         params = msgspec.structs.replace(params, prompt_logprobs=prompt_logprobs)
     ignored = [k for k in body if k not in _OPENAI_SAMPLING_KEYS and k not in _OPENAI_API_KEYS]
-    constraint = _structured_openai(body, ignored, structured)
-    if constraint is not None:
-        params = msgspec.structs.replace(params, structured=constraint)
+    structured = _structured_openai(body, ignored)
+    if structured is not None:
+        params = msgspec.structs.replace(params, structured=structured)
     if n > 1 and params.temperature < GREEDY_TEMPERATURE:
         raise r.fail("n", f"n must be 1 when using greedy sampling, got {n}.")  # vLLM's words
     if "spaces_between_special_tokens" in body:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import trio
 
+from smgd import sampling
 from smgd.api.core import prepare
 from smgd.api.core.prepare import BIG_PROMPT_CHARS, encode
 from smgd.assets import TINY_MODEL_DIR
@@ -201,3 +202,38 @@ async def test_a_big_body_is_decoded_off_the_event_loop(
     loop = threading.get_ident()
     assert len(threads) == 3 and threads[0] == loop
     assert threads[1] != loop and threads[2] != loop
+
+
+async def test_a_batchs_sampling_options_are_read_once_for_all_its_prompts(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The options were read again for every prompt: 1,000,000 stop_token_ids (a 2 MB body)
+    # for 64 prompts were checked 64 times, a 6.4 s pause of every stream. Only max_tokens
+    # depends on the prompt: it is worked out for each.
+    reads: list[str] = []
+    token_ids = sampling._Reader.token_ids
+
+    def counted(self: Any, key: str, vocab_size: int) -> tuple[int, ...]:
+        reads.append(key)
+        return token_ids(self, key, vocab_size)
+
+    monkeypatch.setattr(sampling._Reader, "token_ids", counted)
+    fake = FakeEngine(max_model_len=100)
+    prompts = [[5], [5, 6, 7], [5, 6, 7, 8, 9]]
+    body = {"model": MODEL, "prompt": prompts, "stop_token_ids": [3, 3, 4] * 1000}
+    async with open_app(fake) as (app, _):
+        default = await post(app, "/v1/completions", body)
+        asked = await post(app, "/v1/completions", {**body, "max_tokens": 94, "min_tokens": 2})
+        too_many = await post(app, "/v1/completions", {**body, "max_tokens": 96})
+        too_few = await post(app, "/v1/completions", {**body, "min_tokens": 96})
+    assert default.status == 200 and asked.status == 200, (default.body, asked.body)
+    assert reads == ["stop_token_ids"] * 4  # once per request
+    sizes = sorted((len(r.prompt_ids), r.sampling.max_tokens) for r in fake.requests[:3])
+    assert sizes == [(1, 99), (3, 97), (5, 95)]  # the room each prompt left
+    assert [r.sampling.max_tokens for r in fake.requests[3:]] == [94, 94, 94]
+    assert {r.sampling.stop_token_ids for r in fake.requests} == {(3, 4)}  # duplicates dropped
+    assert [r.sampling.min_tokens for r in fake.requests] == [0, 0, 0, 2, 2, 2]
+    # The same refusals as before, for the prompt they concern.
+    assert too_many.status == 400 and too_many.json()["error"]["param"] == "max_tokens"
+    assert too_many.json()["error"]["code"] == "context_length_exceeded"
+    assert too_few.status == 400 and too_few.json()["error"]["param"] == "min_tokens"

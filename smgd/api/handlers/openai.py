@@ -45,7 +45,7 @@ from smgd.api.core.sse import DONE, SSE_HEADERS, ChunkFormat, encode_json
 from smgd.api.core.tools import ParseSpec, delta_fields, forced_constraint, read_tool_choice
 from smgd.errors import InvalidRequest, SmgdError
 from smgd.parse import ContentDelta, ReasoningDelta
-from smgd.sampling import from_openai
+from smgd.sampling import for_prompt, from_openai
 from smgd.text.chat import prepare_tools, refuse_media
 
 if TYPE_CHECKING:
@@ -547,9 +547,15 @@ def _sampler(
     """``forced``: the constraint of a ``required`` / named ``tool_choice``."""
     eos = text.tokenizer.eos_token_ids
     vocab_size = text.vocab_size
-    read: list[Structured | None] = []  # the request's own constraint, once the first read it
+    first: list[tuple[SamplingParams, TextOptions]] = []  # the first prompt's, once read
 
     def sampling_for(prompt_len: int, context_len: int) -> tuple[SamplingParams, TextOptions]:
+        if first:  # another prompt of the request: the options are read once (for_prompt)
+            params, options = first[0]
+            sized = for_prompt(
+                body, params, chat=chat, prompt_len=prompt_len, context_len=context_len
+            )
+            return sized, options
         params, options = from_openai(
             body,
             chat=chat,
@@ -557,10 +563,7 @@ def _sampler(
             context_len=context_len,
             vocab_size=vocab_size,
             eos_token_ids=eos,
-            structured=read[0] if read else ...,
         )
-        if not read:
-            read.append(params.structured)
         if forced is not None:
             if params.structured is not None:
                 raise InvalidRequest(
@@ -569,6 +572,7 @@ def _sampler(
                     param="tool_choice",
                 )
             params = msgspec.structs.replace(params, structured=forced)
+        first.append((params, options))
         return params, options
 
     return sampling_for
