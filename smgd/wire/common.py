@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class StructuredKind(enum.Enum):
@@ -52,27 +55,42 @@ _REGEX_META = frozenset("\\.^$|?*+()[]{}")
 _REGEX_CONTROL = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-# The constraint whose object schema was written out last, and its text. A request's choices
-# (up to 64 prompts x n) share one Structured and each goes to its engine as its own request:
-# a 3 MB schema took 40 ms to write out, each time. The same object, not an equal one: comparing
-# two big schemas costs about what writing one does. (It keeps that one schema alive until
-# another is written.)
-_last_written: tuple[Structured, str] | None = None
+# The constraint written out last, how, and its text. A request's choices (up to 64 prompts x
+# n) share one Structured and each goes to its engine as its own request: a 3 MB schema took
+# 40 ms to write out, and 100,000 choices as a regex about as long, each time. The same object,
+# not an equal one: comparing two big constraints costs about what writing one does. (It keeps
+# that one constraint alive until another is written.)
+_last_written: tuple[Structured, Callable[[Structured], str], str] | None = None
+
+
+def written(s: Structured, write: Callable[[Structured], str]) -> str:
+    """``write(s)``: an engine's text for a constraint, written once for all the engine
+    requests of one client request (see ``_last_written``)."""
+    global _last_written
+    last = _last_written
+    if last is not None and last[0] is s and last[1] is write:
+        return last[2]
+    text = write(s)
+    _last_written = (s, write, text)
+    return text
 
 
 def schema_text(s: Structured) -> str:
     """A JSON / JSON_OBJECT constraint's schema as JSON text, the way SGLang's front end writes
     it (``json.dumps`` of an object schema, text passed on as given)."""
-    global _last_written
     if s.kind is StructuredKind.JSON_OBJECT:
         return JSON_OBJECT_SCHEMA
     if isinstance(s.spec, str):
         return s.spec
-    if _last_written is not None and _last_written[0] is s:
-        return _last_written[1]
-    text = json.dumps(s.spec)
-    _last_written = (s, text)
-    return text
+    return written(s, _dumped_schema)
+
+
+def _dumped_schema(s: Structured) -> str:
+    return json.dumps(s.spec)
+
+
+def _choices_regex(s: Structured) -> str:
+    return choice_regex(s.choices)
 
 
 def choice_regex(choices: tuple[str, ...]) -> str:
@@ -112,7 +130,7 @@ def grammar_fields(s: Structured | None) -> tuple[str | None, str | None, str | 
     if s.kind is StructuredKind.JSON or s.kind is StructuredKind.JSON_OBJECT:
         return schema_text(s), None, None
     if s.kind is StructuredKind.CHOICE:
-        return None, choice_regex(s.choices), None
+        return None, written(s, _choices_regex), None
     assert isinstance(s.spec, str)
     if s.kind is StructuredKind.REGEX:
         return None, s.spec, None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from smgd.wire.common import StructuredKind
+from smgd.wire.common import StructuredKind, written
 from smgd.wire.vllm.structs import (
     AbortRequest,
     AddRequest,
@@ -77,6 +77,10 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
+def _choices_grammar(s: Structured) -> str:
+    return choice_grammar(s.choices)
+
+
 def structured_outputs(s: Structured, backend: str = "auto") -> dict[str, Any]:
     """``StructuredOutputsParams`` (a dataclass: a map with every field, in field order) as vLLM's
     front end sends it after ``_validate_structured_outputs``.
@@ -95,7 +99,7 @@ def structured_outputs(s: Structured, backend: str = "auto") -> dict[str, Any]:
         fields["json_object"] = True
     elif s.kind is StructuredKind.CHOICE:
         if name == "xgrammar":
-            fields["grammar"] = choice_grammar(s.choices)
+            fields["grammar"] = written(s, _choices_grammar)
         else:
             fields["choice"] = list(s.choices)
     else:
