@@ -101,6 +101,36 @@ async def test_a_big_detokenize_runs_off_the_event_loop(monkeypatch: pytest.Monk
     assert len(threads) == 2 and threads[0] == loop and threads[1] != loop
 
 
+async def test_tokenize_renders_messages_as_chat_does(autojump_clock: trio.abc.Clock) -> None:
+    # vLLM's tokenize takes the chat's `tools` and `chat_template_kwargs`; both were ignored,
+    # so the count was not the prompt's a chat request with them gets.
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    async with open_app(FakeEngine()) as (app, _):
+        with_tools = await post(
+            app, "/v1/tokenize", {"model": MODEL, "messages": messages, "tools": tools}
+        )
+        kwargs = {"chat_template_kwargs": {"bos_token": "<|im_end|>"}}
+        with_kwargs = await post(
+            app, "/v1/tokenize", {"model": MODEL, "messages": messages, **kwargs}
+        )
+        bad_tools = await post(
+            app, "/v1/tokenize", {"model": MODEL, "messages": messages, "tools": [{"x": 1}]}
+        )
+        bad_kwargs = await post(
+            app,
+            "/v1/tokenize",
+            {"model": MODEL, "messages": messages, "chat_template_kwargs": {"tools": []}},
+        )
+    rendered = TOK.render_chat(messages, tools=tools)
+    assert with_tools.json()["tokens"] == TOK.encode(rendered, add_special_tokens=False)
+    rendered = TOK.render_chat(messages, bos_token="<|im_end|>")
+    assert with_kwargs.json()["tokens"] == TOK.encode(rendered, add_special_tokens=False)
+    assert bad_tools.status == 400 and bad_tools.json()["error"]["param"].startswith("tools")
+    assert bad_kwargs.status == 400
+    assert bad_kwargs.json()["error"]["param"] == "chat_template_kwargs"
+
+
 async def test_generate_non_stream(autojump_clock: trio.abc.Clock) -> None:
     fake = FakeEngine(behaviour=Behaviour(output=IDS, eos_after=4))
     async with open_app(fake) as (app, _):

@@ -66,7 +66,9 @@ __all__ = [
     "chat_reply",
     "completion_logprobs",
     "completion_reply",
+    "render_chat",
     "stop_reason",
+    "template_kwargs",
 ]
 
 # Chat keys that would change the prompt in ways smgd does not implement; rejected by name.
@@ -587,11 +589,27 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _render_chat(
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs``, checked: an object that does not set what the
+    request's own keys set."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(
+            "`chat_template_kwargs` must be an object", param="chat_template_kwargs"
+        )
+    reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
+    if reserved:
+        raise InvalidRequest(
+            f"`chat_template_kwargs` cannot set {sorted(reserved)}", param="chat_template_kwargs"
+        )
+    return kwargs
+
+
+def render_chat(
     text: ModelText, body: dict[str, Any], kwargs: dict[str, Any]
 ) -> tuple[ToolRequest, str]:
     """The request's tools, checked, and its messages rendered to the prompt (off the loop
-    for a big request: :func:`~smgd.api.core.prepare.off_the_loop`)."""
+    for a big request: :func:`~smgd.api.core.prepare.off_the_loop`); chat and tokenize."""
     tools = read_tool_choice(body, prepare_tools(body.get("tools")))
     prompt = text.tokenizer.render_chat(
         body["messages"],
@@ -614,19 +632,10 @@ async def chat_reply(call: Call) -> Reply:
         raise InvalidRequest(
             "`continue_final_message` is not supported by smgd", param="continue_final_message"
         )
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest(
-            "`chat_template_kwargs` must be an object", param="chat_template_kwargs"
-        )
-    reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
-    if reserved:
-        raise InvalidRequest(
-            f"`chat_template_kwargs` cannot set {sorted(reserved)}", param="chat_template_kwargs"
-        )
+    kwargs = template_kwargs(body)
     if "messages" not in body:
         raise InvalidRequest("`messages` is required", param="messages")
-    tools, prompt = await off_the_loop(call, _render_chat, text, body, kwargs)
+    tools, prompt = await off_the_loop(call, render_chat, text, body, kwargs)
     # Chat templates render BOS themselves; vLLM also defaults to no special tokens here.
     ids = await encode(
         text.tokenizer,

@@ -21,7 +21,6 @@ answer for all of them: this worker asks the others (:mod:`smgd.worker_peers`).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import generate_latest
@@ -35,6 +34,7 @@ from smgd.api.core.prepare import (
     resolve_model,
 )
 from smgd.api.core.sse import encode_json
+from smgd.api.handlers.openai import render_chat, template_kwargs
 from smgd.errors import InvalidRequest, ModelNotFound
 from smgd.worker_peers import ask_all, merge_load, merge_metrics, merge_readiness
 
@@ -181,14 +181,9 @@ async def tokenize(call: Call) -> Reply:
     if special is not None and not isinstance(special, bool):
         raise InvalidRequest("`add_special_tokens` must be a boolean", param="add_special_tokens")
     if "messages" in body:
-        prompt = await off_the_loop(
-            call,
-            partial(
-                tokenizer.render_chat,
-                body["messages"],
-                add_generation_prompt=body.get("add_generation_prompt") is not False,
-            ),
-        )
+        # Rendered as the chat endpoint renders it (tools, chat_template_kwargs), so the count
+        # is that of the prompt a chat request with the same keys gets.
+        _, prompt = await off_the_loop(call, render_chat, text, body, template_kwargs(body))
         ids = await encode(
             tokenizer, prompt, add_special_tokens=bool(special), limiter=ctx.tokenize_limiter
         )
