@@ -121,6 +121,30 @@ async def test_a_decode_error_skips_its_message_and_the_rest_of_the_batch_is_del
     assert client._decode_streak == 0
 
 
+def _decode_or_trip(frames: list[Any]) -> list[TokenDelta]:
+    """The test's decoder with a bug: a frame ``"trip"`` raises what Python raises."""
+    if frames[0] == "trip":
+        return [TokenDelta(rid="r0", token_ids=[int("not a number")])]
+    result: list[TokenDelta] = frames[0]
+    return result
+
+
+async def test_a_decoder_that_trips_on_a_frame_counts_it_undecodable_and_reads_on() -> None:
+    good = [TokenDelta(rid="r0", token_ids=[1])]
+    client = _client(_Batches([[["trip"], [good]]]))
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, 1, got)
+    client._decode_frames = _decode_or_trip  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while not got:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert got == [("r0", [1])]
+    assert client._decode_errors == 1
+
+
 async def test_first_outputs_go_first_in_a_message_delivered_in_slices() -> None:
     n = 2 * DELIVER_CHUNK + 10
     # As an engine orders a step: the running requests, then the ones it just admitted.

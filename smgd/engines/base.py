@@ -450,12 +450,12 @@ class EngineClient:
                 for frames in batch:
                     try:
                         deltas = self._decode_frames(frames)
-                    except WireError as exc:
-                        self._decode_errors += 1
-                        self._decode_streak += 1
-                        log.warning("engine %s: undecodable frame: %s", self.name, exc)
-                        if self._decode_streak >= DECODE_ERROR_STREAK:
-                            self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
+                    except Exception as exc:
+                        # A decoder that trips over a value its types let through (a string
+                        # where a number goes) raises what Python raises: the frame is as
+                        # undecodable as a WireError's, and the reader must live on (raised
+                        # on, it ended every engine and the daemon with it).
+                        if self._undecodable(exc):
                             return
                         continue
                     self._decode_streak = 0
@@ -480,6 +480,19 @@ class EngineClient:
             # or it checkpoints after draining), so consumers run between two batches anyway,
             # and one scheduler pass fewer per engine step is measurable at C = 16 and 64
             # (docs/performance.md, "Issue 21, fourth pass").
+
+    def _undecodable(self, exc: Exception) -> bool:
+        """Count a frame :meth:`_decode_frames` refused; True if the streak killed the engine."""
+        self._decode_errors += 1
+        self._decode_streak += 1
+        if isinstance(exc, WireError):
+            log.warning("engine %s: undecodable frame: %s", self.name, exc)
+        else:  # a decoder bug's traceback, for the report
+            log.warning("engine %s: undecodable frame: %r", self.name, exc, exc_info=exc)
+        if self._decode_streak >= DECODE_ERROR_STREAK:
+            self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
+            return True
+        return False
 
     def _first_outputs_first(self, deltas: Sequence[TokenDelta]) -> Sequence[TokenDelta]:
         """``deltas`` with the rows of requests that had no output yet moved to the front

@@ -1,0 +1,80 @@
+"""A misbehaving SGLang scheduler for the fault suite: ``python rogue_sglang.py MODE IN OUT``.
+
+It connects to smgd's request (``IN``) and output (``OUT``) ipc sockets exactly like a headless
+scheduler (the mock's codec, so every well-formed frame is the real wire), reports itself
+ready, answers health checks, and answers each generate request by ``MODE``:
+
+- ``echo``: well-behaved; the prompt echoed until ``max_new_tokens``, then a length finish.
+- ``bad-top-logprob``: for a request with logprobs, first one output row whose top-logprob
+  value is a string (a column the decoder's types do not pin down), then well-behaved.
+- ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
+
+Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import msgspec
+import zmq
+
+from smgd.wire.common import Finish, FinishReason, TokenLogprob, TopLogprob
+from smgd.wire.sglang.arrays import ext_to_ids
+from smgd.wire.sglang.decode import decode_request
+from smgd.wire.sglang.engine_side import build_batch_output, encode_batch_output
+from smgd.wire.sglang.structs import AbortReq, TokenizedGenerateReqInput
+
+STEP_S = 0.005  # between two output frames of one request
+
+
+def main() -> None:
+    mode, input_addr, output_addr = sys.argv[1:4]
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(input_addr)
+    push.connect(output_addr)
+    print('SMGD_READY {"context_length": 4096}', flush=True)
+    aborted: set[str] = set()
+    pending: list[bytes] = []  # requests that came while another was being answered
+    while True:
+        msg = decode_request(pending.pop(0) if pending else pull.recv())
+        if isinstance(msg, AbortReq):
+            aborted.add(msg.rid or "")
+            continue
+        if not isinstance(msg, TokenizedGenerateReqInput):
+            continue
+        rid = msg.rid or ""
+        prompt = ext_to_ids(msg.input_ids)
+        limit = msg.sampling_params.max_new_tokens or 16
+        if rid.startswith("HEALTH_CHECK"):
+            length = Finish(reason=FinishReason.LENGTH)
+            push.send(encode_batch_output([(rid, [1], length, 1, 1, 0)]))
+            continue
+        if mode == "bad-top-logprob" and msg.return_logprob:
+            row = TokenLogprob(token_id=prompt[0], logprob=-0.5, top=[TopLogprob(prompt[0], -0.5)])
+            out = build_batch_output([(rid, [prompt[0]], None, len(prompt), 1, 0, [row])])
+            out = msgspec.structs.replace(out, output_top_logprobs_val=[[["not a number"]]])
+            push.send(msgspec.msgpack.encode(out))
+        n = 0
+        while mode == "runaway" or n < limit:
+            if rid in aborted:
+                break
+            tid = prompt[n % len(prompt)]
+            n += 1
+            done = mode != "runaway" and n == limit
+            finish = Finish(reason=FinishReason.LENGTH) if done else None
+            push.send(encode_batch_output([(rid, [tid], finish, len(prompt), n, 0)]))
+            time.sleep(STEP_S)
+            while pull.poll(0):  # an abort for this request, or a later request (kept)
+                frame = pull.recv()
+                later = decode_request(frame)
+                if isinstance(later, AbortReq):
+                    aborted.add(later.rid or "")
+                else:
+                    pending.append(frame)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Fault suite: an engine that speaks the wire but misbehaves (``rogue_sglang.py``), beside a
+well-behaved mock engine; what the clients of each see, and that the daemon stays up."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from smgd.assets import TINY_MODEL_DIR
+
+from ..engine_harness import short_ipc_dir
+from .harness import Daemon, mock_engine_toml, serve, stream
+
+pytestmark = pytest.mark.slow
+
+ROGUE = Path(__file__).with_name("rogue_sglang.py")
+
+
+def rogue_config(mode: str, *, extra: str = "") -> str:
+    """A daemon with engine ``rogue`` (model ``r``) in ``mode`` and a mock (model ``m``)."""
+    run_dir = short_ipc_dir()
+    sock = run_dir / "rogue"
+    command = [sys.executable, str(ROGUE), mode, f"ipc://{sock}/in.sock", f"ipc://{sock}/out.sock"]
+    rogue = (
+        f'[[engines]]\nname = "rogue"\nwire = "sglang"\nmodels = ["r"]\n'
+        f'model_dir = "{TINY_MODEL_DIR}"\n{extra}'
+        f'[engines.launch]\nkind = "command"\ncommand = {command!r}\n'.replace("'", '"')
+    )
+    return (
+        f'run_dir = "{run_dir}"\n[server]\nport = 0\ndrain_timeout_s = 5.0\n'
+        f'drain_settle_s = 0.0\n[logging]\nlevel = "info"\n' + rogue + mock_engine_toml("good", "m")
+    )
+
+
+async def serves_both(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    """The daemon is up, ready, and both engines complete a stream."""
+    assert daemon.proc.returncode is None, daemon.log()
+    assert (await client.get("/readiness")).status_code == 200
+    for model in ("m", "r"):
+        done = await stream(client, model, "hello there", 8)
+        assert done.status == 200 and done.error is None and done.done, (model, done)
+        assert done.finish_reason == "length" and done.usage is not None
+
+
+async def test_an_output_frame_that_breaks_the_decoder_leaves_the_daemon_serving(
+    tmp_path: Path,
+) -> None:
+    async with serve(tmp_path, rogue_config("bad-top-logprob")) as daemon:
+        async with daemon.client() as client:
+            await serves_both(daemon, client)
+            hit = await stream(client, "r", "hello there", 8, logprobs=2)
+            assert hit.body_complete
+            await serves_both(daemon, client)
+            metrics = (await client.get("/metrics")).text
+            counted = 'smgd_engine_decode_errors_total{engine="rogue",wire="sglang"} 1.0'
+            assert counted in metrics, metrics
+        assert "undecodable frame" in daemon.log()
