@@ -89,6 +89,16 @@ def test_real_text_streams_without_replacement_chars(
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_ids_no_vocabulary_has_from_the_engine_have_no_text(mode: str) -> None:
+    """A negative id or one past u32 (a misbehaving engine's) decodes to nothing, as an id past
+    the vocabulary does; the tokenizer itself raises OverflowError for them."""
+    ids = tok().encode("hello there", add_special_tokens=False)
+    d = detok(mode)
+    pieces = [d.push(ids[:1]), d.push([-1]), d.push([2**40, 5000]), d.push(ids[1:])]
+    assert "".join(pieces) + d.flush() == tok().decode(ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_split_character_is_held_until_complete(mode: str) -> None:
     ids = tok().encode("a🦀b", add_special_tokens=False)
     d = detok(mode)

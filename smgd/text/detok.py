@@ -109,7 +109,11 @@ class IncrementalDetokenizer:
         return []
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self._hf.decode(ids, skip_special_tokens=self._skip))
+        try:
+            return str(self._hf.decode(ids, skip_special_tokens=self._skip))
+        except OverflowError:  # an id no vocabulary has (negative, past u32), from the engine
+            # Nothing for it, as for an id past the vocabulary: the tokenizer skips those.
+            return str(self._hf.decode(_in_range(ids), skip_special_tokens=self._skip))
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new output ids; return the newly completed text (possibly ``""``)."""
@@ -274,3 +278,11 @@ class IncrementalDetokenizer:
                 break
             end -= 1
         return end
+
+
+# The ids a tokenizer takes at all (u32); outside them ``decode`` raises OverflowError.
+_MAX_ID = 2**32 - 1
+
+
+def _in_range(ids: Sequence[int]) -> list[int]:
+    return [i for i in ids if 0 <= i <= _MAX_ID]

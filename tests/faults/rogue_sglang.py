@@ -7,6 +7,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 - ``echo``: well-behaved; the prompt echoed until ``max_new_tokens``, then a length finish.
 - ``bad-top-logprob``: for a request with logprobs, first one output row whose top-logprob
   value is a string (a column the decoder's types do not pin down), then well-behaved.
+- ``negative-id``: for a request with logprobs, first one output row whose token id (and its
+  logprob's, and its top logprob's) is -1, then well-behaved.
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
@@ -57,6 +59,9 @@ def main() -> None:
             out = build_batch_output([(rid, [prompt[0]], None, len(prompt), 1, 0, [row])])
             out = msgspec.structs.replace(out, output_top_logprobs_val=[[["not a number"]]])
             push.send(msgspec.msgpack.encode(out))
+        if mode == "negative-id" and msg.return_logprob:
+            row = TokenLogprob(token_id=-1, logprob=-0.5, top=[TopLogprob(-1, -0.5)])
+            push.send(encode_batch_output([(rid, [-1], None, len(prompt), 1, 0, [row])]))
         n = 0
         while mode == "runaway" or n < limit:
             if rid in aborted:

@@ -58,3 +58,21 @@ async def test_an_output_frame_that_breaks_the_decoder_leaves_the_daemon_serving
             counted = 'smgd_engine_decode_errors_total{engine="rogue",wire="sglang"} 1.0'
             assert counted in metrics, metrics
         assert "undecodable frame" in daemon.log()
+
+
+async def test_output_token_ids_no_vocabulary_has_are_no_text_not_a_500(
+    tmp_path: Path,
+) -> None:
+    config = rogue_config("negative-id")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        await serves_both(daemon, client)
+        # The id has no text, in the output as in its logprob entry (it was a 500).
+        hit = await stream(client, "r", "hello there", 8, logprobs=2)
+        assert hit.status == 200 and hit.error is None and hit.done, hit
+        assert hit.finish_reason == "length" and hit.text == "hello therehell", hit
+        body = {"model": "r", "prompt": "hello there", "max_tokens": 8, "logprobs": 2}
+        reply = await client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        logprobs = reply.json()["choices"][0]["logprobs"]
+        assert logprobs["tokens"][0] == "" and logprobs["top_logprobs"][0] == {"": -0.5}
+        await serves_both(daemon, client)

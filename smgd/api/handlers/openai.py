@@ -114,7 +114,9 @@ class TokenText:
         return hit
 
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        piece = self._hf.id_to_token(token_id)
+        # An id no vocabulary has (negative, past u32: the engine's) raises OverflowError in
+        # the tokenizer; it has no text, as an id past the vocabulary.
+        piece = self._hf.id_to_token(token_id) if 0 <= token_id < 2**32 else None
         if piece is None:
             return "", []
         if self._added is None:
