@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
-from smgd.engines.base import DELIVER_CHUNK
+from smgd.engines.base import DELIVER_CHUNK, EngineState
 from smgd.engines.delivery import DELIVERY
 from smgd.engines.sglang import SglangEngineClient
 from smgd.engines.stream import RequestStream
 from smgd.errors import WireError
-from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta
+from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta, TokenLogprob
 from tests.engine_harness import engine_config
 
 
@@ -302,3 +303,37 @@ async def test_a_reader_that_stops_on_undecodable_frames_still_makes_its_held_wr
     assert client._death is not None
     assert sinks.written == ["r0"]  # the row delivered before it stopped was written
     assert not DELIVERY.open and not DELIVERY.held
+
+
+def _lp(token_id: int) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, logprob=-1.0)
+
+
+def test_output_past_max_tokens_is_cut_there_and_a_runaway_request_aborted() -> None:
+    client = _client(_Batches([]))
+    client.state = EngineState.READY
+    # Prompt of 2 tokens, max_tokens 3. The first request's engine finishes it, one token late.
+    streams = {rid: RequestStream(rid, "e0", prompt_tokens=2, limit=5) for rid in ("done", "run")}
+    client._streams.update(streams)
+    client.deliver(TokenDelta(rid="done", token_ids=[1, 2], logprobs=[_lp(1), _lp(2)]))
+    stop = Finish(reason=FinishReason.STOP, matched_token=9)
+    late = TokenDelta(rid="done", token_ids=[3, 9], logprobs=[_lp(3), _lp(9)], finish=stop)
+    late.completion_tokens = 4
+    client.deliver(late)
+    # The second one's engine ignores max_tokens: it would stream forever.
+    client.deliver(TokenDelta(rid="run", token_ids=[1, 2, 3, 4]))
+    client.deliver(TokenDelta(rid="run", token_ids=[5]))  # after the cut: dropped
+    assert not client._streams
+    done = streams["done"].receive_nowait()
+    assert done is not None and done.token_ids == [1, 2, 3]
+    assert [lp.token_id for lp in done.logprobs or ()] == [1, 2, 3]
+    assert done.finish == Finish(reason=FinishReason.LENGTH)
+    assert done.completion_tokens is None  # the engine's 4 counted the token cut
+    run = streams["run"].receive_nowait()
+    assert run is not None and run.token_ids == [1, 2, 3]
+    assert run.finish == Finish(reason=FinishReason.LENGTH)
+    assert all(s.tokens == 5 and s.finished for s in streams.values())
+    # Only the request the engine had not finished is aborted there.
+    assert client._outbox_recv.receive_nowait() == client._encode_abort("run")
+    with pytest.raises(trio.WouldBlock):
+        client._outbox_recv.receive_nowait()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import sys
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -355,7 +356,11 @@ class EngineClient:
         """Put an admitted request in the outbox; its stream."""
         if not self.ready:  # it may have died (or begun draining) while it queued
             raise EngineNotReady(f"engine {self.name} is {self.state_name}")
-        stream = RequestStream(req.rid, self.name, prompt_tokens=len(req.prompt_ids))
+        prompt = len(req.prompt_ids)
+        limit = sys.maxsize  # an embedding: no output tokens
+        if isinstance(req, GenerateRequest):
+            limit = prompt + req.sampling.max_tokens
+        stream = RequestStream(req.rid, self.name, prompt_tokens=prompt, limit=limit)
         stream.queued_s = waited
         frames = self._encode_request(req)
         self._streams[req.rid] = stream
@@ -601,12 +606,35 @@ class EngineClient:
         n = len(delta.token_ids)
         self._tokens_total += n
         stream.tokens += n
+        if stream.tokens > stream.limit:  # one comparison per delta on the hot path
+            self._cut_at_limit(stream, delta)
         if delta.finish is not None and self._constrained:
             self._name_refused_constraint(delta)
         stream.push(delta)
         if delta.finish is not None:
             del self._streams[delta.rid]
             self._forget(delta.rid)
+
+    def _cut_at_limit(self, stream: RequestStream, delta: TokenDelta) -> None:
+        """``delta`` takes ``stream`` past its max_tokens: keep the tokens up to it and end the
+        request there with a ``length`` finish, as the engine should have. An engine that had
+        not finished it (it ignores max_tokens) would stream on forever: it gets an abort."""
+        over = stream.tokens - stream.limit
+        keep = len(delta.token_ids) - over
+        del delta.token_ids[keep:]
+        if delta.logprobs is not None:
+            del delta.logprobs[keep:]
+        stream.tokens = stream.limit
+        delta.completion_tokens = None  # the engine's count includes what was cut
+        if delta.finish is None:
+            log.warning(
+                "engine %s ran past max_tokens on request %s without finishing it: "
+                "cut there and aborted",
+                self.name,
+                delta.rid,
+            )
+            self._outbox_send.send_nowait(self._encode_abort(delta.rid))
+        delta.finish = Finish(reason=FinishReason.LENGTH)
 
     def _forget(self, rid: str) -> None:
         """Request ``rid`` ended (its final delta came): drop what the wire client kept of it.

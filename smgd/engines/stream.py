@@ -10,6 +10,7 @@ per request per engine step.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import TYPE_CHECKING
 
 import trio
@@ -39,10 +40,13 @@ class RequestStream:
     """Output of one engine request, as the consumer sees it."""
 
     __slots__ = (
-        "_error", "_pending", "_waiter", "engine", "queued_s", "rid", "sink", "state", "tokens",
+        "_error", "_pending", "_waiter", "engine", "limit", "queued_s", "rid", "sink", "state",
+        "tokens",
     )  # fmt: skip
 
-    def __init__(self, rid: str, engine: str, *, prompt_tokens: int = 0) -> None:
+    def __init__(
+        self, rid: str, engine: str, *, prompt_tokens: int = 0, limit: int = sys.maxsize
+    ) -> None:
         self.rid = rid
         self.engine = engine
         # Time it queued: for an admission slot before it was sent, then in the engine's own
@@ -51,6 +55,9 @@ class RequestStream:
         # Prompt plus output tokens so far (the engine client counts them per delta): the
         # KV-cache estimate for wires that do not report their usage.
         self.tokens = prompt_tokens
+        # The most ``tokens`` may reach: the prompt plus the request's max_tokens. An engine
+        # that sends more is cut there by its client (EngineClient.deliver).
+        self.limit = limit
         self.state = StreamState.OPEN
         self._pending: TokenDelta | None = None
         self._error: BaseException | None = None

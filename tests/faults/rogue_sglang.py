@@ -44,6 +44,7 @@ def main() -> None:
         msg = decode_request(pending.pop(0) if pending else pull.recv())
         if isinstance(msg, AbortReq):
             aborted.add(msg.rid or "")
+            print(f"rogue: abort {msg.rid}", flush=True)
             continue
         if not isinstance(msg, TokenizedGenerateReqInput):
             continue
@@ -62,7 +63,8 @@ def main() -> None:
         if mode == "negative-id" and msg.return_logprob:
             row = TokenLogprob(token_id=-1, logprob=-0.5, top=[TopLogprob(-1, -0.5)])
             push.send(encode_batch_output([(rid, [-1], None, len(prompt), 1, 0, [row])]))
-        n = 0
+        # Tokens sent so far: that row is one (of max_new_tokens) unless undecodable.
+        n = 1 if mode == "negative-id" and msg.return_logprob else 0
         while mode == "runaway" or n < limit:
             if rid in aborted:
                 break
@@ -77,6 +79,7 @@ def main() -> None:
                 later = decode_request(frame)
                 if isinstance(later, AbortReq):
                     aborted.add(later.rid or "")
+                    print(f"rogue: abort {later.rid}", flush=True)
                 else:
                     pending.append(frame)
 

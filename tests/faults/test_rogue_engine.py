@@ -8,11 +8,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
 from smgd.assets import TINY_MODEL_DIR
 
 from ..engine_harness import short_ipc_dir
-from .harness import Daemon, mock_engine_toml, serve, stream
+from .harness import Daemon, mock_engine_toml, serve, stream, until
 
 pytestmark = pytest.mark.slow
 
@@ -75,4 +76,34 @@ async def test_output_token_ids_no_vocabulary_has_are_no_text_not_a_500(
         assert reply.status_code == 200, reply.text
         logprobs = reply.json()["choices"][0]["logprobs"]
         assert logprobs["tokens"][0] == "" and logprobs["top_logprobs"][0] == {"": -0.5}
+        await serves_both(daemon, client)
+
+
+async def test_an_engine_that_runs_past_max_tokens_is_cut_there_and_aborted(
+    tmp_path: Path,
+) -> None:
+    """The engine ignores ``max_new_tokens`` and never finishes: the client still gets
+    ``max_tokens`` tokens and a ``length`` finish (it got an endless stream), and the engine
+    an abort for the request."""
+    config = rogue_config("runaway")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        with trio.fail_after(10):
+            hit = await stream(client, "r", "hello there", 8)
+        assert hit.status == 200 and hit.error is None and hit.done, hit
+        assert hit.finish_reason == "length" and hit.text == "hello therehell", hit
+        assert hit.usage is not None and hit.usage["completion_tokens"] == 8, hit.usage
+        body = {"model": "r", "prompt": "hello there", "max_tokens": 8}
+        with trio.fail_after(10):
+            reply = await client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        assert answer["choices"][0]["text"] == "hello therehell"
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 8
+
+        async def both_aborted() -> bool:
+            return daemon.log().count("rogue: abort ") == 2
+
+        await until(both_aborted, 10)
+        assert "ran past max_tokens" in daemon.log()
         await serves_both(daemon, client)
