@@ -17,15 +17,22 @@ from tests.engine_harness import engine_config
 
 
 class _Batches:
-    """An output socket that hands out the given batches of messages, then parks."""
+    """An output socket that hands out the given batches of messages, then parks until
+    :meth:`add` gives it more."""
 
     def __init__(self, batches: list[list[list[Any]]]) -> None:
         self.batches = batches
+        self._more = trio.Event()
+
+    def add(self, batch: list[list[Any]]) -> None:
+        self.batches.append(batch)
+        self._more.set()
 
     async def recv_multipart_batch(self, limit: int) -> list[list[Any]]:
         await trio.lowlevel.checkpoint()
-        if not self.batches:
-            await trio.sleep_forever()
+        while not self.batches:
+            self._more = trio.Event()
+            await self._more.wait()
         return self.batches.pop(0)
 
 
@@ -97,6 +104,43 @@ async def test_a_large_message_is_delivered_in_slices_with_passes_between() -> N
     assert not {k for k in seen if n < k < n + DELIVER_CHUNK}
 
 
+async def _undecodable_then_good(bad: str, decode: Any) -> None:
+    """A frame ``bad`` while r0 and r1 stream: both fail with a WireError (their output may
+    have been in it, lost) and are aborted on the engine; r0's rows in the same batch are
+    dropped; a request sent afterwards (r2) streams."""
+    messages = _Batches([[[bad], [[TokenDelta(rid="r0", token_ids=[1])]]]])
+    client = _client(messages)
+    client.state = EngineState.READY
+    got: list[tuple[str, list[int]]] = []
+    _streams(client, 2, got)
+    failed = dict(client._streams)
+    client._decode_frames = decode  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client._reader_task)
+        with trio.fail_after(5):
+            while not client._decode_errors:
+                await trio.lowlevel.checkpoint()
+            client._streams["r2"] = stream = RequestStream("r2", "e0")
+            messages.add([[[TokenDelta(rid="r2", token_ids=[7])]]])
+            while not stream._pending:
+                await trio.lowlevel.checkpoint()
+        nursery.cancel_scope.cancel()
+    assert got == []
+    for rid, failed_stream in failed.items():
+        with pytest.raises(WireError, match="could not decode") as caught:
+            failed_stream.receive_nowait()
+        assert "output may be incomplete" in caught.value.message
+        assert client._outbox_recv.receive_nowait() == client._encode_abort(rid)
+    with pytest.raises(trio.WouldBlock):
+        client._outbox_recv.receive_nowait()
+    delta = stream.receive_nowait()
+    assert delta is not None and delta.token_ids == [7]
+    assert list(client._streams) == ["r2"]
+    assert client._decode_errors == 1
+    assert client._decode_streak == 0
+    assert client.state is EngineState.READY  # one bad frame is not a dead engine
+
+
 def _decode_unless_bad(frames: list[Any]) -> list[TokenDelta]:
     """The test's decoder: a frame ``"bad"`` is undecodable, any other is its deltas."""
     if frames[0] == "bad":
@@ -105,21 +149,8 @@ def _decode_unless_bad(frames: list[Any]) -> list[TokenDelta]:
     return result
 
 
-async def test_a_decode_error_skips_its_message_and_the_rest_of_the_batch_is_delivered() -> None:
-    good = [TokenDelta(rid="r0", token_ids=[1])]
-    client = _client(_Batches([[["bad"], [good]]]))
-    got: list[tuple[str, list[int]]] = []
-    _streams(client, 1, got)
-    client._decode_frames = _decode_unless_bad  # type: ignore[method-assign]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client._reader_task)
-        with trio.fail_after(5):
-            while not got:
-                await trio.lowlevel.checkpoint()
-        nursery.cancel_scope.cancel()
-    assert got == [("r0", [1])]
-    assert client._decode_errors == 1
-    assert client._decode_streak == 0
+async def test_an_undecodable_frame_fails_the_streams_in_flight_and_the_reader_reads_on() -> None:
+    await _undecodable_then_good("bad", _decode_unless_bad)
 
 
 def _decode_or_trip(frames: list[Any]) -> list[TokenDelta]:
@@ -131,19 +162,7 @@ def _decode_or_trip(frames: list[Any]) -> list[TokenDelta]:
 
 
 async def test_a_decoder_that_trips_on_a_frame_counts_it_undecodable_and_reads_on() -> None:
-    good = [TokenDelta(rid="r0", token_ids=[1])]
-    client = _client(_Batches([[["trip"], [good]]]))
-    got: list[tuple[str, list[int]]] = []
-    _streams(client, 1, got)
-    client._decode_frames = _decode_or_trip  # type: ignore[method-assign]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client._reader_task)
-        with trio.fail_after(5):
-            while not got:
-                await trio.lowlevel.checkpoint()
-        nursery.cancel_scope.cancel()
-    assert got == [("r0", [1])]
-    assert client._decode_errors == 1
+    await _undecodable_then_good("trip", _decode_or_trip)
 
 
 async def test_first_outputs_go_first_in_a_message_delivered_in_slices() -> None:

@@ -487,13 +487,35 @@ class EngineClient:
             # (docs/performance.md, "Issue 21, fourth pass").
 
     def _undecodable(self, exc: Exception) -> bool:
-        """Count a frame :meth:`_decode_frames` refused; True if the streak killed the engine."""
+        """Count a frame :meth:`_decode_frames` refused and fail the requests in flight;
+        True if the streak killed the engine.
+
+        Which requests had output in the frame is unknown (an engine message carries a row for
+        each running one), and what it held is lost: streamed on, a request would finish as a
+        success with a gap in its text. So each fails, as the engine has it still running,
+        with an abort to the engine; the engine serves on.
+        """
         self._decode_errors += 1
         self._decode_streak += 1
         if isinstance(exc, WireError):
             log.warning("engine %s: undecodable frame: %s", self.name, exc)
         else:  # a decoder bug's traceback, for the report
             log.warning("engine %s: undecodable frame: %r", self.name, exc, exc_info=exc)
+        rids = list(self._streams)
+        message = (
+            f"engine {self.name} sent an output message smgd could not decode ({exc}); "
+            "the request's output may be incomplete"
+        )
+        if fail_all(self._streams, partial(WireError, message)):
+            log.warning(
+                "engine %s: %d request(s) in flight failed and aborted (undecodable frame)",
+                self.name,
+                len(rids),
+            )
+        for rid in rids:  # as _withdraw() does for a stream left early
+            self._fresh.discard(rid)
+            self._constrained.pop(rid, None)
+            self._outbox_send.send_nowait(self._encode_abort(rid))
         if self._decode_streak >= DECODE_ERROR_STREAK:
             self.die(f"{self._decode_streak} undecodable frames in a row ({exc})")
             return True

@@ -9,6 +9,7 @@ ready, answers health checks, and answers each generate request by ``MODE``:
   value is a string (a column the decoder's types do not pin down), then well-behaved.
 - ``negative-id``: for a request with logprobs, first one output row whose token id (and its
   logprob's, and its top logprob's) is -1, then well-behaved.
+- ``garble-fourth``: the frame with a request's fourth token is garbage (its token lost).
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
@@ -22,6 +23,7 @@ import time
 import msgspec
 import zmq
 
+from smgd.mock.engine import GARBAGE
 from smgd.wire.common import Finish, FinishReason, TokenLogprob, TopLogprob
 from smgd.wire.sglang.arrays import ext_to_ids
 from smgd.wire.sglang.decode import decode_request
@@ -72,7 +74,10 @@ def main() -> None:
             n += 1
             done = mode != "runaway" and n == limit
             finish = Finish(reason=FinishReason.LENGTH) if done else None
-            push.send(encode_batch_output([(rid, [tid], finish, len(prompt), n, 0)]))
+            if mode == "garble-fourth" and n == 4:
+                push.send(GARBAGE)
+            else:
+                push.send(encode_batch_output([(rid, [tid], finish, len(prompt), n, 0)]))
             time.sleep(STEP_S)
             while pull.poll(0):  # an abort for this request, or a later request (kept)
                 frame = pull.recv()

@@ -3,6 +3,7 @@ well-behaved mock engine; what the clients of each see, and that the daemon stay
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import trio
 from smgd.assets import TINY_MODEL_DIR
 
 from ..engine_harness import short_ipc_dir
-from .harness import Daemon, mock_engine_toml, serve, stream, until
+from .harness import Daemon, StreamOutcome, mock_engine_toml, serve, stream, until
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,20 @@ async def serves_both(daemon: Daemon, client: httpx.AsyncClient) -> None:
         assert done.finish_reason == "length" and done.usage is not None
 
 
+def assert_lost_output(outcome: StreamOutcome) -> None:
+    """The request failed with the engine error for an undecodable frame (its output may have
+    been in it): a 502 before the first byte, else an error event, ``[DONE]`` and a whole body."""
+    assert outcome.body_complete, outcome
+    if outcome.status == 200:
+        assert outcome.error is not None and outcome.done, outcome
+        error = outcome.error
+    else:
+        assert outcome.status == 502, outcome
+        error = json.loads(outcome.body)["error"]
+    assert error["type"] == "engine_error", error
+    assert "could not decode" in error["message"], error
+
+
 async def test_an_output_frame_that_breaks_the_decoder_leaves_the_daemon_serving(
     tmp_path: Path,
 ) -> None:
@@ -53,7 +68,7 @@ async def test_an_output_frame_that_breaks_the_decoder_leaves_the_daemon_serving
         async with daemon.client() as client:
             await serves_both(daemon, client)
             hit = await stream(client, "r", "hello there", 8, logprobs=2)
-            assert hit.body_complete
+            assert_lost_output(hit)
             await serves_both(daemon, client)
             metrics = (await client.get("/metrics")).text
             counted = 'smgd_engine_decode_errors_total{engine="rogue",wire="sglang"} 1.0'
@@ -107,3 +122,27 @@ async def test_an_engine_that_runs_past_max_tokens_is_cut_there_and_aborted(
         await until(both_aborted, 10)
         assert "ran past max_tokens" in daemon.log()
         await serves_both(daemon, client)
+
+
+async def test_a_garbled_frame_mid_stream_ends_the_stream_with_an_error_not_a_gap(
+    tmp_path: Path,
+) -> None:
+    """The frame with the 4th token is garbage: the client gets the first 3 tokens, then an
+    error event (it got all but the 4th and a ``length`` finish: a short success with a gap);
+    the request is aborted on the engine, and the engine serves on."""
+    config = rogue_config("garble-fourth")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        hit = await stream(client, "r", "hello there", 8)
+        assert hit.status == 200 and hit.text == "hell", hit  # BOS, "he", "ll"
+        assert_lost_output(hit)
+        assert hit.finish_reason is None and hit.usage is None
+
+        async def aborted() -> bool:
+            return "rogue: abort " in daemon.log()
+
+        await until(aborted, 10)
+        metrics = (await client.get("/metrics")).text
+        assert 'smgd_engine_decode_errors_total{engine="rogue",wire="sglang"} 1.0' in metrics
+        assert (await client.get("/readiness")).status_code == 200
+        model_ok = await stream(client, "m", "hello there", 8)
+        assert model_ok.done and model_ok.error is None
