@@ -299,8 +299,14 @@ class Child:
     def _line(self, line: str, label: str) -> None:
         if label == "stdout" and line.startswith(READY_PREFIX):
             try:
-                self.ready_info = json.loads(line[len(READY_PREFIX) :])
+                report = json.loads(line[len(READY_PREFIX) :])
             except json.JSONDecodeError:
+                report = None
+            # Only an object is a report: the engine clients read its keys (an array or a
+            # string here took the daemon down). Without one they use the model's own.
+            if isinstance(report, dict):
+                self.ready_info = report
+            else:
                 log.warning("[%s] unreadable ready line: %s", self.name, line)
             self.ready_event.set()
             return

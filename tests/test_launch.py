@@ -348,3 +348,23 @@ async def test_a_spawn_cancelled_after_the_fork_stops_and_reaps_what_it_started(
     [popen] = started
     assert popen.returncode == -signal.SIGTERM  # stopped and reaped, not left to __del__
     assert not pid_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "report"),
+    [
+        ('SMGD_READY {"context_length": 4096}', {"context_length": 4096}),
+        ("SMGD_READY [4096]", None),
+        ('SMGD_READY "ready"', None),
+        ("SMGD_READY 4096", None),
+        ("SMGD_READY {not json", None),
+    ],
+)
+def test_only_a_json_object_on_the_ready_line_is_the_engines_report(
+    line: str, report: dict[str, Any] | None
+) -> None:
+    """Anything else is logged as unreadable: the engine clients read the report's keys."""
+    child = launch.Child("e0", proc=None, pid_file=None)  # type: ignore[arg-type]
+    child._line(line, "stdout")
+    assert child.ready_event.is_set()
+    assert child.ready_info == report

@@ -146,3 +146,13 @@ async def test_a_garbled_frame_mid_stream_ends_the_stream_with_an_error_not_a_ga
         assert (await client.get("/readiness")).status_code == 200
         model_ok = await stream(client, "m", "hello there", 8)
         assert model_ok.done and model_ok.error is None
+
+
+async def test_a_ready_line_that_is_not_a_json_object_is_ignored_not_fatal(
+    tmp_path: Path,
+) -> None:
+    """``SMGD_READY [4096]``: the report is unreadable, so the engine runs on what the model
+    directory says (it took the daemon down before it listened)."""
+    async with serve(tmp_path, rogue_config("ready-list")) as daemon, daemon.client() as client:
+        await serves_both(daemon, client)
+        assert "unreadable ready line" in daemon.log()
