@@ -270,6 +270,13 @@ async def supervise_engine(
                 reason = client.last_error
             else:
                 reason = _describe(_innermost(group))
+        except* Exception as group:
+            # A bug in the engine's client, on something from the engine nobody foresaw: this
+            # engine failed, not the daemon (raised on, it ended every engine and the HTTP
+            # server). Relaunched like any failure, with the traceback in the log.
+            error = _innermost(group)
+            log.error("engine %s: unexpected error in its client", name, exc_info=error)
+            reason = f"unexpected error in smgd's engine client: {error!r}"
         slot.last_error = client.last_error = reason
         if not bound and first:
             if not retry_start:

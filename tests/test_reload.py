@@ -312,6 +312,38 @@ async def test_a_handshake_loop_names_its_cause_in_the_log_and_in_last_error(
     assert warnings == [f"engine e failed: {cause}; restarting in 1.0 s"]
 
 
+class _Buggy(_NeverReady):
+    async def _become_ready(self) -> EngineInfo:
+        await trio.sleep(1)
+        return {}.get("info").max_model_len  # type: ignore[no-any-return,union-attr]
+
+
+async def test_a_bug_in_an_engine_client_relaunches_that_engine_not_ends_the_daemon(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
+    gateway = Gateway(config=Config(), router=Router(Config().routing))
+    monkeypatch.setattr(
+        "smgd.supervise.build_engine_client",
+        lambda engine, *_: _Buggy(engine, fallback_info=None),
+    )
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
+        await trio.sleep(2.5)  # attempt 1 failed at t=1; attempt 2 started at t=2
+        client = gateway.router.get("e")
+        assert client is not None and client.state is EngineState.STARTING
+        assert gateway.engine_restarts == {"e": 1}
+        nursery.cancel_scope.cancel()
+    cause = "unexpected error in smgd's engine client: AttributeError("
+    assert client.last_error is not None and client.last_error.startswith(cause)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in errors] == ["engine e: unexpected error in its client"]
+    assert errors[0].exc_info is not None  # the traceback, for the bug report
+
+
 class _CannotBind(_NeverReady):
     async def _open(self, nursery: trio.Nursery) -> None:
         await trio.lowlevel.checkpoint()
