@@ -56,6 +56,10 @@ PID_FILE = "engine.pid"
 # or network filesystem), and then waiting longer would not help either.
 REAP_TIMEOUT_S = 5.0
 REAP_POLL_S = 0.02  # how often the reaper looks again; a kill takes a few ms
+# The longest engine output line smgd keeps whole; a longer one (a progress bar drawn with
+# "\r" alone, a dumped blob) is logged in pieces of this size. Holding it all grew without
+# bound, and every read re-split it (quadratic in its length, on the event loop).
+MAX_LINE_BYTES = 64 * 1024
 # How often Process.wait polls where pidfds are unavailable (Linux < 5.3).
 WAIT_POLL_S = 0.05
 _DAEMON_ONLY_ENV = frozenset(
@@ -291,6 +295,9 @@ class Child:
         async for chunk in stream:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
+            while len(buffer) > MAX_LINE_BYTES:
+                lines.append(buffer[:MAX_LINE_BYTES])
+                buffer = buffer[MAX_LINE_BYTES:]
             for raw in lines:
                 self._line(raw.decode(errors="replace").rstrip(), label)
         if buffer:

@@ -368,3 +368,34 @@ def test_only_a_json_object_on_the_ready_line_is_the_engines_report(
     child._line(line, "stdout")
     assert child.ready_event.is_set()
     assert child.ready_info == report
+
+
+class _Chunks(trio.abc.ReceiveStream):
+    """An engine's stdout pipe that yields the given chunks, then ends."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return self.chunks.pop(0) if self.chunks else b""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_an_engine_line_without_an_end_is_logged_in_bounded_pieces(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """4 MiB without a newline (a progress bar drawn with ``\\r``, a dumped blob): smgd held it
+    all and re-split it on every read (quadratic), then logged it as one line. It is logged
+    in pieces of at most ``MAX_LINE_BYTES``, and the lines after it are read as lines."""
+    flood = [b"x" * 65536] * 64
+    child = launch.Child("e0", proc=None, pid_file=None)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="smgd.launch")
+    await child._pump(_Chunks([*flood, b"\nafter\nSMGD_READY {}\n"]), "stdout")
+    lines = [r.getMessage() for r in caplog.records]
+    assert max(map(len, lines)) <= launch.MAX_LINE_BYTES + 100
+    assert sum(line.count("x") for line in lines) == 64 * 65536  # nothing dropped
+    assert lines[-1] == "[e0] after"
+    assert child.ready_event.is_set() and child.ready_info == {}
