@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
+import zmq
 
 from smgd.engines.base import EngineState, _check_vocabulary
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, WireError
@@ -308,3 +309,26 @@ def test_the_vocabulary_check_names_the_first_id_outside_it(
     with pytest.raises(InvalidRequest, match=rf"token id {culprit} is outside") as info:
         _check_vocabulary(ids, 1000, "prompt")
     assert info.value.param == "prompt"
+
+
+async def test_a_scheduler_that_attaches_but_never_answers_fails_within_ready_s(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``ready_s`` bounds the whole start, the readiness health check included: it waited
+    its own 60 s whatever ``ready_s`` said."""
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with sglang_pair(with_mock=False, ready_s=5.0) as pair:
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            mute = ctx.socket(zmq.PULL)  # attaches to the request socket, never answers
+            mute.setsockopt(zmq.LINGER, 0)
+            mute.connect(f"ipc://{pair.ipc_dir}/in.sock")
+            try:
+                start = trio.current_time()
+                with trio.fail_after(120):
+                    await pair.client._dead.wait()
+                assert trio.current_time() - start <= 5.5
+                assert "health check" in (pair.client.last_error or "")
+            finally:
+                mute.close()
+                ctx.term()
+            await trio.sleep_forever()

@@ -180,15 +180,19 @@ class SglangEngineClient(EngineClient):
         if self._foreign is not None:  # it connected while the sockets were being set up
             self.die(self._foreign_message(self._foreign))
             raise EngineDead(self.last_error or "not ready")
-        with trio.move_on_after(self.config.timeouts.ready_s) as scope:
+        ready_s = self.config.timeouts.ready_s
+        with trio.move_on_after(ready_s) as scope:
             await self._attached.wait()
             if self.child is not None:
                 # Launched engines (the mock too) print `SMGD_READY {json}` once loaded.
                 await self.child.ready_event.wait()
         if scope.cancelled_caught:
-            self.die(f"the scheduler did not attach within {self.config.timeouts.ready_s:g} s")
+            self.die(f"the scheduler did not attach within {ready_s:g} s")
             raise EngineDead(self.last_error or "not ready")
-        await self.health_check(HEALTH_TIMEOUT_S)
+        # Within what is left of ready_s: it bounds the whole start (the check waited its own
+        # HEALTH_TIMEOUT_S whatever ready_s said).
+        left = scope.deadline - trio.current_time()
+        await self.health_check(min(HEALTH_TIMEOUT_S, max(left, 0.0)))
         return self._engine_info()
 
     async def health_check(self, limit_s: float) -> None:
