@@ -60,6 +60,11 @@ REAP_POLL_S = 0.02  # how often the reaper looks again; a kill takes a few ms
 # "\r" alone, a dumped blob) is logged in pieces of this size. Holding it all grew without
 # bound, and every read re-split it (quadratic in its length, on the event loop).
 MAX_LINE_BYTES = 64 * 1024
+# How long a launched engine whose peer left its socket gets to exit before the disconnect
+# is the reason given: a crashing engine closes its sockets, then exits (its atexit handlers,
+# its worker processes) and the exit code is the news. A kill -9 is seen at once; only a
+# process that lives on after leaving its socket costs the wait.
+EXIT_REPORT_S = 0.5
 # How often Process.wait polls where pidfds are unavailable (Linux < 5.3).
 WAIT_POLL_S = 0.05
 _DAEMON_ONLY_ENV = frozenset(
@@ -271,6 +276,18 @@ async def _kill_session(sid: int, members: list[int], name: str) -> None:
 # --------------------------------------------------------------------------- children
 
 
+def exit_reason(code: int) -> str:
+    """A launched engine's exit as the reason it died."""
+    return f"engine process exited with code {code}"
+
+
+async def peer_left_reason(child: Child | None, reason: str) -> str:
+    """Why a peer left an engine socket: the launched process's exit, if it comes within
+    ``EXIT_REPORT_S``, else ``reason`` (the disconnect itself)."""
+    code = None if child is None else await child.exit_code_within(EXIT_REPORT_S)
+    return reason if code is None else exit_reason(code)
+
+
 class Child:
     def __init__(self, name: str, proc: Process, pid_file: Path | None = None) -> None:
         self.name = name
@@ -324,6 +341,15 @@ class Child:
         self.returncode = code
         self.exited.set()
         return code
+
+    async def exit_code_within(self, seconds: float) -> int | None:
+        """The exit code, if the process exits within ``seconds`` (None: it still runs).
+
+        For a peer that left an engine socket: an engine that crashes closes its sockets
+        first, and its exit code, which says why, comes a moment later."""
+        with trio.move_on_after(seconds):
+            await self.exited.wait()
+        return self.returncode
 
     async def stop(self, grace: float = TERMINATE_GRACE_S) -> None:
         """SIGTERM the child itself, SIGKILL its whole process group after ``grace`` seconds.

@@ -442,7 +442,7 @@ class HandshakeEngineClient(EngineClient):
 
     async def _watch_child(self, child: launch.Child) -> None:
         code = await child.wait()
-        self.die(f"engine process exited with code {code}")
+        self.die(launch.exit_reason(code))
 
     async def _watch_peers(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -466,7 +466,8 @@ class HandshakeEngineClient(EngineClient):
                     self._peer_pids.pop(event.value, None)
                     ranks = len(self.table.ranks) if self.table else 0
                     if self.state is EngineState.READY and len(self._peers) < ranks:
-                        self.die("an engine rank disconnected from the input socket")
+                        why = "an engine rank disconnected from the input socket"
+                        self.die(await launch.peer_left_reason(self.child, why))
                         return
 
     async def _handshake_task(self) -> None:

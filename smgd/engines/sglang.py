@@ -149,7 +149,8 @@ class SglangEngineClient(EngineClient):
                 elif event.kind == "disconnected":
                     peers.discard(event.value)
                     if not peers and self._attached.is_set():
-                        self.die("the scheduler disconnected from the request socket")
+                        why = "the scheduler disconnected from the request socket"
+                        self.die(await launch.peer_left_reason(self.child, why))
                         return
 
     def _is_foreign(self, pid: int | None) -> bool:
@@ -173,7 +174,7 @@ class SglangEngineClient(EngineClient):
 
     async def _watch_child(self, child: launch.Child) -> None:
         code = await child.wait()
-        self.die(f"engine process exited with code {code}")
+        self.die(launch.exit_reason(code))
 
     async def _become_ready(self) -> EngineInfo:
         self._opened = True

@@ -11,6 +11,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 - ``negative-id``: for a request with logprobs, first one output row whose token id (and its
   logprob's, and its top logprob's) is -1, then well-behaved.
 - ``garble-fourth``: the frame with a request's fourth token is garbage (its token lost).
+- ``exit-on-request``: on the first request after the health checks, closes its sockets and
+  0.1 s later exits with code 3.
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
@@ -60,6 +62,12 @@ def main() -> None:
             length = Finish(reason=FinishReason.LENGTH)
             push.send(encode_batch_output([(rid, [1], length, 1, 1, 0)]))
             continue
+        if mode == "exit-on-request":
+            # As a crashing scheduler: its sockets go first, the process a moment later.
+            pull.close()
+            push.close()
+            time.sleep(0.1)
+            sys.exit(3)
         if mode == "bad-top-logprob" and msg.return_logprob:
             row = TokenLogprob(token_id=prompt[0], logprob=-0.5, top=[TopLogprob(prompt[0], -0.5)])
             out = build_batch_output([(rid, [prompt[0]], None, len(prompt), 1, 0, [row])])

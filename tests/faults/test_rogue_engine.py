@@ -156,3 +156,22 @@ async def test_a_ready_line_that_is_not_a_json_object_is_ignored_not_fatal(
     async with serve(tmp_path, rogue_config("ready-list")) as daemon, daemon.client() as client:
         await serves_both(daemon, client)
         assert "unreadable ready line" in daemon.log()
+
+
+async def test_an_engine_that_exits_is_reported_by_its_exit_code_not_its_disconnect(
+    tmp_path: Path,
+) -> None:
+    """The scheduler closes its sockets, then exits with code 3 (as a crashing one does): the
+    client's error, the log and ``/readiness`` say it exited with code 3. The disconnect came
+    first and was all they said; the exit code was nowhere."""
+    config = rogue_config("exit-on-request")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        hit = await stream(client, "r", "hello there", 8)
+        assert hit.status == 502, hit
+        error = json.loads(hit.body)["error"]
+        assert error["message"] == "engine rogue failed: engine process exited with code 3"
+        report = (await client.get("/readiness")).json()["engines"]["rogue"]
+        assert report["last_error"] == "engine process exited with code 3", report
+        assert "engine rogue dead: engine process exited with code 3" in daemon.log()
+        good = await stream(client, "m", "hello there", 8)
+        assert good.done and good.error is None
