@@ -253,7 +253,6 @@ async def supervise_engine(
         client.last_error = slot.last_error  # a relaunched engine still says why it was needed
         slot.client = client
         gateway.router.put(client)
-        started_at = trio.current_time()
         bound = False
         try:
             async with trio.open_nursery() as nursery:
@@ -287,9 +286,12 @@ async def supervise_engine(
         if slot.retiring:
             return  # being stopped anyway: a relaunch would only be cancelled
         gateway.engine_restarts[name] = gateway.engine_restarts.get(name, 0) + 1
-        log.warning("engine %s failed: %s; restarting in %.1f s", name, reason, backoff)
-        if trio.current_time() - started_at > BACKOFF_RESET_S:
+        # Healthy for BACKOFF_RESET_S: counted from readiness, not launch (a long load is no
+        # health), and before the delay is logged, so the log says the delay slept.
+        ready_at = client.ready_at
+        if ready_at is not None and trio.current_time() - ready_at > BACKOFF_RESET_S:
             backoff = BACKOFF_INITIAL_S
+        log.warning("engine %s failed: %s; restarting in %.1f s", name, reason, backoff)
         await trio.sleep(backoff)
         backoff = min(backoff * 2, BACKOFF_MAX_S)
 

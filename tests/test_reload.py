@@ -344,6 +344,77 @@ async def test_a_bug_in_an_engine_client_relaunches_that_engine_not_ends_the_dae
     assert errors[0].exc_info is not None  # the traceback, for the bug report
 
 
+class _LoadsLongThenCrashes(_NeverReady):
+    """An engine that takes 100 s to load, then crashes 1 s after it is ready."""
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        await trio.lowlevel.checkpoint()
+        nursery.start_soon(self._crash_after, 101.0)
+
+    async def _crash_after(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+        self.die("engine process exited with code 1")
+
+    async def _become_ready(self) -> EngineInfo:
+        await trio.sleep(100)
+        return EngineInfo(max_model_len=64)
+
+
+async def test_an_engine_that_crashes_right_after_a_long_load_backs_off_more_each_time(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The backoff starts over after BACKOFF_RESET_S of health: time the engine was ready,
+    not time since its launch (a 100 s load counted, and it relaunched every second)."""
+    config = _engine()
+    gateway = Gateway(config=Config(), router=Router(Config().routing))
+    monkeypatch.setattr(
+        "smgd.supervise.build_engine_client",
+        lambda engine, *_: _LoadsLongThenCrashes(engine, fallback_info=None),
+    )
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
+        await trio.sleep(4 * 101 + 1 + 2 + 4 + 1)  # four crashes, three waits between
+        nursery.cancel_scope.cancel()
+    records = [r for r in caplog.records if r.name == "smgd.supervise"]
+    delays = [r.getMessage().rsplit(" in ", 1)[1] for r in records]
+    assert delays == ["1.0 s", "2.0 s", "4.0 s", "8.0 s"]
+
+
+class _HealthyAWhileThenCrashes(_LoadsLongThenCrashes):
+    """Ready at once, then up for 70 s (more than BACKOFF_RESET_S) before each crash."""
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        await trio.lowlevel.checkpoint()
+        nursery.start_soon(self._crash_after, 70.0)
+
+    async def _become_ready(self) -> EngineInfo:
+        await trio.lowlevel.checkpoint()
+        return EngineInfo(max_model_len=64)
+
+
+async def test_an_engine_that_was_healthy_a_while_relaunches_after_the_initial_delay(
+    autojump_clock: trio.abc.Clock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = _engine()
+    gateway = Gateway(config=Config(), router=Router(Config().routing))
+    monkeypatch.setattr(
+        "smgd.supervise.build_engine_client",
+        lambda engine, *_: _HealthyAWhileThenCrashes(engine, fallback_info=None),
+    )
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
+        await trio.sleep(3 * 71 + 0.5)
+        nursery.cancel_scope.cancel()
+    records = [r for r in caplog.records if r.name == "smgd.supervise"]
+    assert [r.getMessage().rsplit(" in ", 1)[1] for r in records] == ["1.0 s"] * 3
+
+
 class _CannotBind(_NeverReady):
     async def _open(self, nursery: trio.Nursery) -> None:
         await trio.lowlevel.checkpoint()

@@ -152,6 +152,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.load: EngineLoad | None = None
         self.last_error: str | None = None
+        self.ready_at: float | None = None  # trio time it became ready (the backoff's health)
         # Set when a reload replaces this engine: no new requests, in-flight ones finish.
         self.draining = False
         self._fallback_info = fallback_info
@@ -404,6 +405,7 @@ class EngineClient:
                 info = await self._become_ready()
                 self.info = info
                 self.state = EngineState.READY
+                self.ready_at = trio.current_time()
                 self._ready.set()
                 log.info(
                     "engine %s ready (wire=%s, max_model_len=%s, vocab=%s)",
