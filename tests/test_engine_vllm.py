@@ -401,3 +401,21 @@ def test_mock_answers_utility_calls_and_can_announce_remote() -> None:
     other = decode_outputs(wire.on_request(encode_utility(8, "reset"), sched)[0])
     assert other.utility is not None
     assert (other.utility.call_id, other.utility.result) == (8, None)
+
+
+async def test_a_rank_whose_identity_is_not_an_engine_index_is_refused_by_name() -> None:
+    """A HELLO from a 3-byte identity (no engine core's: they are the 2-byte engine index) is
+    refused, and the handshake runs out with that said; smgd's rank table, built from the
+    index, raised OverflowError on it."""
+    ipc_dir = short_ipc_dir()
+    client = make_client(ipc_dir, timeouts=TimeoutsConfig(ready_s=2.0))
+    wire = VllmMockWire(client.handshake_endpoint, context_len=CONTEXT)
+    wire.identity = b"abc"
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(EngineDead, match="not an engine index"), flatten_subgroups=True
+    ):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            nursery.start_soon(MockEngine(wire, MockScheduler(max_batch=8), step_s=0.002).run)
+            with trio.fail_after(10):
+                await client.wait_ready()

@@ -366,6 +366,8 @@ class HandshakeEngineClient(EngineClient):
         self._progress = trio.Event()
         self._saved: SavedState | None = None
         self._zmtp_peers = 0  # completed ZMTP handshakes on the input socket
+        # Identities that said HELLO but are not an engine index (2 bytes): refused.
+        self._not_ranks: set[bytes] = set()
         self._peers: set[int] = set()  # connected input-socket peers, by connection fd
         self._peer_pids: dict[int, int] = {}  # their processes (ipc only), by connection fd
 
@@ -486,6 +488,17 @@ class HandshakeEngineClient(EngineClient):
                 log.warning("engine %s: bad handshake message: %s", self.name, exc)
                 continue
             index = identity_index(identity)
+            if index < 0:
+                # Not an engine core (its identity is its 2-byte index): the rank table is
+                # built from indexes, and one it cannot name would end the engine's start.
+                if identity not in self._not_ranks:
+                    self._not_ranks.add(identity)
+                    log.warning(
+                        "engine %s: handshake from identity %r refused: not an engine index",
+                        self.name,
+                        identity,
+                    )
+                continue
             if status == HELLO:
                 if self.state is EngineState.READY and identity not in self.tracker.ranks:
                     log.warning(
@@ -540,9 +553,13 @@ class HandshakeEngineClient(EngineClient):
             self.die(self._refused_message(refused, grace))
             raise EngineDead(self.last_error or "not ready")
         if ranks is None:
+            not_ranks = "".join(
+                f"; refused identity {identity!r}: not an engine index (2 bytes)"
+                for identity in sorted(self._not_ranks)
+            )
             self.die(
                 f"the engine did not complete the handshake within {ready_s:g} s "
-                f"({self.tracker.describe()}){self._foreign_peers()}"
+                f"({self.tracker.describe()}{not_ranks}){self._foreign_peers()}"
             )
             raise EngineDead(self.last_error or "not ready")
         self.table = RankTable((index, index.to_bytes(2, "little")) for index, _ in ranks)
