@@ -183,7 +183,7 @@ async def test_kill_9_of_launched_engine_fails_all_streams_within_2s() -> None:
             assert len(errors) == 64
             reasons = {str(e) for e in errors}
             assert len(reasons) == 1, "every stream gets the same engine error"
-            assert "exited with code -9" in reasons.pop() or "disconnected" in str(errors[0])
+            assert "exited with code -9" in reasons.pop()  # not the disconnect before it
             await trio.sleep_forever()
 
 

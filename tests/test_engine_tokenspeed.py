@@ -360,7 +360,7 @@ async def test_kill_9_of_a_launched_mock_fails_all_streams_fast() -> None:
             await trio.sleep_forever()
     assert len(errors) == 32
     assert len({str(e) for e in errors}) == 1
-    assert "exited with code -9" in str(errors[0]) or "disconnected" in str(errors[0])
+    assert "exited with code -9" in str(errors[0])  # not the disconnect before it
 
 
 async def test_two_ranks_share_the_load() -> None:
