@@ -14,7 +14,11 @@ import zmq
 
 from smgd.engines.base import EngineState, _check_vocabulary
 from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, WireError
-from smgd.wire.common import FinishReason
+from smgd.wire.common import Finish, FinishReason
+from smgd.wire.sglang.decode import decode_request
+from smgd.wire.sglang.engine_side import encode_batch_output
+from smgd.wire.sglang.structs import TokenizedGenerateReqInput
+from smgd.zmq_trio import TrioSocket
 
 from .engine_harness import VocabularyScans, collect, expected_echo, request, sglang_pair
 from .trio_helpers import TaskSteps
@@ -331,4 +335,50 @@ async def test_a_scheduler_that_attaches_but_never_answers_fails_within_ready_s(
             finally:
                 mute.close()
                 ctx.term()
+            await trio.sleep_forever()
+
+
+class _Lingering:
+    """A launched engine's process that lives on after its sockets closed (no exit code)."""
+
+    def __init__(self) -> None:
+        self.waited = trio.Event()
+
+    async def exit_code_within(self, seconds: float) -> int | None:
+        self.waited.set()
+        await trio.sleep(seconds)
+        return None
+
+    async def stop(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_an_engine_whose_peer_left_takes_no_request_while_its_exit_is_awaited(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    dead = pytest.RaisesExc(EngineDead, match="disconnected from the request socket")
+    with pytest.RaisesGroup(dead, flatten_subgroups=True):
+        async with sglang_pair(with_mock=False) as pair:
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            pull, push = TrioSocket(ctx.socket(zmq.PULL)), TrioSocket(ctx.socket(zmq.PUSH))
+            try:
+                pull.socket.connect(f"ipc://{pair.ipc_dir}/in.sock")
+                push.socket.connect(f"ipc://{pair.ipc_dir}/out.sock")
+                check = decode_request((await pull.recv_multipart(copy=True))[0])
+                assert isinstance(check, TokenizedGenerateReqInput) and check.rid is not None
+                length = Finish(reason=FinishReason.LENGTH)
+                await push.send_multipart(
+                    [encode_batch_output([(check.rid, [1], length, 1, 1, 0)])]
+                )
+                with trio.fail_after(10):
+                    await pair.client.wait_ready()
+                lingering = _Lingering()
+                pair.client.child = lingering  # type: ignore[assignment]
+            finally:
+                pull.close()
+                push.close()
+                ctx.term()
+            with trio.fail_after(10):
+                await lingering.waited.wait()
+            assert not pair.client.ready  # the router sends it nothing meanwhile
             await trio.sleep_forever()

@@ -428,6 +428,13 @@ class EngineClient:
         await self._dead.wait()
         scope.cancel()
 
+    def going(self) -> None:
+        """The engine is gone but :meth:`die` waits to say why (a launched process's exit
+        code, a moment after its peer left): no new request meanwhile (the router takes it
+        as not ready); the streams in flight fail when it dies."""
+        if self._death is None:
+            self.state = EngineState.DEAD
+
     def die(self, reason: str) -> None:
         """Declare the engine dead: fail every stream (each with its own error), stop run()."""
         if self._death is not None:

@@ -468,6 +468,7 @@ class HandshakeEngineClient(EngineClient):
                     self._peer_pids.pop(event.value, None)
                     ranks = len(self.table.ranks) if self.table else 0
                     if self.state is EngineState.READY and len(self._peers) < ranks:
+                        self.going()
                         why = "an engine rank disconnected from the input socket"
                         self.die(await launch.peer_left_reason(self.child, why))
                         return

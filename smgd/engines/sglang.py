@@ -149,6 +149,7 @@ class SglangEngineClient(EngineClient):
                 elif event.kind == "disconnected":
                     peers.discard(event.value)
                     if not peers and self._attached.is_set():
+                        self.going()
                         why = "the scheduler disconnected from the request socket"
                         self.die(await launch.peer_left_reason(self.child, why))
                         return
