@@ -189,7 +189,13 @@ class SglangEngineClient(EngineClient):
                 # Launched engines (the mock too) print `SMGD_READY {json}` once loaded.
                 await self.child.ready_event.wait()
         if scope.cancelled_caught:
-            self.die(f"the scheduler did not attach within {ready_s:g} s")
+            if self._attached.is_set():  # a launched command that does not report (docs)
+                self.die(
+                    "the scheduler attached, but printed no `SMGD_READY` line on its stdout "
+                    f"within {ready_s:g} s"
+                )
+            else:
+                self.die(f"the scheduler did not attach within {ready_s:g} s")
             raise EngineDead(self.last_error or "not ready")
         # Within what is left of ready_s: it bounds the whole start (the check waited its own
         # HEALTH_TIMEOUT_S whatever ready_s said).

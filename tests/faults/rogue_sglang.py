@@ -6,6 +6,7 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 
 - ``echo``: well-behaved; the prompt echoed until ``max_new_tokens``, then a length finish.
 - ``ready-list``: well-behaved, but its ``SMGD_READY`` line holds a JSON array.
+- ``no-ready-line``: well-behaved, but prints no ``SMGD_READY`` line.
 - ``bad-top-logprob``: for a request with logprobs, first one output row whose top-logprob
   value is a string (a column the decoder's types do not pin down), then well-behaved.
 - ``negative-id``: for a request with logprobs, first one output row whose token id (and its
@@ -43,7 +44,8 @@ def main() -> None:
     pull.connect(input_addr)
     push.connect(output_addr)
     # ``ready-list``: a well-behaved engine whose ready line is JSON but not an object.
-    print("SMGD_READY " + ("[4096]" if mode == "ready-list" else '{"context_length": 4096}'))
+    if mode != "no-ready-line":
+        print("SMGD_READY " + ("[4096]" if mode == "ready-list" else '{"context_length": 4096}'))
     sys.stdout.flush()
     aborted: set[str] = set()
     pending: list[bytes] = []  # requests that came while another was being answered

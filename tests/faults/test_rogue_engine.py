@@ -175,3 +175,21 @@ async def test_an_engine_that_exits_is_reported_by_its_exit_code_not_its_disconn
         assert "engine rogue dead: engine process exited with code 3" in daemon.log()
         good = await stream(client, "m", "hello there", 8)
         assert good.done and good.error is None
+
+
+async def test_an_engine_that_attaches_but_never_reports_ready_is_told_apart(
+    tmp_path: Path,
+) -> None:
+    """A launched command that connects but prints no ``SMGD_READY`` line: ``/readiness`` and
+    the log say so (they said the scheduler did not attach, which it had)."""
+    config = rogue_config("no-ready-line", extra="[engines.timeouts]\nready_s = 1.0\n")
+    async with serve(tmp_path, config, wait_ready=False) as daemon, daemon.client() as client:
+
+        async def failed_once() -> bool:
+            return "restarting in" in daemon.log()
+
+        await until(failed_once, 20)
+        report = (await client.get("/readiness")).json()["engines"]["rogue"]
+        assert report["last_error"] == (
+            "the scheduler attached, but printed no `SMGD_READY` line on its stdout within 1 s"
+        ), report
