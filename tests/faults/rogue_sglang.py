@@ -14,6 +14,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 - ``garble-fourth``: the frame with a request's fourth token is garbage (its token lost).
 - ``exit-on-request``: on the first request after the health checks, closes its sockets and
   0.1 s later exits with code 3.
+- ``chaos``: each output message also holds 10,000 rows for rids smgd never sent, and after
+  the finish come more tokens and the finish again, in the same message.
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
@@ -35,6 +37,7 @@ from smgd.wire.sglang.engine_side import build_batch_output, encode_batch_output
 from smgd.wire.sglang.structs import AbortReq, TokenizedGenerateReqInput
 
 STEP_S = 0.005  # between two output frames of one request
+CHAOS_ROWS = 10_000  # rows for requests smgd never sent, in each ``chaos`` message
 
 
 def main() -> None:
@@ -89,6 +92,13 @@ def main() -> None:
             finish = Finish(reason=FinishReason.LENGTH) if done else None
             if mode == "garble-fourth" and n == 4:
                 push.send(GARBAGE)
+            elif mode == "chaos":
+                rows = [(f"nobody-{k}", [tid], None, 3, n, 0) for k in range(CHAOS_ROWS)]
+                rows.insert(CHAOS_ROWS // 2, (rid, [tid], finish, len(prompt), n, 0))
+                if done:  # tokens after the finish, and the finish again
+                    rows.append((rid, [tid, tid, tid], None, len(prompt), n + 3, 0))
+                    rows.append((rid, [tid], finish, len(prompt), n + 4, 0))
+                push.send(encode_batch_output(rows))
             else:
                 push.send(encode_batch_output([(rid, [tid], finish, len(prompt), n, 0)]))
             time.sleep(STEP_S)

@@ -193,3 +193,29 @@ async def test_an_engine_that_attaches_but_never_reports_ready_is_told_apart(
         assert report["last_error"] == (
             "the scheduler attached, but printed no `SMGD_READY` line on its stdout within 1 s"
         ), report
+
+
+async def test_rows_for_unknown_requests_and_after_a_finish_change_nothing(
+    tmp_path: Path,
+) -> None:
+    """Each message: 10,000 rows for requests smgd never sent around the stream's own row, and
+    tokens and a second finish after its finish. The client gets exactly its 8 tokens, once;
+    a stream on the other engine meanwhile is untouched."""
+    config = rogue_config("chaos")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        async with trio.open_nursery() as nursery:
+            other: list[StreamOutcome] = []
+
+            async def beside() -> None:
+                other.append(await stream(client, "m", "hello there", 64))
+
+            nursery.start_soon(beside)
+            for _ in range(3):
+                hit = await stream(client, "r", "hello there", 8)
+                assert hit.status == 200 and hit.error is None and hit.done, hit
+                assert hit.text == "hello therehell" and hit.finish_reason == "length", hit
+                assert hit.usage is not None and hit.usage["completion_tokens"] == 8, hit.usage
+        assert other[0].done and other[0].error is None and other[0].usage is not None
+        assert other[0].usage["completion_tokens"] == 64
+        assert "ran past max_tokens" not in daemon.log()
+        await serves_both(daemon, client)
