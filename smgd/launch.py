@@ -277,7 +277,14 @@ async def _kill_session(sid: int, members: list[int], name: str) -> None:
 
 
 def exit_reason(code: int) -> str:
-    """A launched engine's exit as the reason it died."""
+    """A launched engine's exit as the reason it died; a negative code names its signal (a
+    shell would have said 137 for -9: neither says "SIGKILL" to an operator)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"engine process exited with code {code} (killed by {name})"
     return f"engine process exited with code {code}"
 
 

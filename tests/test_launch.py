@@ -399,3 +399,10 @@ async def test_an_engine_line_without_an_end_is_logged_in_bounded_pieces(
     assert sum(line.count("x") for line in lines) == 64 * 65536  # nothing dropped
     assert lines[-1] == "[e0] after"
     assert child.ready_event.is_set() and child.ready_info == {}
+
+
+def test_an_engine_killed_by_a_signal_is_reported_by_the_signals_name() -> None:
+    assert launch.exit_reason(3) == "engine process exited with code 3"
+    assert launch.exit_reason(-9) == "engine process exited with code -9 (killed by SIGKILL)"
+    assert launch.exit_reason(-11) == "engine process exited with code -11 (killed by SIGSEGV)"
+    assert launch.exit_reason(-99) == "engine process exited with code -99 (killed by signal 99)"
