@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 import zmq
@@ -24,6 +25,7 @@ from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
 from smgd.mock.vllm import VllmMockWire
 from smgd.wire.common import EngineInfo, FinishReason
+from smgd.wire.vllm.structs import ReadyResponse
 
 from .engine_harness import VOCAB, collect, expected_echo, request, short_ipc_dir
 
@@ -419,3 +421,26 @@ async def test_a_rank_whose_identity_is_not_an_engine_index_is_refused_by_name()
             nursery.start_soon(MockEngine(wire, MockScheduler(max_batch=8), step_s=0.002).run)
             with trio.fail_after(10):
                 await client.wait_ready()
+
+
+class _SkewedWire(VllmMockWire):
+    """An engine core of another vLLM version: its ready response does not decode."""
+
+    def ready_response(self) -> ReadyResponse:
+        return msgspec.structs.replace(super().ready_response(), max_model_len="4096")  # type: ignore[arg-type]
+
+
+async def test_a_registration_that_does_not_decode_is_named_not_blamed_on_an_identity() -> None:
+    """The ready response arrives but does not decode (version skew): the start fails naming
+    that (it said another process held the rank's identity, which no one did)."""
+    client = make_client(short_ipc_dir(), timeouts=TimeoutsConfig(ready_s=30.0))
+    client.registration_grace_s = 1.0
+    wire = _SkewedWire(client.handshake_endpoint, context_len=CONTEXT)
+    dead = pytest.RaisesExc(EngineDead, match="registration could not be decoded")
+    with pytest.RaisesGroup(dead, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            nursery.start_soon(MockEngine(wire, MockScheduler(max_batch=8), step_s=0.002).run)
+            with trio.fail_after(10):
+                await client.wait_ready()
+    assert "identity" not in (client.last_error or "")

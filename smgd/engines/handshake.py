@@ -368,6 +368,8 @@ class HandshakeEngineClient(EngineClient):
         self._zmtp_peers = 0  # completed ZMTP handshakes on the input socket
         # Identities that said HELLO but are not an engine index (2 bytes): refused.
         self._not_ranks: set[bytes] = set()
+        # Why a registration from an identity did not decode: the reason its start fails.
+        self._bad_registrations: dict[bytes, str] = {}
         self._peers: set[int] = set()  # connected input-socket peers, by connection fd
         self._peer_pids: dict[int, int] = {}  # their processes (ipc only), by connection fd
 
@@ -578,6 +580,12 @@ class HandshakeEngineClient(EngineClient):
         return info
 
     def _refused_message(self, rank: RankProgress, grace: float) -> str:
+        bad = self._bad_registrations.get(rank.identity)
+        if bad is not None:  # it came, but smgd could not read it: no identity conflict
+            return (
+                f"engine rank {rank.index} said READY but its registration could not be "
+                f"decoded ({bad}): does smgd speak this engine's version?"
+            )
         return (
             f"engine rank {rank.index} said READY but its registration did not reach "
             f"{self.input_endpoint} within {grace:g} s: the socket refused its connection, "
@@ -628,6 +636,7 @@ class HandshakeEngineClient(EngineClient):
                 info, dp_size = self._wire_registration(payload)
             except WireError as exc:
                 log.warning("engine %s: bad registration: %s", self.name, exc)
+                self._bad_registrations[identity] = exc.message
                 continue
             if self.tracker.on_registration(identity, info, dp_size):
                 log.info(
