@@ -424,23 +424,33 @@ async def test_a_rank_whose_identity_is_not_an_engine_index_is_refused_by_name()
 
 
 class _SkewedWire(VllmMockWire):
-    """An engine core of another vLLM version: its ready response does not decode."""
+    """An engine core whose ready response says ``max_model_len`` is ``self.skew``."""
+
+    skew: Any = "4096"  # another vLLM version's type: it does not decode
 
     def ready_response(self) -> ReadyResponse:
-        return msgspec.structs.replace(super().ready_response(), max_model_len="4096")  # type: ignore[arg-type]
+        return msgspec.structs.replace(super().ready_response(), max_model_len=self.skew)
 
 
-async def test_a_registration_that_does_not_decode_is_named_not_blamed_on_an_identity() -> None:
-    """The ready response arrives but does not decode (version skew): the start fails naming
-    that (it said another process held the rank's identity, which no one did)."""
+@pytest.mark.parametrize(
+    ("skew", "why"), [("4096", "cannot decode ready response"), (0, "0 is no context length")]
+)
+async def test_a_registration_smgd_cannot_take_is_named_not_blamed_on_an_identity(
+    skew: Any, why: str
+) -> None:
+    """The ready response arrives but does not decode (version skew), or says a context of 0
+    (every request would be refused as too long): the start fails naming that (it said another
+    process held the rank's identity, which no one did; with 0 the engine was ready)."""
     client = make_client(short_ipc_dir(), timeouts=TimeoutsConfig(ready_s=30.0))
     client.registration_grace_s = 1.0
     wire = _SkewedWire(client.handshake_endpoint, context_len=CONTEXT)
-    dead = pytest.RaisesExc(EngineDead, match="registration could not be decoded")
+    wire.skew = skew
+    dead = pytest.RaisesExc(EngineDead, match=f"registration was refused: .*{why}")
     with pytest.RaisesGroup(dead, flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)
             nursery.start_soon(MockEngine(wire, MockScheduler(max_batch=8), step_s=0.002).run)
             with trio.fail_after(10):
                 await client.wait_ready()
+            raise AssertionError(f"ready, with {client.info}")
     assert "identity" not in (client.last_error or "")

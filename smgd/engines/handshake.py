@@ -583,8 +583,8 @@ class HandshakeEngineClient(EngineClient):
         bad = self._bad_registrations.get(rank.identity)
         if bad is not None:  # it came, but smgd could not read it: no identity conflict
             return (
-                f"engine rank {rank.index} said READY but its registration could not be "
-                f"decoded ({bad}): does smgd speak this engine's version?"
+                f"engine rank {rank.index} said READY but its registration was refused: "
+                f"{bad} (does smgd speak this engine's version?)"
             )
         return (
             f"engine rank {rank.index} said READY but its registration did not reach "
@@ -634,6 +634,8 @@ class HandshakeEngineClient(EngineClient):
             identity, payload = frames
             try:
                 info, dp_size = self._wire_registration(payload)
+                if info.max_model_len < 1:  # every request would be refused as too long
+                    raise WireError(f"max_model_len {info.max_model_len} is no context length")
             except WireError as exc:
                 log.warning("engine %s: bad registration: %s", self.name, exc)
                 self._bad_registrations[identity] = exc.message
