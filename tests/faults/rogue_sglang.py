@@ -16,6 +16,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
   0.1 s later exits with code 3.
 - ``chaos``: each output message also holds 10,000 rows for rids smgd never sent, and after
   the finish come more tokens and the finish again, in the same message.
+- ``nan-embedding`` / ``huge-embedding`` (an embedding engine: ``task = "embed"``): each
+  vector holds a NaN / 1e300 (no float32); health checks get a clean one.
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
@@ -23,6 +25,7 @@ Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the da
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -33,8 +36,17 @@ from smgd.mock.engine import GARBAGE
 from smgd.wire.common import Finish, FinishReason, TokenLogprob, TopLogprob
 from smgd.wire.sglang.arrays import ext_to_ids
 from smgd.wire.sglang.decode import decode_request
-from smgd.wire.sglang.engine_side import build_batch_output, encode_batch_output
-from smgd.wire.sglang.structs import AbortReq, TokenizedGenerateReqInput
+from smgd.wire.sglang.engine_side import (
+    EmbeddingItem,
+    build_batch_output,
+    encode_batch_output,
+    encode_embedding_output,
+)
+from smgd.wire.sglang.structs import (
+    AbortReq,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 
 STEP_S = 0.005  # between two output frames of one request
 CHAOS_ROWS = 10_000  # rows for requests smgd never sent, in each ``chaos`` message
@@ -57,6 +69,14 @@ def main() -> None:
         if isinstance(msg, AbortReq):
             aborted.add(msg.rid or "")
             print(f"rogue: abort {msg.rid}", flush=True)
+            continue
+        if isinstance(msg, TokenizedEmbeddingReqInput):
+            erid = msg.rid or ""
+            vector = [0.5] * 8
+            if not erid.startswith("HEALTH_CHECK"):
+                vector[3] = {"nan-embedding": math.nan, "huge-embedding": 1e300}.get(mode, 0.5)
+            done = Finish(reason=FinishReason.LENGTH)
+            push.send(encode_embedding_output([EmbeddingItem(erid, vector, done, 2, 0)]))
             continue
         if not isinstance(msg, TokenizedGenerateReqInput):
             continue

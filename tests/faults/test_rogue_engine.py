@@ -219,3 +219,27 @@ async def test_rows_for_unknown_requests_and_after_a_finish_change_nothing(
         assert other[0].usage["completion_tokens"] == 64
         assert "ran past max_tokens" not in daemon.log()
         await serves_both(daemon, client)
+
+
+@pytest.mark.parametrize(
+    ("mode", "fmt", "before"),
+    [
+        ("nan-embedding", "float", "200 with null in the vector"),
+        ("huge-embedding", "base64", "500"),
+    ],
+)
+async def test_an_embedding_that_is_no_float32_vector_is_an_engine_error(
+    tmp_path: Path, mode: str, fmt: str, before: str
+) -> None:
+    """A NaN (JSON has none: it went out as ``null``) or 1e300 (float32's base64 cannot hold
+    it: an internal error) in an engine's vector is the engine's error, a 502 naming it."""
+    config = rogue_config(mode, extra='task = "embed"\n')
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        body = {"model": "r", "input": "hello there", "encoding_format": fmt}
+        reply = await client.post("/v1/embeddings", json=body)
+        assert reply.status_code == 502, (before, reply.text)
+        error = reply.json()["error"]
+        assert error["type"] == "engine_error"
+        assert "not a finite float32" in error["message"], error
+        assert (await client.get("/readiness")).status_code == 200
+        assert daemon.proc.returncode is None

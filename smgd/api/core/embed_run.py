@@ -12,6 +12,7 @@ with the cutoff's error. Nothing is sent to the client meanwhile, so a cancel is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 _RETRYABLE = (EngineDead, EngineNotReady)
 
 __all__ = ["EmbedJob", "run_embeddings"]
+
+_FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 @dataclass(slots=True)
@@ -86,11 +89,23 @@ async def _attempt(job: EmbedJob) -> None:
                     raise engine_finish_error(finish)
                 if delta.embedding is None:
                     break
-                job.vector = delta.embedding
+                job.vector = _float32_vector(delta.embedding, job.engine.name)
                 return
         finally:
             job.queued_s += stream.queued_s  # a moved input queued on each engine it tried
     raise EngineDead(f"engine {job.engine.name} ended an embedding request without its vector")
+
+
+def _float32_vector(vector: list[float], engine: str) -> list[float]:
+    """``vector``, if every value is a finite float32, else the engine's error. A NaN or an
+    infinity has no JSON number (it went out as ``null`` in a 200), and a value past float32's
+    range no base64 (an internal error). Two C-level passes: ~0.1 ms for 4,096 values."""
+    if all(map(math.isfinite, vector)) and (not vector or max(map(abs, vector)) <= _FLOAT32_MAX):
+        return vector
+    bad = next(x for x in vector if not (math.isfinite(x) and abs(x) <= _FLOAT32_MAX))
+    raise EngineDead(
+        f"engine {engine} returned an embedding with a value that is not a finite float32 ({bad})"
+    )
 
 
 async def run_embeddings(jobs: list[EmbedJob], cutoff: Cutoff) -> None:
