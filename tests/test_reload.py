@@ -315,7 +315,8 @@ async def test_a_handshake_loop_names_its_cause_in_the_log_and_in_last_error(
 class _Buggy(_NeverReady):
     async def _become_ready(self) -> EngineInfo:
         await trio.sleep(1)
-        return {}.get("info").max_model_len  # type: ignore[no-any-return,union-attr]
+        info: dict[str, EngineInfo] = {}
+        return info["the engine's"]  # a bug: KeyError
 
 
 async def test_a_bug_in_an_engine_client_relaunches_that_engine_not_ends_the_daemon(
@@ -337,7 +338,7 @@ async def test_a_bug_in_an_engine_client_relaunches_that_engine_not_ends_the_dae
         assert client is not None and client.state is EngineState.STARTING
         assert gateway.engine_restarts == {"e": 1}
         nursery.cancel_scope.cancel()
-    cause = "unexpected error in smgd's engine client: AttributeError("
+    cause = "unexpected error in smgd's engine client: KeyError("
     assert client.last_error is not None and client.last_error.startswith(cause)
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert [r.getMessage() for r in errors] == ["engine e: unexpected error in its client"]

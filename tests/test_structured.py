@@ -302,13 +302,14 @@ def test_a_schema_shared_by_a_requests_choices_is_written_out_once(
     # Every choice of a request (up to 64) is its own engine request with the same Structured;
     # a 3 MB schema took 40 ms to write out as JSON, each time.
     written: list[object] = []
-    dumps = common.json.dumps
+    dumps = json.dumps
 
     def counted(value: Any) -> str:
         written.append(value)
-        return dumps(value)
+        text: str = dumps(value)
+        return text
 
-    monkeypatch.setattr(common.json, "dumps", counted)
+    monkeypatch.setattr(json, "dumps", counted)  # the json module smgd.wire.common uses
     one = Structured(kind=StructuredKind.JSON, param="guided_json", spec={"type": "object"})
     other = Structured(kind=StructuredKind.JSON, param="guided_json", spec={"type": "object"})
     texts = [common.grammar_fields(s)[0] for s in (one, one, one, other, other)]

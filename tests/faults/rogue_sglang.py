@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import Any
 
 import msgspec
 import zmq
@@ -108,14 +109,16 @@ def main() -> None:
                 break
             tid = prompt[n % len(prompt)]
             n += 1
-            done = mode != "runaway" and n == limit
-            finish = Finish(reason=FinishReason.LENGTH) if done else None
+            last = mode != "runaway" and n == limit
+            finish = Finish(reason=FinishReason.LENGTH) if last else None
             if mode == "garble-fourth" and n == 4:
                 push.send(GARBAGE)
             elif mode == "chaos":
-                rows = [(f"nobody-{k}", [tid], None, 3, n, 0) for k in range(CHAOS_ROWS)]
+                rows: list[tuple[Any, ...]] = [
+                    (f"nobody-{k}", [tid], None, 3, n, 0) for k in range(CHAOS_ROWS)
+                ]
                 rows.insert(CHAOS_ROWS // 2, (rid, [tid], finish, len(prompt), n, 0))
-                if done:  # tokens after the finish, and the finish again
+                if last:  # tokens after the finish, and the finish again
                     rows.append((rid, [tid, tid, tid], None, len(prompt), n + 3, 0))
                     rows.append((rid, [tid], finish, len(prompt), n + 4, 0))
                 push.send(encode_batch_output(rows))

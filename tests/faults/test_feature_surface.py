@@ -99,7 +99,7 @@ async def test_a_big_schema_for_many_choices_does_not_pause_the_streams(tmp_path
                 "structured_outputs": constraint,
             }  # fmt: skip
             gaps, answer = await pauses_beside(
-                client, lambda body=body: client.post("/v1/completions", json=body)
+                client, partial(client.post, "/v1/completions", json=body)
             )
             assert answer.status_code == 200, answer.text
             assert len(answer.json()["choices"]) == 64
