@@ -68,6 +68,7 @@ __all__ = [
     "for_prompt",
     "from_native",
     "from_openai",
+    "nested_deeper",
     "read_priority",
 ]
 
@@ -260,14 +261,16 @@ class _Reader:
 # ------------------------------------------------------------------------- structured output
 
 
-def _too_deep(value: Any) -> bool:
-    """Whether objects/arrays nest deeper than MAX_SCHEMA_NESTING (breadth-first, no recursion).
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests arrays/objects more than ``limit`` levels: a
+    request body's (smgd.api.core.prepare) and a schema's (:func:`check_nesting`).
 
-    Exact type tests (decoded JSON has no subclasses) rather than isinstance: a 7 MB schema of
-    600,000 small arrays took 0.6 s to walk, on the event loop, and an array of numbers 4x as
-    long as with these."""
+    Level by level (no recursion), with exact type tests (decoded JSON has no subclasses)
+    rather than isinstance: 3x faster than a stack of (item, depth) pairs on bodies of many
+    small containers, 4x on long arrays of numbers (a 7 MB schema of 600,000 small arrays
+    took 0.6 s to walk on the event loop; 2.1 s -> 0.64 s for such a body)."""
     level = [value]
-    for _ in range(MAX_SCHEMA_NESTING):
+    for _ in range(limit):
         level = [
             child
             for node in level
@@ -277,6 +280,11 @@ def _too_deep(value: Any) -> bool:
         if not level:
             return False
     return True
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether a schema nests deeper than MAX_SCHEMA_NESTING."""
+    return nested_deeper(value, MAX_SCHEMA_NESTING)
 
 
 def _schema(value: Any, param: str, *, text_ok: bool = True) -> dict[str, Any] | str:

@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import trio
 
-from smgd.api.core.prepare import MAX_JSON_DEPTH, decode_body, nested_deeper
+from smgd.api.core.prepare import MAX_JSON_DEPTH, decode_body
 from smgd.config import ServerConfig
 from smgd.errors import InvalidRequest
+from smgd.sampling import nested_deeper
 from tests.fake_engine import MODEL, FakeEngine, get, open_app, post
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -181,7 +181,7 @@ async def test_a_big_body_is_decoded_off_the_event_loop(
     # containers walked in Python), a pause of every stream on the loop; a body of
     # BIG_BODY_BYTES or more is decoded and checked in a worker thread.
     threads: list[int] = []
-    walk = prepare.nested_deeper
+    walk = sampling.nested_deeper  # the walk prepare calls
 
     def recorded(value: Any, limit: int) -> bool:
         threads.append(threading.get_ident())

@@ -27,7 +27,7 @@ from smgd.api.core.pipeline import Choice, LogprobTrack, RequestState, new_engin
 from smgd.api.core.sse import encode_json
 from smgd.config import is_mock, sglang_has_tokenizer
 from smgd.errors import EngineNotReady, InvalidRequest, SmgdError
-from smgd.sampling import for_choice
+from smgd.sampling import for_choice, nested_deeper
 from smgd.text.stream import TextStream
 from smgd.wire.common import GenerateRequest
 
@@ -212,30 +212,6 @@ def decode_body(data: bytes) -> dict[str, Any]:
     if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nested_deeper(body, MAX_JSON_DEPTH):
         raise InvalidRequest(_TOO_DEEP)
     return body
-
-
-def nested_deeper(value: Any, limit: int) -> bool:
-    """Whether ``value`` (decoded JSON) nests arrays/objects more than ``limit`` levels.
-
-    Level by level, with exact type tests (decoded JSON has no subclasses): 3x faster than a
-    stack of (item, depth) pairs on bodies of many small containers, 4x on long arrays of
-    numbers (2.1 s -> 0.64 s for 600,000 small arrays).
-    """
-    level = [value]
-    for _ in range(limit):
-        below: list[Any] = []
-        for item in level:
-            below.extend(
-                [
-                    child
-                    for child in (item.values() if type(item) is dict else item)
-                    if type(child) is dict or type(child) is list
-                ]
-            )
-        if not below:
-            return False
-        level = below
-    return True
 
 
 def resolve_model(gateway: Gateway, body: dict[str, Any]) -> tuple[str, ModelText]:
