@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import trio
 
+from smgd import launch
 from smgd.admission import Admission
 from smgd.config import has_grammar
 from smgd.engines.delivery import DELIVERY
@@ -428,12 +429,18 @@ class EngineClient:
         await self._dead.wait()
         scope.cancel()
 
-    def going(self) -> None:
-        """The engine is gone but :meth:`die` waits to say why (a launched process's exit
-        code, a moment after its peer left): no new request meanwhile (the router takes it
-        as not ready); the streams in flight fail when it dies."""
+    async def die_after_peer_left(self, child: launch.Child | None, why: str) -> None:
+        """A peer left the engine's socket: the engine takes no new request from now (the
+        router takes it as not ready) and dies once the reason is known, the launched
+        process's exit if it comes within ``launch.EXIT_REPORT_S``, else ``why``; the streams
+        in flight fail then."""
         if self._death is None:
             self.state = EngineState.DEAD
+        self.die(await launch.peer_left_reason(child, why))
+
+    async def _watch_child(self, child: launch.Child) -> None:
+        """A launched engine's process: its exit is the engine's death."""
+        self.die(launch.exit_reason(await child.wait()))
 
     def die(self, reason: str) -> None:
         """Declare the engine dead: fail every stream (each with its own error), stop run()."""

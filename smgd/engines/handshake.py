@@ -444,10 +444,6 @@ class HandshakeEngineClient(EngineClient):
             .replace("{handshake_port}", port)
         )
 
-    async def _watch_child(self, child: launch.Child) -> None:
-        code = await child.wait()
-        self.die(launch.exit_reason(code))
-
     async def _watch_peers(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
@@ -470,9 +466,8 @@ class HandshakeEngineClient(EngineClient):
                     self._peer_pids.pop(event.value, None)
                     ranks = len(self.table.ranks) if self.table else 0
                     if self.state is EngineState.READY and len(self._peers) < ranks:
-                        self.going()
                         why = "an engine rank disconnected from the input socket"
-                        self.die(await launch.peer_left_reason(self.child, why))
+                        await self.die_after_peer_left(self.child, why)
                         return
 
     async def _handshake_task(self) -> None:

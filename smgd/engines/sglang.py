@@ -149,9 +149,8 @@ class SglangEngineClient(EngineClient):
                 elif event.kind == "disconnected":
                     peers.discard(event.value)
                     if not peers and self._attached.is_set():
-                        self.going()
                         why = "the scheduler disconnected from the request socket"
-                        self.die(await launch.peer_left_reason(self.child, why))
+                        await self.die_after_peer_left(self.child, why)
                         return
 
     def _is_foreign(self, pid: int | None) -> bool:
@@ -172,10 +171,6 @@ class SglangEngineClient(EngineClient):
             f"is connected to the request socket {self.input_endpoint} and would take a share "
             "of the requests (an engine left running by an earlier smgd?); stop it"
         )
-
-    async def _watch_child(self, child: launch.Child) -> None:
-        code = await child.wait()
-        self.die(launch.exit_reason(code))
 
     async def _become_ready(self) -> EngineInfo:
         self._opened = True
