@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from smgd.text.tokenizer import Tokenizer
+from smgd.text.tokenizer import MAX_TOKEN_ID, Tokenizer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -280,9 +280,5 @@ class IncrementalDetokenizer:
         return end
 
 
-# The ids a tokenizer takes at all (u32); outside them ``decode`` raises OverflowError.
-_MAX_ID = 2**32 - 1
-
-
 def _in_range(ids: Sequence[int]) -> list[int]:
-    return [i for i in ids if 0 <= i <= _MAX_ID]
+    return [i for i in ids if 0 <= i <= MAX_TOKEN_ID]

@@ -36,7 +36,11 @@ from smgd.textfile import read_utf8
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-__all__ = ["Tokenizer", "load_tokenizer"]
+__all__ = ["MAX_TOKEN_ID", "Tokenizer", "load_tokenizer"]
+
+# The ids a `tokenizers` tokenizer takes at all (u32): outside them its decode and
+# id_to_token raise OverflowError. An engine may still send one; it has no text.
+MAX_TOKEN_ID = 2**32 - 1
 
 # config.json keys that carry the context length, most common first (Llama/Qwen, GPT-2,
 # MPT/others). Multimodal configs nest them under `text_config`.

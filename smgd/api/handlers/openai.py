@@ -47,6 +47,7 @@ from smgd.errors import InvalidRequest, SmgdError
 from smgd.parse import ContentDelta, ReasoningDelta
 from smgd.sampling import for_prompt, from_openai
 from smgd.text.chat import prepare_tools, refuse_media
+from smgd.text.tokenizer import MAX_TOKEN_ID
 
 if TYPE_CHECKING:
     from smgd.api.core.execute import Job
@@ -116,7 +117,7 @@ class TokenText:
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
         # An id no vocabulary has (negative, past u32: the engine's) raises OverflowError in
         # the tokenizer; it has no text, as an id past the vocabulary.
-        piece = self._hf.id_to_token(token_id) if 0 <= token_id < 2**32 else None
+        piece = self._hf.id_to_token(token_id) if 0 <= token_id <= MAX_TOKEN_ID else None
         if piece is None:
             return "", []
         if self._added is None:
