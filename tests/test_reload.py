@@ -46,6 +46,8 @@ from .daemon_harness import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from smgd.reload import ReloadResult
     from smgd.zmq_trio import TrioSocket
 
@@ -263,6 +265,18 @@ class _Silent:
         pass
 
 
+def _building(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    make: Callable[[EngineConfig], EngineClient],
+) -> Gateway:
+    """A gateway whose engine supervisors build their clients with ``make``, with the
+    supervisor's warnings captured."""
+    monkeypatch.setattr("smgd.supervise.build_engine_client", lambda engine, *_: make(engine))
+    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    return Gateway(config=Config(), router=Router(Config().routing))
+
+
 class _NeverReady(EngineClient):
     """A client whose engine never completes its handshake (as a wedged vLLM engine)."""
 
@@ -293,12 +307,7 @@ async def test_a_handshake_loop_names_its_cause_in_the_log_and_in_last_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
-    gateway = Gateway(config=Config(), router=Router(Config().routing))
-    monkeypatch.setattr(
-        "smgd.supervise.build_engine_client",
-        lambda engine, *_: _NeverReady(engine, fallback_info=None),
-    )
-    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    gateway = _building(monkeypatch, caplog, partial(_NeverReady, fallback_info=None))
     cause = "the engine did not complete the handshake within 5 s"
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
@@ -325,12 +334,7 @@ async def test_a_bug_in_an_engine_client_relaunches_that_engine_not_ends_the_dae
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
-    gateway = Gateway(config=Config(), router=Router(Config().routing))
-    monkeypatch.setattr(
-        "smgd.supervise.build_engine_client",
-        lambda engine, *_: _Buggy(engine, fallback_info=None),
-    )
-    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    gateway = _building(monkeypatch, caplog, partial(_Buggy, fallback_info=None))
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
         await trio.sleep(2.5)  # attempt 1 failed at t=1; attempt 2 started at t=2
@@ -369,12 +373,7 @@ async def test_an_engine_that_crashes_right_after_a_long_load_backs_off_more_eac
     """The backoff starts over after BACKOFF_RESET_S of health: time the engine was ready,
     not time since its launch (a 100 s load counted, and it relaunched every second)."""
     config = _engine()
-    gateway = Gateway(config=Config(), router=Router(Config().routing))
-    monkeypatch.setattr(
-        "smgd.supervise.build_engine_client",
-        lambda engine, *_: _LoadsLongThenCrashes(engine, fallback_info=None),
-    )
-    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    gateway = _building(monkeypatch, caplog, partial(_LoadsLongThenCrashes, fallback_info=None))
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
         await trio.sleep(4 * 101 + 1 + 2 + 4 + 1)  # four crashes, three waits between
@@ -402,12 +401,7 @@ async def test_an_engine_that_was_healthy_a_while_relaunches_after_the_initial_d
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = _engine()
-    gateway = Gateway(config=Config(), router=Router(Config().routing))
-    monkeypatch.setattr(
-        "smgd.supervise.build_engine_client",
-        lambda engine, *_: _HealthyAWhileThenCrashes(engine, fallback_info=None),
-    )
-    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    gateway = _building(monkeypatch, caplog, partial(_HealthyAWhileThenCrashes, fallback_info=None))
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
         await trio.sleep(3 * 71 + 0.5)
@@ -428,13 +422,8 @@ async def test_last_error_is_the_newest_cause_not_the_carried_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = _engine(timeouts=TimeoutsConfig(ready_s=5.0))
-    gateway = Gateway(config=Config(), router=Router(Config().routing))
     kinds = iter([_NeverReady, _CannotBind, _NeverReady])
-    monkeypatch.setattr(
-        "smgd.supervise.build_engine_client",
-        lambda engine, *_: next(kinds)(engine, fallback_info=None),
-    )
-    caplog.set_level(logging.WARNING, logger="smgd.supervise")
+    gateway = _building(monkeypatch, caplog, lambda engine: next(kinds)(engine, fallback_info=None))
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(supervise_engine, gateway, Supervised(config)))
         await trio.sleep(6.5)  # attempt 1 failed at t=5; attempt 2 failed to bind at t=6
