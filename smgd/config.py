@@ -279,6 +279,12 @@ class TimeoutsConfig(_Section):
     health_interval_s: Seconds = 30.0
     # A probe unanswered for this long = the engine is wedged. A busy scheduler answers at once.
     health_timeout_s: PositiveSeconds = 20.0
+    # The longest one request may run in the engine, from when it is sent to its last token;
+    # 0 = no limit. An engine that loses a request (never answers it while it answers others)
+    # would otherwise hold that client for ever: the silence watchdog sees only an engine that
+    # answers nobody. Off by default, as in vLLM and SGLang: a long generation queued behind a
+    # full batch legitimately runs for many minutes, and only the operator knows how many.
+    request_s: Seconds = 0.0
 
 
 class EngineConfig(_Section):

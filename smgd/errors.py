@@ -16,6 +16,7 @@ place. The tree splits "the client's fault" from "an engine's fault"::
     │   ├── EngineNotReady          503 (with Retry-After): no ready engine for the model
     │   ├── EngineDead              502: the engine died or went silent mid-request
     │   ├── EngineRejected          400/4xx: the engine refused the request (bare abort, bad input)
+    │   ├── EngineTimeout           504: the engine did not finish the request in request_s
     │   └── WireError               502: a frame could not be encoded/decoded
     ├── Draining                    503: smgd is shutting down
     └── TransportError              socket-level failure (send deadline, ipc path problems)
@@ -125,6 +126,13 @@ class EngineRejected(EngineError):
 
     status = 400
     openai_type = "invalid_request_error"
+
+
+class EngineTimeout(EngineError):
+    """The engine did not finish a request within ``timeouts.request_s`` (it was aborted)."""
+
+    status = 504
+    openai_type = "engine_error"
 
 
 class WireError(EngineError):

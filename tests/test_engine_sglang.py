@@ -13,14 +13,22 @@ import trio.testing
 import zmq
 
 from smgd.engines.base import EngineState, _check_vocabulary
-from smgd.errors import EngineDead, EngineNotReady, InvalidRequest, WireError
+from smgd.engines.stream import RequestStream
+from smgd.errors import EngineDead, EngineNotReady, EngineTimeout, InvalidRequest, WireError
 from smgd.wire.common import Finish, FinishReason
 from smgd.wire.sglang.decode import decode_request
 from smgd.wire.sglang.engine_side import encode_batch_output
 from smgd.wire.sglang.structs import TokenizedGenerateReqInput
 from smgd.zmq_trio import TrioSocket
 
-from .engine_harness import VocabularyScans, collect, expected_echo, request, sglang_pair
+from .engine_harness import (
+    VocabularyScans,
+    collect,
+    engine_config,
+    expected_echo,
+    request,
+    sglang_pair,
+)
 from .trio_helpers import TaskSteps
 
 
@@ -382,3 +390,100 @@ async def test_an_engine_whose_peer_left_takes_no_request_while_its_exit_is_awai
                 await lingering.waited.wait()
             assert not pair.client.ready  # the router sends it nothing meanwhile
             await trio.sleep_forever()
+
+
+# ---------------------------------------------------------------- timeouts.request_s
+
+
+async def _fails_with_timeout(stream: RequestStream) -> float:
+    """Read ``stream`` to its EngineTimeout; the trio time it came."""
+    with pytest.raises(EngineTimeout, match=r"did not finish the request within") as caught:
+        while True:
+            await stream.receive()
+    assert caught.value.status == 504 and caught.value.code == "request_timeout"
+    return trio.current_time()
+
+
+async def test_a_request_the_engine_loses_fails_at_request_s_and_is_aborted(
+    socket_autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aborted: list[str] = []
+    async with sglang_pair(step_s=0.01, request_s=5.0) as pair:
+        assert pair.mock is not None
+        client = pair.client
+        encode_abort = client._encode_abort
+
+        def recorded_abort(rid: str) -> list[bytes]:
+            aborted.append(rid)
+            return encode_abort(rid)
+
+        monkeypatch.setattr(client, "_encode_abort", recorded_abort)
+        async with client.open_stream(request("a" * 32, [5, 6], 30)) as served:
+            await served.receive()
+            pair.mock.inject("lose")
+            async with client.open_stream(request("b" * 32, [7, 8], 50)) as lost:
+                sent = trio.current_time()
+                await trio.sleep(0.05)  # the mock has dropped it
+                pair.mock.inject("ok")
+                # The engine answers the other request all along: no silence, no death.
+                tokens = 1
+                async for delta in served:
+                    tokens += len(delta.token_ids)
+                assert tokens == 30 and served.finished
+                failed_at = await _fails_with_timeout(lost)
+        assert 5.0 <= failed_at - sent <= 5.0 + 0.1
+        assert aborted == ["b" * 32]
+        assert client.in_flight == 0 and client.state is EngineState.READY
+        ids, _ = await collect(client, request("c" * 32, [9, 10], 4))
+        assert ids == expected_echo([9, 10], 4)
+
+
+async def test_requests_expire_in_the_order_they_were_sent_each_at_its_own_deadline(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with sglang_pair(step_s=0.01, request_s=5.0, silence_s=600.0) as pair:
+        assert pair.mock is not None
+        pair.mock.inject("lose")
+        ended: dict[str, float] = {}
+        sent: dict[str, float] = {}
+
+        async def lose(rid: str) -> None:
+            async with pair.client.open_stream(request(rid, [5, 6], 50)) as stream:
+                sent[rid] = trio.current_time()
+                ended[rid] = await _fails_with_timeout(stream)
+
+        async with trio.open_nursery() as nursery:
+            for rid, delay in (("1" * 32, 0.0), ("2" * 32, 2.0), ("3" * 32, 2.0)):
+                await trio.sleep(delay)
+                nursery.start_soon(lose, rid)
+        for rid, at in sent.items():
+            assert 5.0 <= ended[rid] - at <= 5.0 + 0.1, rid
+        assert ended["1" * 32] < ended["2" * 32] < ended["3" * 32]
+
+
+async def test_without_request_s_a_lost_request_stays_in_flight(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with sglang_pair(step_s=0.01, silence_s=86400.0, health_interval_s=0.0) as pair:
+        assert pair.mock is not None
+        pair.mock.inject("lose")
+        async with pair.client.open_stream(request("d" * 32, [5, 6], 50)) as stream:
+            with trio.move_on_after(3600):
+                await stream.receive()
+                pytest.fail("a lost request had output")
+            assert pair.client.in_flight == 1 and not stream.finished
+
+
+async def test_a_reload_that_sets_request_s_ends_requests_already_past_it_at_once(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with sglang_pair(step_s=0.01, silence_s=86400.0) as pair:
+        assert pair.mock is not None
+        pair.mock.inject("lose")
+        async with pair.client.open_stream(request("e" * 32, [5, 6], 50)) as old:
+            await trio.sleep(100)
+            pair.client.reconfigure(engine_config(request_s=30.0, silence_s=86400.0))
+            async with pair.client.open_stream(request("f" * 32, [5, 6], 50)) as young:
+                reloaded = trio.current_time()
+                assert await _fails_with_timeout(old) - reloaded < 0.1
+                assert 30.0 <= await _fails_with_timeout(young) - reloaded <= 30.1

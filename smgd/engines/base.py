@@ -10,7 +10,9 @@ One :class:`EngineClient` per configured engine. ``run()`` owns a nursery with:
 - a **sender** task: the only task touching the input socket; it drains an unbounded outbox so
   request handlers (and their shielded ``finally`` aborts) never block on a socket;
 - a **silence watchdog**: no frame at all for ``timeouts.silence_s`` while requests are in
-  flight means the engine is wedged.
+  flight means the engine is wedged;
+- a **deadline watchdog**: a request still running ``timeouts.request_s`` after it was sent
+  fails with an :class:`~smgd.errors.EngineTimeout` and is aborted (the engine serves on).
 
 Any death signal (process exit, decode-error streak, send deadline, silence, the engine's own
 dead sentinel) fails every in-flight stream with an :class:`~smgd.errors.EngineDead` of its own
@@ -44,6 +46,7 @@ from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import (
     EngineDead,
     EngineNotReady,
+    EngineTimeout,
     InvalidRequest,
     ModelNotFound,
     TransportError,
@@ -364,6 +367,7 @@ class EngineClient:
             limit = prompt + req.sampling.max_tokens
         stream = RequestStream(req.rid, self.name, prompt_tokens=prompt, limit=limit)
         stream.queued_s = waited
+        stream.sent_at = trio.current_time()
         frames = self._encode_request(req)
         self._streams[req.rid] = stream
         self._fresh.add(req.rid)
@@ -402,6 +406,7 @@ class EngineClient:
                 nursery.start_soon(self._reader_task)
                 nursery.start_soon(self._sender_task)
                 nursery.start_soon(self._silence_watchdog)
+                nursery.start_soon(self._deadline_watchdog)
                 nursery.start_soon(self._death_waiter, nursery.cancel_scope)
                 info = await self._become_ready()
                 self.info = info
@@ -594,6 +599,58 @@ class EngineClient:
                 return
             if not self._streams:
                 self._last_frame = trio.current_time()
+
+    async def _deadline_watchdog(self) -> None:
+        """Fail each request still running ``timeouts.request_s`` after it was sent (0: none).
+
+        Sleeps until the oldest request's deadline: ``_streams`` holds the requests in the
+        order they were sent, so the expired ones are its first entries and a check costs
+        nothing per token or per request beyond the stream's send time.
+        """
+        while True:
+            limit = self.config.timeouts.request_s
+            if limit <= 0:
+                await self._sleep_unless_reconfigured(math.inf)
+                continue
+            now = trio.current_time()
+            oldest = next(iter(self._streams.values()), None)
+            # None: any request sent from now on expires after now + limit, so look again then.
+            wake = now + limit if oldest is None else oldest.sent_at + limit
+            if wake > now and not await self._sleep_unless_reconfigured(wake - now):
+                continue  # new settings: start over with the new limit
+            self._expire(self.config.timeouts.request_s, trio.current_time())
+
+    def _expire(self, limit: float, now: float) -> None:
+        """Fail and abort the requests sent ``limit`` seconds or more before ``now``."""
+        if limit <= 0:
+            return
+        expired: list[RequestStream] = []
+        for stream in self._streams.values():
+            if stream.sent_at + limit > now:
+                break  # sent in order: every later one is younger
+            expired.append(stream)
+        for stream in expired:
+            rid = stream.rid
+            del self._streams[rid]
+            self._fresh.discard(rid)
+            self._constrained.pop(rid, None)
+            stream.fail(
+                EngineTimeout(
+                    f"engine {self.name} did not finish the request within {limit:g} s "
+                    "(timeouts.request_s); it was aborted",
+                    code="request_timeout",
+                )
+            )
+            if self.state is EngineState.READY:
+                self._outbox_send.send_nowait(self._encode_abort(rid))
+        if expired:
+            log.warning(
+                "engine %s: %d request(s) unfinished after timeouts.request_s = %g s, aborted: %s",
+                self.name,
+                len(expired),
+                limit,
+                " ".join(stream.rid for stream in islice(expired, 8)),
+            )
 
     async def _health_prober(self) -> None:
         """While idle, probe the engine periodically (where the wire has a probe).

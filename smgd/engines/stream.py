@@ -40,8 +40,8 @@ class RequestStream:
     """Output of one engine request, as the consumer sees it."""
 
     __slots__ = (
-        "_error", "_pending", "_waiter", "engine", "limit", "queued_s", "rid", "sink", "state",
-        "tokens",
+        "_error", "_pending", "_waiter", "engine", "limit", "queued_s", "rid", "sent_at", "sink",
+        "state", "tokens",
     )  # fmt: skip
 
     def __init__(
@@ -52,6 +52,8 @@ class RequestStream:
         # Time it queued: for an admission slot before it was sent, then in the engine's own
         # queue where the wire reports it (vLLM's events, added on its first output).
         self.queued_s = 0.0
+        # trio time it was sent to the engine: what timeouts.request_s counts from.
+        self.sent_at = 0.0
         # Prompt plus output tokens so far (the engine client counts them per delta): the
         # KV-cache estimate for wires that do not report their usage.
         self.tokens = prompt_tokens

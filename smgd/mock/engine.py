@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("smgd.mock")
 
-Fault = Literal["die", "hang", "garble", "silent", "ok"]
-FAULTS: tuple[Fault, ...] = ("die", "hang", "garble", "silent", "ok")
+# "lose": requests that arrive while it is set are dropped unanswered (an engine that loses a
+# request while it serves the others); the ones already running go on.
+Fault = Literal["die", "hang", "garble", "silent", "lose", "ok"]
+FAULTS: tuple[Fault, ...] = ("die", "hang", "garble", "silent", "lose", "ok")
 GARBAGE = b"\xc1 not msgpack \xff"
 
 
@@ -139,6 +141,8 @@ class MockEngine:
                 await self._fault_changed.wait()
             batch = await in_sock.recv_multipart_batch(256, copy=True)
             for frames in batch:
+                if self.fault == "lose":
+                    continue
                 replies = self.wire.on_request(frames, self.sched)
                 if self.fault != "silent":
                     for reply in replies:

@@ -19,6 +19,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 - ``nan-embedding`` / ``huge-embedding`` (an embedding engine: ``task = "embed"``): each
   vector holds a NaN / 1e300 (no float32); health checks get a clean one.
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
+- ``lose-13``: never answers a request with ``max_new_tokens = 13`` (it loses it); answers
+  every other request well.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
 """
@@ -51,6 +53,7 @@ from smgd.wire.sglang.structs import (
 
 STEP_S = 0.005  # between two output frames of one request
 CHAOS_ROWS = 10_000  # rows for requests smgd never sent, in each ``chaos`` message
+LOST_LIMIT = 13  # ``lose-13``: the max_new_tokens of the requests it never answers
 
 
 def main() -> None:
@@ -87,6 +90,9 @@ def main() -> None:
         if rid.startswith("HEALTH_CHECK"):
             length = Finish(reason=FinishReason.LENGTH)
             push.send(encode_batch_output([(rid, [1], length, 1, 1, 0)]))
+            continue
+        if mode == "lose-13" and limit == LOST_LIMIT:
+            print(f"rogue: lost {rid}", flush=True)
             continue
         if mode == "exit-on-request":
             # As a crashing scheduler: its sockets go first, the process a moment later.

@@ -243,3 +243,57 @@ async def test_an_embedding_that_is_no_float32_vector_is_an_engine_error(
         assert "not a finite float32" in error["message"], error
         assert (await client.get("/readiness")).status_code == 200
         assert daemon.proc.returncode is None
+
+
+async def test_a_request_the_engine_loses_ends_at_request_s_beside_served_ones(
+    tmp_path: Path,
+) -> None:
+    """The engine never answers some requests but answers the others (so it is never silent):
+    with ``timeouts.request_s`` each lost one ends with a 504 (an error event once its stream's
+    head went out) after that time, not never, and the engine gets an abort for it; the
+    requests beside it are served."""
+    request_s = 2.0
+    config = rogue_config("lose-13", extra=f"[engines.timeouts]\nrequest_s = {request_s}\n")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        lost_body = {"model": "r", "prompt": "hello there", "max_tokens": 13}
+        replies: list[httpx.Response] = []
+        lost_streams: list[StreamOutcome] = []
+        served: list[StreamOutcome] = []
+
+        async def lost_reply() -> None:
+            replies.append(await client.post("/v1/completions", json=lost_body))
+
+        async def lost_stream() -> None:
+            lost_streams.append(await stream(client, "r", "hello there", 13))
+
+        async def served_beside() -> None:
+            await trio.sleep(0.5)  # while the lost ones wait
+            for model in ("r", "m"):
+                served.append(await stream(client, model, "hello there", 8))
+
+        start = trio.current_time()
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for task in (lost_reply, lost_stream, served_beside):
+                    nursery.start_soon(task)
+        ended = trio.current_time() - start
+        assert request_s <= ended < request_s + 3, ended
+        (reply,) = replies
+        assert reply.status_code == 504, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "engine_error" and error["code"] == "request_timeout", error
+        assert "did not finish the request within 2 s" in error["message"], error
+        (cut,) = lost_streams
+        # The head is held for the first event for at most a second, then goes alone.
+        assert cut.status == 200 and cut.done and cut.body_complete and not cut.chunks, cut
+        assert cut.error is not None and cut.error["code"] == "request_timeout", cut
+        for outcome in served:
+            assert outcome.status == 200 and outcome.error is None and outcome.done, outcome
+            assert outcome.finish_reason == "length", outcome
+
+        async def both_aborted() -> bool:
+            return daemon.log().count("rogue: abort ") == 2
+
+        await until(both_aborted, 10)
+        assert daemon.log().count("rogue: lost ") == 2
+        await serves_both(daemon, client)
