@@ -141,7 +141,8 @@ class _SocketConn:
     """The parts of smgd's connection a :class:`DirectWriter` uses, on a plain socket."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.stream = self
+        self.stream: Any = self
+        self.send_lock: trio.Lock | None = None
         self.socket = sock
         self.socket_fileno = sock.fileno
         self.body_end_written = False
@@ -241,6 +242,41 @@ def test_a_held_head_sent_alone_or_taken_goes_out_once() -> None:
     assert writer.take_unsent() == b""
     assert writer.write(b"b")
     assert right.recv(100) == b"1\r\nb\r\n"
+    left.close()
+    right.close()
+
+
+async def test_a_writer_waiting_for_a_head_sent_elsewhere_writes_after_it() -> None:
+    # hypercorn's path: h11 writes the head, sent by the dispatcher at the first event (or its
+    # deadline). Until it went, chunks queue and ask the task to flush, whose flush has the
+    # head sent first; then chunks are written directly again.
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    conn = _SocketConn(left)
+    # What hypercorn's waiting send path (TCPServer.protocol_send, the flush's) uses.
+    conn.stream = trio.SocketStream(trio.socket.from_stdlib_socket(left))
+    conn.send_lock = trio.Lock()
+    writer = DirectWriter(conn)
+    heads: list[bytes] = []
+
+    async def send_head() -> None:
+        left.send(b"HEAD")  # as the server's own path writes it
+        heads.append(b"HEAD")
+
+    writer.wait_for_head(send_head)
+    writer.hold()  # a send through hypercorn's path starts and ends: still waiting
+    writer.release()
+    assert not writer.write(b"a")  # queued: the task is asked to flush
+    assert not writer.finish(b"b")
+    with pytest.raises(BlockingIOError):
+        right.recv(100, socket.MSG_DONTWAIT)
+    await writer.flush()
+    assert heads == [b"HEAD"]
+    assert right.recv(100) == b"HEAD1\r\na\r\n1\r\nb\r\n0\r\n\r\n"
+    assert writer.write(b"c")  # directly from here on
+    await writer.flush()  # nothing to send: the head is not sent twice
+    assert heads == [b"HEAD"]
+    assert right.recv(100) == b"1\r\nc\r\n"
     left.close()
     right.close()
 

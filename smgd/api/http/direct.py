@@ -9,8 +9,8 @@ has nothing else to send until the stream ends.
 
 So a stream on an HTTP/1.1 connection of smgd's own worker loop
 (:mod:`smgd.api.http.worker_loop`) hands its engine stream a *sink* (``RequestStream.sink``) as
-soon as the body starts (the dispatcher has sent the response head by then, or handed it to
-the writer, so even the first event, the one that sets TTFT, is direct): the
+soon as the body starts (the dispatcher has handed the response head to the writer by then,
+to hold or to wait for, so even the first event, the one that sets TTFT, goes through it): the
 reader task applies each delta (detokenize, stop strings), renders the event and writes it as
 a chunk with one ``os.write`` (:class:`DirectWriter`, which :mod:`smgd.api.core.execute` sees
 as its ``EventWriter``); the writes of one engine message's rows are made together at the end
@@ -30,6 +30,12 @@ On smgd's fast path (:mod:`smgd.api.http.fast_path`) the response head is not wr
 the writer *holds* it (:meth:`DirectWriter.hold_head`) and the stream's first event takes it
 along, one write where there were two. Every other send of the response takes it first
 (:meth:`DirectWriter.take_unsent`), and the dispatcher bounds the wait (``HEAD_HOLD_S``).
+On hypercorn's path (a request the fast path hands to h11: a chunked body, ``Expect``...) h11
+makes the head's bytes, and neither h11 nor hypercorn's stream takes back a head they were
+given, so the dispatcher holds it itself, as for HTTP/1.0, and the writer *waits for* it
+(:meth:`DirectWriter.wait_for_head`): the first event queues and wakes the stream's task, whose
+flush has the head sent through h11 first (a task switch per request, not per event); the
+events after it are direct. A stream that fails before then is answered with its own status.
 
 h11 keeps no count of chunked body bytes, so chunks written beside it leave its state as it
 would be had it written them. Direct mode is off for anything but HTTP/1.1 (close-delimited
@@ -49,7 +55,7 @@ from smgd.engines.delivery import DELIVERY as _DELIVERY
 from smgd.engines.delivery import HELD_MAX
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
 __all__ = ["BODY_END", "CANCELLED_ON_DISCONNECT", "CONNECTION_KEY", "DirectWriter", "direct_writer"]
 
@@ -78,8 +84,8 @@ class DirectWriter:
     """HTTP/1.1 chunks written straight to one connection's socket, with an ordered backlog."""
 
     __slots__ = (
-        "_busy", "_conn", "_fileno", "_head", "_held", "_stalled", "backlog", "broken", "wake",
-        "writes",
+        "_busy", "_conn", "_fileno", "_head", "_head_sender", "_held", "_stalled", "backlog",
+        "broken", "wake", "writes",
     )  # fmt: skip
 
     def __init__(self, conn: Any) -> None:
@@ -97,6 +103,9 @@ class DirectWriter:
         self.backlog = bytearray()
         # The response head, while it waits to go out with the first chunk (hold_head).
         self._head = b""
+        # Sends the response head through the server's own path, while nothing may be
+        # written before it has been (wait_for_head).
+        self._head_sender: Callable[[], Awaitable[None]] | None = None
         # Bytes held to the end of an engine reader's delivery (smgd.engines.delivery).
         self._held = b""
         self.broken = False
@@ -118,7 +127,12 @@ class DirectWriter:
     def _restall(self) -> None:
         """A chunk must take the stalled branch while a send is under way, bytes wait in the
         backlog, or a head waits to go first (one flag, read by every chunk's write)."""
-        self._stalled = self._busy > 0 or bool(self.backlog) or bool(self._head)
+        self._stalled = (
+            self._busy > 0
+            or bool(self.backlog)
+            or bool(self._head)
+            or self._head_sender is not None
+        )
 
     @property
     def head_held(self) -> bool:
@@ -132,6 +146,19 @@ class DirectWriter:
         Whoever sends anything else of this response must :meth:`take_unsent` before it.
         """
         self._head = head
+        self._stalled = True
+
+    def wait_for_head(self, send_head: Callable[[], Awaitable[None]]) -> None:
+        """Write nothing until ``send_head`` has sent the response head through the server's
+        own path (h11 makes its bytes there; the dispatcher holds it for the first event).
+
+        Until then every chunk goes to the backlog, which asks the stream's task to
+        :meth:`flush`, and the flush awaits ``send_head`` first (it returns once the head is
+        written, by this call or by whoever sent it already). From then on chunks are
+        written directly again. A chunk's write costs nothing more for it: the wait is one
+        more reason for the stalled flag, which every write reads anyway.
+        """
+        self._head_sender = send_head
         self._stalled = True
 
     def drop_head(self) -> bool:
@@ -237,7 +264,13 @@ class DirectWriter:
         return True
 
     async def flush(self) -> None:
-        """Push the backlog through hypercorn's send path, which waits for the socket."""
+        """Push the backlog through hypercorn's send path, which waits for the socket; the
+        response head first, where the server sends it (:meth:`wait_for_head`)."""
+        send_head = self._head_sender
+        if send_head is not None:
+            await send_head()
+            self._head_sender = None  # only now: nothing may overtake the head
+            self._restall()
         while self.backlog and not self.broken:
             data = bytes(self.backlog)
             self.backlog.clear()
