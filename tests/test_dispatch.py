@@ -20,7 +20,7 @@ from smgd.config import ServerConfig
 
 from .asgi_client import connect, http_scope, lifespan, request
 from .fake_engine import MODEL, Behaviour, FakeEngine, open_app, open_gateway
-from .http_helpers import post_bytes
+from .http_helpers import dechunk, post_bytes
 from .test_direct import serving
 
 Message = dict[str, Any]
@@ -394,3 +394,31 @@ async def test_a_streamed_head_waits_for_the_first_event_for_at_most_the_hold(
     assert conn.started_at - began == pytest.approx(head_s)
     assert first_at == pytest.approx(first_s)
     assert first.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(("first_s", "head_s"), [(0.25, 0.25), (3.0, HEAD_HOLD_S)])
+async def test_a_streamed_head_h11_writes_waits_for_the_first_direct_event_at_most_the_hold(
+    socket_autojump_clock: trio.testing.MockClock, first_s: float, head_s: float
+) -> None:
+    """On hypercorn's HTTP/1.1 path (here a chunked request body) h11 writes a head as soon
+    as it is given one, and the engine's reader writes the events itself: the dispatcher
+    holds the head for the first event, or HEAD_HOLD_S at the most, and the writer waits."""
+    payload = json.dumps(STREAM).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+    )
+    fake = FakeEngine(behaviour=Behaviour(first_step_s=first_s, step_s=0.01))
+    async with serving(fake) as port, await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        began = trio.current_time()
+        await stream.send_all(request)
+        data = bytearray()
+        head_at = None
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            data += await stream.receive_some(65536)
+            if head_at is None:
+                head_at = trio.current_time() - began
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert head_at == pytest.approx(head_s, abs=0.05)
+    assert dechunk(body).endswith(b"data: [DONE]\n\n")

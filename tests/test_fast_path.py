@@ -30,7 +30,7 @@ from smgd.config import ServerConfig
 from smgd.wire.common import GenerateRequest
 
 from .fake_engine import MODEL, Behaviour, DiesBeforeFirstToken, FakeEngine, open_gateway
-from .http_helpers import dechunk
+from .http_helpers import SendPathCounter, dechunk
 from .test_direct import _completion, _recorded_writes, post_sse, serving
 
 TIMEOUT_S = 10
@@ -834,6 +834,123 @@ async def test_a_stream_that_fails_after_its_head_went_alone_sends_an_error_even
     async with _client(_DiesInALongPrefill()) as client:
         await client.send(_post("/v1/completions", _completion(3)))
         answer = await client.response()
+    events = answer.events()
+    assert answer.status == 200
+    assert events[0]["error"]["type"] == "engine_error" and events[-1] == "[DONE]", events
+
+
+# The shapes of request smgd hands to hypercorn's h11 (smgd.api.http.h1), each with the
+# bytes of a streamed one: h11 writes a head as soon as it is given one, so the dispatcher
+# holds it there, and the direct writer waits for it.
+_H11_SHAPES = ("chunked", "expect", "connection")
+
+
+def _for_h11(shape: str, body: dict[str, Any]) -> bytes:
+    if shape == "chunked":
+        return _chunked(body)
+    if shape == "expect":
+        return _post("/v1/completions", body, extra=b"expect: 100-continue\r\n")
+    return _post("/v1/completions", body, extra=b"connection: keep-alive, x-trace\r\n")
+
+
+async def _send_for_h11(client: Client, shape: str, body: dict[str, Any]) -> None:
+    """Send a request of ``shape``; one with ``Expect: 100-continue`` sends its body once the
+    interim 100 came, as a client that waits for it does."""
+    request = _for_h11(shape, body)
+    if shape != "expect":
+        await client.send(request)
+        return
+    head_end = request.index(b"\r\n\r\n") + 4
+    await client.send(request[:head_end])
+    interim = bytearray()
+    while b"\r\n\r\n" not in interim:
+        chunk = await client.stream.receive_some(65536)
+        assert chunk, "closed before the interim answer"
+        interim += chunk
+    assert interim.startswith(b"HTTP/1.1 100 "), interim
+    rest = interim[interim.index(b"\r\n\r\n") + 4 :]
+    if rest:  # (an empty one would tell h11's client the connection ended)
+        client._h11.receive_data(bytes(rest))
+    await client.send(request[head_end:])
+
+
+@pytest.mark.parametrize("shape", _H11_SHAPES)
+@pytest.mark.parametrize(
+    ("engine", "status", "kind"),
+    [(DiesBeforeFirstToken, 502, "engine_error"), (_QueueFull, 429, "rate_limit_error")],
+)
+async def test_a_stream_h11_reads_that_fails_before_its_first_event_gets_its_status(
+    h11_events: H11Events, shape: str, engine: type[FakeEngine], status: int, kind: str
+) -> None:
+    # h11 would write a 200 head at once, and the engine's reader writes the events past the
+    # dispatcher: the dispatcher holds the head, the writer waits for it, and a stream that
+    # fails before its first event is answered whole with its status, as on the fast path.
+    async with _client(engine()) as client:
+        await _send_for_h11(client, shape, _completion(3))
+        answer = await client.response()  # a strict reader: one whole response
+        assert answer.status == status, answer.body
+        error = answer.json()["error"]
+        assert error["type"] == kind and error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert answer.header(b"content-type") == b"application/json"
+        assert answer.header(b"x-request-id")
+        assert (answer.header(b"retry-after") is not None) == (status == 429)
+        assert answer.header(b"transfer-encoding") is None
+        # The connection serves on (it stays with h11): the next request is answered on it.
+        await client.send(_chunked(_completion(3)))
+        again = await client.response()
+        assert again.status == (503 if status == 502 else status) and again.json()["error"]
+    assert h11_events.responses() == [status, again.status]  # no 200 went out first
+
+
+async def test_a_stream_of_two_choices_h11_reads_that_fails_first_gets_its_status(
+    h11_events: H11Events,
+) -> None:
+    # n = 2 streams through the dispatcher's send (no direct writes), held all the same.
+    async with _client(_QueueFull()) as client:
+        await client.send(_chunked(_completion(3, n=2)))
+        answer = await client.response()
+    assert answer.status == 429 and answer.json()["error"]["code"] == "queue_full"
+    assert h11_events.responses() == [429]
+
+
+@pytest.mark.parametrize("shape", _H11_SHAPES)
+async def test_a_stream_h11_reads_is_written_directly_after_its_head(
+    monkeypatch: pytest.MonkeyPatch, h11_events: H11Events, shape: str
+) -> None:
+    # The first event waits for the head (h11 writes it, the stream's task flushes the event
+    # behind it); every event after it goes straight to the socket.
+    fallbacks = SendPathCounter(monkeypatch)
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.002))
+    async with _client(engine) as client:
+        await _send_for_h11(client, shape, _completion(40))
+        answer = await client.response()
+        await trio.testing.wait_all_tasks_blocked()  # h11 ends the body after the client has it
+    events = answer.events()
+    assert answer.status == 200 and answer.header(b"transfer-encoding") == b"chunked"
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert len(events) > 30
+    sent = [type(event) for event in h11_events.sent]
+    assert sent[-2:] == [h11.Response, h11.EndOfMessage] and h11.Data not in sent
+    # hypercorn's waiting send path carried the connection's own events and the first event
+    # (flushed behind the head), none of the rest.
+    assert fallbacks.count <= 5, fallbacks.count
+
+
+async def test_a_stream_h11_reads_that_fails_after_its_head_went_alone_sends_an_error_event(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The head went out alone after HEAD_HOLD_S (a long prefill): a 200 is on the wire, so
+    # the failure is the stream's error event.
+    async with _client(_DiesInALongPrefill()) as client:
+        sent_at = trio.current_time()
+        await client.send(_chunked(_completion(3)))
+        head = await client.stream.receive_some(65536)
+        waited = trio.current_time() - sent_at
+        client._h11.receive_data(head)
+        answer = await client.response()
+    assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n"), head
+    assert dispatch.HEAD_HOLD_S <= waited < dispatch.HEAD_HOLD_S + 0.1, waited
     events = answer.events()
     assert answer.status == 200
     assert events[0]["error"]["type"] == "engine_error" and events[-1] == "[DONE]", events

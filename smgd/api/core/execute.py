@@ -581,8 +581,9 @@ async def _stream_one(
                 async with watch.opening(job) as rs:
                     choice.stream = rs
                     if writer is not None:
-                        # The dispatcher sent the response head before it asked for the body:
-                        # every event can go straight to the socket, the first one included.
+                        # The dispatcher gave the writer the response head before it asked
+                        # for the body (to hold, or to wait for where the server writes it):
+                        # every event can go to the writer, the first one included.
                         try:
                             await _direct(
                                 rs, choice, state, render, writer, keepalive_s, pacer, cutoff

@@ -389,10 +389,10 @@ class Dispatcher:
         streamed = True  # counted as the stream's status (not if answered whole instead)
         start = _start(reply.status, headers)
         try:
-            if writer is not None or RETRACT_HEAD in (scope.get("extensions") or _NO_EXTENSIONS):
+            if RETRACT_HEAD in (scope.get("extensions") or _NO_EXTENSIONS):
                 # The head goes to the server now: the engine's reader may write the events
                 # itself, past this loop. The fast path holds it for the first event and
-                # takes it back on request; h11's path writes it at once.
+                # takes it back on request.
                 await send(start)
                 if writer is not None and writer.head_held:
                     self._bound_head(writer)
@@ -400,13 +400,19 @@ class Dispatcher:
                 retracted = failed is not None and writer is not None and writer.head_held
                 if retracted:
                     await send(_RETRACT)
-            else:  # no direct writes, and a server that writes a head at once: held here
+            else:  # a server that writes a head at once, and cannot take it back: held here
                 held = _HeldStart(send, start)
+                if writer is not None:
+                    # hypercorn's HTTP/1.1 path (a chunked body, Expect...): the engine's
+                    # reader writes the events past this loop, so its writer waits until the
+                    # head went (the first event's flush sends it, behind the deadline's
+                    # send if that is under way: the held start's lock).
+                    writer.wait_for_head(held.send)
                 async with trio.open_nursery() as timer:
                     timer.start_soon(held.send_after, HEAD_HOLD_S)
                     failed = await _send_events(send, events, held)
                     retracted = failed is not None and held.retract()
-                    if not retracted:
+                    if not retracted and not held.sent:  # (a direct stream's flush sent it)
                         await held.send()  # (or wait until the deadline's send has written it)
                     timer.cancel_scope.cancel()
             if failed is not None and retracted:
@@ -454,13 +460,15 @@ class Dispatcher:
 
 class _HeldStart:
     """A streamed response's start, kept back until its first chunk (or :data:`HEAD_HOLD_S`)
-    where the server writes a head as soon as it is given one and no event is written past
-    the dispatcher (HTTP/1.0, as nginx proxies by default; the admin listener; the tests'
-    client), so that a stream failing before its first event can still be answered with its
-    own status, as on the fast path.
+    where the server writes a head as soon as it is given one (HTTP/1.0, as nginx proxies by
+    default; requests hypercorn's h11 reads; the admin listener; the tests' client), so that
+    a stream failing before its first event can still be answered with its own status, as on
+    the fast path.
 
     Two tasks may send it (the request's, at its first chunk, and the deadline's): the lock
-    keeps the request's chunks behind a start still being written by the other."""
+    keeps the request's chunks behind a start still being written by the other. Chunks the
+    engine's reader writes directly (h11's HTTP/1.1 requests) wait for it in their writer
+    (:meth:`DirectWriter.wait_for_head`), whose flush sends it."""
 
     __slots__ = ("_lock", "_message", "_send", "_taken", "sent")
 
