@@ -271,8 +271,9 @@ class TimeoutsConfig(_Section):
     # A send that cannot complete in this time means the peer is gone (PUSH to a dead
     # scheduler blocks forever); 5 s is far above any healthy queueing delay.
     send_s: PositiveSeconds = 5.0
-    # No frame at all for this long while requests are in flight = the engine is wedged.
-    # A long prefill of a huge prompt on a slow GPU stays well under 60 s.
+    # No frame at all for this long while requests are in flight = the engine is wedged, unless
+    # it answers a health probe (where the wire has one): then it lost those requests, which
+    # fail alone. A long prefill of a huge prompt on a slow GPU stays well under 60 s.
     silence_s: PositiveSeconds = 60.0
     # While idle, probe the engine this often (SGLang: a 1-token health-check generate, as
     # /health_generate does); 0 disables. Idle engines are otherwise never heard from.
@@ -282,7 +283,7 @@ class TimeoutsConfig(_Section):
     # The longest one request may run in the engine, from when it is sent to its last token;
     # 0 = no limit. An engine that loses a request (never answers it while it answers others)
     # would otherwise hold that client for ever: the silence watchdog sees only an engine that
-    # answers nobody. Off by default, as in vLLM and SGLang: a long generation queued behind a
+    # sends nothing at all. Off by default, as in vLLM and SGLang: a long generation queued behind a
     # full batch legitimately runs for many minutes, and only the operator knows how many.
     request_s: Seconds = 0.0
 

@@ -154,8 +154,10 @@ async def test_a_garbled_frame_fails_the_streams_and_a_streak_kills_the_engine()
 async def test_silence_with_requests_in_flight_kills_engine(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """Silent, and no answer to the health probe the watchdog then sends: wedged. Detected
+    after silence_s (checked every quarter of it), plus the probe's health_timeout_s."""
     with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
-        async with sglang_pair(step_s=0.01, silence_s=30.0) as pair:
+        async with sglang_pair(step_s=0.01, silence_s=30.0, health_timeout_s=5.0) as pair:
             assert pair.mock is not None
             async with pair.client.open_stream(request("f" * 32, [5, 6], 4000)) as stream:
                 await stream.receive()
@@ -164,8 +166,44 @@ async def test_silence_with_requests_in_flight_kills_engine(
                 with pytest.raises(EngineDead, match="no output"):
                     while True:
                         await stream.receive()
-                assert 30.0 <= trio.current_time() - start <= 30.0 * 1.25 + 1
+                assert 30.0 + 5.0 <= trio.current_time() - start <= 30.0 * 1.25 + 5.0 + 1
             await trio.sleep_forever()
+
+
+async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No output at all for silence_s, but the engine answers the health probe the watchdog
+    then sends: it is alive and lost the request. That request fails alone (504) with an
+    abort; the engine is not declared dead (a relaunch would cost every other client its
+    start-up), and a request sent meanwhile is not judged before its own silence_s."""
+    async with sglang_pair(step_s=0.01, silence_s=30.0, health_interval_s=0.0) as pair:
+        assert pair.mock is not None
+        client = pair.client
+        pair.mock.inject("lose")
+        young_alive_after_lost: list[bool] = []
+
+        async def later() -> None:
+            await trio.sleep(29.0)
+            async with client.open_stream(request("b" * 32, [5, 6], 50)) as young:
+                with trio.move_on_after(10.0):
+                    await young.receive()
+                young_alive_after_lost.append(not young.finished)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(later)
+            async with client.open_stream(request("a" * 32, [5, 6], 50)) as lost:
+                sent = trio.current_time()
+                with pytest.raises(EngineTimeout, match=r"answers but sent no output") as caught:
+                    while True:
+                        await lost.receive()
+                assert caught.value.status == 504 and caught.value.code == "request_timeout"
+                assert 30.0 <= trio.current_time() - sent <= 30.0 * 1.25 + 1
+        assert young_alive_after_lost == [True], "judged before its own silence_s"
+        assert client.state is EngineState.READY and client.in_flight == 0
+        pair.mock.inject("ok")
+        ids, _ = await collect(client, request("c" * 32, [9, 10], 4))
+        assert ids == expected_echo([9, 10], 4)
 
 
 @pytest.mark.slow

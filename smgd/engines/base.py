@@ -45,6 +45,7 @@ from smgd.engines.lora import LoraTable
 from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import (
     EngineDead,
+    EngineError,
     EngineNotReady,
     EngineTimeout,
     InvalidRequest,
@@ -64,7 +65,7 @@ from smgd.wire.common import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from smgd.config import EngineConfig
@@ -592,13 +593,49 @@ class EngineClient:
             # Check at a fraction of the limit so detection lags the limit by at most 25 %.
             await self._sleep_unless_reconfigured(self.config.timeouts.silence_s / 4)
             silence = self.config.timeouts.silence_s  # after the sleep: a reload may change it
-            if self._streams and trio.current_time() - self._last_frame > silence:
+            now = trio.current_time()
+            if self._streams and now - self._last_frame > silence:
+                if await self._lost_not_wedged(now, silence):
+                    continue
                 self.die(
                     f"no output for {silence:g} s with {len(self._streams)} request(s) in flight"
                 )
                 return
             if not self._streams:
                 self._last_frame = trio.current_time()
+
+    async def _lost_not_wedged(self, now: float, silence: float) -> bool:
+        """No frame for ``silence`` s with requests in flight: if the engine answers a health
+        probe, it is alive and lost those requests. Then each request sent ``silence`` s or
+        more before ``now`` that had no output meanwhile fails alone (504) and gets an abort,
+        and the engine serves on: a relaunch would cost every other client the engine's
+        start-up (minutes for a real model) for one lost request. False: no probe on this
+        wire, or no answer (wedged)."""
+        tokens = {rid: stream.tokens for rid, stream in self._streams.items()}
+        if not await self.answers_probe(self.config.timeouts.health_timeout_s):
+            return False
+        cutoff = now - silence
+        silent = [
+            stream
+            for rid, stream in self._streams.items()
+            if stream.sent_at <= cutoff and tokens.get(rid) == stream.tokens
+        ]
+        self._fail_alone(
+            silent,
+            lambda: EngineTimeout(
+                f"engine {self.name} answers but sent no output for the request in "
+                f"{silence:g} s (timeouts.silence_s); it was aborted",
+                code="request_timeout",
+            ),
+            f"silent for timeouts.silence_s = {silence:g} s while the engine answers a probe",
+        )
+        return True
+
+    async def answers_probe(self, limit_s: float) -> bool:
+        """Whether the engine answers a health probe within ``limit_s`` (it does not die of
+        an unanswered one). Default: this wire has no probe, so no."""
+        await trio.lowlevel.checkpoint()
+        return False
 
     async def _deadline_watchdog(self) -> None:
         """Fail each request still running ``timeouts.request_s`` after it was sent (0: none).
@@ -629,27 +666,36 @@ class EngineClient:
             if stream.sent_at + limit > now:
                 break  # sent in order: every later one is younger
             expired.append(stream)
-        for stream in expired:
+        self._fail_alone(
+            expired,
+            lambda: EngineTimeout(
+                f"engine {self.name} did not finish the request within {limit:g} s "
+                "(timeouts.request_s); it was aborted",
+                code="request_timeout",
+            ),
+            f"unfinished after timeouts.request_s = {limit:g} s",
+        )
+
+    def _fail_alone(
+        self, streams: list[RequestStream], error: Callable[[], EngineError], why: str
+    ) -> None:
+        """Fail ``streams`` (each with an error of its own) and abort them on the engine,
+        which serves on."""
+        for stream in streams:
             rid = stream.rid
             del self._streams[rid]
             self._fresh.discard(rid)
             self._constrained.pop(rid, None)
-            stream.fail(
-                EngineTimeout(
-                    f"engine {self.name} did not finish the request within {limit:g} s "
-                    "(timeouts.request_s); it was aborted",
-                    code="request_timeout",
-                )
-            )
+            stream.fail(error())
             if self.state is EngineState.READY:
                 self._outbox_send.send_nowait(self._encode_abort(rid))
-        if expired:
+        if streams:
             log.warning(
-                "engine %s: %d request(s) unfinished after timeouts.request_s = %g s, aborted: %s",
+                "engine %s: %d request(s) %s, aborted: %s",
                 self.name,
-                len(expired),
-                limit,
-                " ".join(stream.rid for stream in islice(expired, 8)),
+                len(streams),
+                why,
+                " ".join(stream.rid for stream in islice(streams, 8)),
             )
 
     async def _health_prober(self) -> None:

@@ -84,6 +84,7 @@ class SglangEngineClient(EngineClient):
         self._opened = False  # past _open: a death now is a relaunch, not a start-up failure
         self._health_rid: str | None = None
         self._health_done = trio.Event()
+        self._probe_lock = trio.Lock()
 
     @property
     def input_endpoint(self) -> str:
@@ -200,17 +201,23 @@ class SglangEngineClient(EngineClient):
 
     async def health_check(self, limit_s: float) -> None:
         """Send a 1-token health-check generate; any answer for it counts as healthy."""
-        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
-        self._health_rid = rid
-        self._health_done = trio.Event()
-        probe = encode_embed_health_check if self.task == "embed" else encode_health_check
-        self._outbox_send.send_nowait([probe(rid)])
-        with trio.move_on_after(limit_s) as scope:
-            await self._health_done.wait()
-        self._health_rid = None
-        if scope.cancelled_caught:
+        if not await self.answers_probe(limit_s):
             self.die(f"no answer to a health check within {limit_s:g} s")
             raise EngineDead(self.last_error or "health check failed")
+
+    async def answers_probe(self, limit_s: float) -> bool:
+        # One probe at a time: an answer is matched by the one rid awaited (the idle prober's
+        # and the silence watchdog's probes could otherwise overlap as requests come and go).
+        async with self._probe_lock:
+            rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+            self._health_rid = rid
+            self._health_done = trio.Event()
+            probe = encode_embed_health_check if self.task == "embed" else encode_health_check
+            self._outbox_send.send_nowait([probe(rid)])
+            with trio.move_on_after(limit_s) as scope:
+                await self._health_done.wait()
+            self._health_rid = None
+            return not scope.cancelled_caught
 
     async def probe_health(self, limit_s: float) -> None:
         # health_check already declared the death; run() ends through die().

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("smgd.mock")
 
 # "lose": requests that arrive while it is set are dropped unanswered (an engine that loses a
-# request while it serves the others); the ones already running go on.
+# request while it serves the others and answers its health checks); running ones go on.
 Fault = Literal["die", "hang", "garble", "silent", "lose", "ok"]
 FAULTS: tuple[Fault, ...] = ("die", "hang", "garble", "silent", "lose", "ok")
 GARBAGE = b"\xc1 not msgpack \xff"
@@ -112,6 +112,7 @@ class MockEngine:
                 os._exit(1)
             raise EngineExit(1)
         self.fault = fault
+        self.sched.lose_requests = fault == "lose"
         changed, self._fault_changed = self._fault_changed, trio.Event()
         changed.set()
         self._work.set()
@@ -141,8 +142,6 @@ class MockEngine:
                 await self._fault_changed.wait()
             batch = await in_sock.recv_multipart_batch(256, copy=True)
             for frames in batch:
-                if self.fault == "lose":
-                    continue
                 replies = self.wire.on_request(frames, self.sched)
                 if self.fault != "silent":
                     for reply in replies:

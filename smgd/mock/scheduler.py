@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from smgd.wire.common import TokenLogprob, TopLogprob
+from smgd.wire.sglang.encode import HEALTH_CHECK_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -160,6 +161,9 @@ class MockScheduler:
         self.aborted_queued: list[str] = []
         self.steps = 0
         self.tokens = 0
+        # The mock engine's "lose" fault: requests added meanwhile are dropped unanswered, all
+        # but health checks (an engine alive and answering, that lost a request).
+        self.lose_requests = False
         self._seen_prefixes: set[tuple[int, ...]] = set()
 
     @property
@@ -167,6 +171,8 @@ class MockScheduler:
         return not self.waiting and not self.running and not self.aborted_queued
 
     def add(self, req: MockRequest) -> None:
+        if self.lose_requests and not req.rid.startswith(HEALTH_CHECK_PREFIX):
+            return
         reply = self.script.pick(req.prompt_ids) if self.script is not None else None
         # (An empty reply of a model without EOS would be no tokens at all: it echoes.)
         if reply is not None and (reply or self._reply_end):

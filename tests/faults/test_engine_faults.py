@@ -125,11 +125,15 @@ async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
     tmp_path: Path,
 ) -> None:
     silence_s = 1.5
+    # Silent that long, the engine gets a health probe: unanswered for health_timeout_s, it is
+    # wedged (answered, it lost the requests: test_rogue_engine.py).
+    probe_s = 1.0
     engine = mock_engine_toml(
         "e0",
         "m",
         step_ms=STEP_MS,
-        extra=f"[engines.timeouts]\nsilence_s = {silence_s}\nhealth_interval_s = 0\n",
+        extra=f"[engines.timeouts]\nsilence_s = {silence_s}\nhealth_interval_s = 0\n"
+        f"health_timeout_s = {probe_s}\n",
     )
     async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
         with trio.fail_after(30):
@@ -146,8 +150,8 @@ async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
             # SIGSTOP by a step or more on a loaded machine; the client got that frame's token
             # a moment after smgd did (DELIVERY_S at most), so the error may not come sooner
             # than silence_s after the stream's last token.
-            assert outcome.ended_at - outcome.last_chunk_at >= silence_s - DELIVERY_S
-            assert outcome.ended_at - stopped_at < silence_s + 3
+            assert outcome.ended_at - outcome.last_chunk_at >= silence_s + probe_s - DELIVERY_S
+            assert outcome.ended_at - stopped_at < silence_s + probe_s + 3
             assert outcome.error is not None and outcome.done and outcome.body_complete
         await daemon.wait_ready()
         (replacement,) = daemon.engine_pids()

@@ -297,3 +297,35 @@ async def test_a_request_the_engine_loses_ends_at_request_s_beside_served_ones(
         await until(both_aborted, 10)
         assert daemon.log().count("rogue: lost ") == 2
         await serves_both(daemon, client)
+
+
+async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """No ``request_s``: the engine loses a request and sends nothing more. After
+    ``silence_s`` smgd probes it; it answers, so it is alive: the lost request fails alone
+    (504, or its error event) with an abort, and the engine is not relaunched."""
+    silence_s = 1.0
+    extra = f"[engines.timeouts]\nsilence_s = {silence_s}\nhealth_interval_s = 0\n"
+    config = rogue_config("lose-13", extra=extra)
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        await serves_both(daemon, client)
+        pids = daemon.engine_pids()
+        start = trio.current_time()
+        with trio.fail_after(20):
+            reply = await client.post(
+                "/v1/completions", json={"model": "r", "prompt": "hi", "max_tokens": 13}
+            )
+        assert silence_s <= trio.current_time() - start < silence_s * 1.25 + 3
+        assert reply.status_code == 504, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "request_timeout", error
+        assert "answers but sent no output" in error["message"], error
+
+        async def aborted() -> bool:
+            return "rogue: abort " in daemon.log()
+
+        await until(aborted, 10)
+        assert daemon.engine_pids() == pids, "the engine was relaunched"
+        assert " dead: " not in daemon.log()
+        await serves_both(daemon, client)
