@@ -2,7 +2,8 @@
 
 A :class:`Child` runs in its own session (process group) so stopping it stops the engine's
 whole tree (SGLang's launcher forks the scheduler). Its stdout/stderr lines are logged with an
-``[engine]`` prefix; a line ``SMGD_READY {json}`` on stdout is the launcher's report of what the
+``[engine]`` prefix, within a budget per stream (:mod:`smgd.linelog`: a flood is counted, not
+logged); a line ``SMGD_READY {json}`` on stdout is the launcher's report of what the
 engine said at start-up (context length, KV size) and is kept as :attr:`Child.ready_info`.
 
 No engine outlives smgd, however smgd ends (kill -9 included):
@@ -20,8 +21,10 @@ No engine outlives smgd, however smgd ends (kill -9 included):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -36,6 +39,7 @@ import trio
 from smgd import ipc
 from smgd.config import resolve_path
 from smgd.errors import TransportError
+from smgd.linelog import BURST_LINES, RATE_LINES_S, REPORT_S, Lines, LineSplitter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -60,6 +64,17 @@ REAP_POLL_S = 0.02  # how often the reaper looks again; a kill takes a few ms
 # "\r" alone, a dumped blob) is logged in pieces of this size. Holding it all grew without
 # bound, and every read re-split it (quadratic in its length, on the event loop).
 MAX_LINE_BYTES = 64 * 1024
+# The capacity smgd asks for each of a child's output pipes (F_SETPIPE_SZ; Linux's default is
+# 64 KiB, and 1 MiB is the most an unprivileged process may set, /proc/sys/fs/pipe-max-size).
+# A flooding child's output is read in chunks up to this size; see FLOOD_PACE_S.
+PIPE_BYTES = 1 << 20
+# While a stream is over its log budget, the pump waits this long after each read. A flood
+# read as it comes was one wakeup per few KiB (20,000 a second, ~60 % of a core for 120 MB/s
+# of short lines); a pause lets the pipe fill, so it is ~100 reads a second of up to 1 MiB,
+# each only counted (docs/performance.md, "Engine output floods"). A child that writes more
+# than PIPE_BYTES in one pause waits in its write for the rest of it: paced, never stopped.
+# 10 ms adds at most that to the ready line of an engine that floods before it.
+FLOOD_PACE_S = 0.01
 # How long a launched engine whose peer left its socket gets to exit before the disconnect
 # is the reason given: a crashing engine closes its sockets, then exits (its atexit handlers,
 # its worker processes) and the exit code is the news. A kill -9 is seen at once; only a
@@ -160,6 +175,10 @@ def _stream(pipe: IO[bytes] | None) -> trio.lowlevel.FdStream:
     assert pipe is not None
     fd = os.dup(pipe.fileno())
     pipe.close()
+    # Room for a flood while the pump pauses (PIPE_BYTES); refused past the user's pipe
+    # quota (fs.pipe-user-pages-soft), where the pipe keeps its 64 KiB and works as before.
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     return trio.lowlevel.FdStream(fd)
 
 
@@ -315,17 +334,49 @@ class Child:
         return stat is not None and stat.sid == self.proc.pid
 
     async def _pump(self, stream: trio.abc.ReceiveStream, label: str) -> None:
-        buffer = b""
-        async for chunk in stream:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            while len(buffer) > MAX_LINE_BYTES:
-                lines.append(buffer[:MAX_LINE_BYTES])
-                buffer = buffer[MAX_LINE_BYTES:]
-            for raw in lines:
-                self._line(raw.decode(errors="replace").rstrip(), label)
-        if buffer:
-            self._line(buffer.decode(errors="replace").rstrip(), label)
+        """Log the lines of one of the child's pipes, within a :class:`LineSplitter`'s budget.
+
+        The pipe is read to its end whatever is logged: a child whose pipe fills blocks in
+        its write. A report of the lines left out is due at an interval even when the child
+        writes nothing more, so a receive waits no longer than until then.
+        """
+        watch = READY_PREFIX.encode() if label == "stdout" else None
+        lines = LineSplitter(max_line=MAX_LINE_BYTES, watch=watch)
+        while True:
+            with trio.move_on_at(lines.report_due or math.inf):
+                chunk = await stream.receive_some(PIPE_BYTES)
+                if not chunk:
+                    break
+                # bytes(chunk) is chunk itself for the bytes FdStream reads (no copy).
+                taken = lines.feed(bytes(chunk), trio.current_time())
+                self._lines(taken, label)
+                if self.ready_event.is_set():
+                    lines.watch = None  # only the first ready line is read: stop searching
+                if taken.suppressed:
+                    # Over budget: let the pipe fill before the next read (see FLOOD_PACE_S).
+                    await trio.sleep(FLOOD_PACE_S)
+            self._report(lines.report(trio.current_time()), label)
+        self._lines(lines.end(trio.current_time()), label)
+        self._report(lines.report(trio.current_time(), final=True), label)
+
+    def _lines(self, lines: Lines, label: str) -> None:
+        for raw in lines.logged:
+            self._line(raw.decode(errors="replace").rstrip(), label)
+        for raw in lines.watched:  # the ready line, found among the lines left out
+            self._line(raw.decode(errors="replace").rstrip(), label)
+
+    def _report(self, suppressed: int, label: str) -> None:
+        if suppressed:
+            log.warning(
+                "[%s] %d line(s) of its %s not logged in the last %g s or less: it wrote "
+                "more than %g lines/s after a burst of %d",
+                self.name,
+                suppressed,
+                label,
+                REPORT_S,
+                RATE_LINES_S,
+                BURST_LINES,
+            )
 
     def _line(self, line: str, label: str) -> None:
         if label == "stdout" and line.startswith(READY_PREFIX):

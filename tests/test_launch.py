@@ -23,6 +23,7 @@ import trio
 from smgd import launch
 from smgd.errors import TransportError
 from smgd.launch import PID_FILE, PidRecord, proc_stat, reap_orphans, write_pid_file
+from smgd.linelog import BURST_LINES, RATE_LINES_S, REPORT_S
 
 from .engine_harness import short_ipc_dir
 
@@ -399,6 +400,74 @@ async def test_an_engine_line_without_an_end_is_logged_in_bounded_pieces(
     assert sum(line.count("x") for line in lines) == 64 * 65536  # nothing dropped
     assert lines[-1] == "[e0] after"
     assert child.ready_event.is_set() and child.ready_info == {}
+
+
+class _Flood(trio.abc.ReceiveStream):
+    """An engine's pipe that floods: ``chunks`` chunks of 1,000 lines each (with ``ready``, the
+    ready line in the middle of one), then nothing more, ever, or the end if ``ends``."""
+
+    def __init__(self, chunks: int, *, ends: bool, ready: bool = False) -> None:
+        self.left = chunks
+        self.ready_at = chunks // 2 if ready else -1
+        self.ends = ends
+        self.sent = 0  # lines, the ready line not counted
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.left:
+            if not self.ends:
+                await trio.sleep_forever()
+            return b""
+        self.left -= 1
+        lines = b"flood line\n" * 1000
+        self.sent += 1000
+        if self.left == self.ready_at:
+            lines = lines[:5500] + b'SMGD_READY {"context_length": 512}\n' + lines[5500:]
+        return lines
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def _not_logged(records: list[logging.LogRecord]) -> int:
+    """The lines the pump's reports say were left out."""
+    return sum(int(r.getMessage().split()[1]) for r in records if "not logged" in r.getMessage())
+
+
+async def test_a_flooding_engine_is_logged_within_a_budget_and_the_rest_counted(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """200,000 lines: a burst and the rate's lines are logged, a report says how many were
+    not (every line was logged, on the event loop), and the ready line in the middle of the
+    flood is read."""
+    child = launch.Child("e0", proc=None, pid_file=None)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="smgd.launch")
+    pipe = _Flood(200, ends=True, ready=True)
+    start = trio.current_time()
+    await child._pump(pipe, "stdout")
+    elapsed = trio.current_time() - start
+    floods = [r for r in caplog.records if r.getMessage() == "[e0] flood line"]
+    assert len(floods) <= BURST_LINES + RATE_LINES_S * elapsed + 1, (len(floods), elapsed)
+    assert len(floods) + _not_logged(caplog.records) == pipe.sent  # every line accounted for
+    assert child.ready_event.is_set() and child.ready_info == {"context_length": 512}
+
+
+async def test_lines_left_out_are_reported_when_the_engine_falls_silent(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A flood, then nothing (the pipe stays open): the report still comes, REPORT_S after the
+    first line left out, not only when a next line or the end comes."""
+    child = launch.Child("e0", proc=None, pid_file=None)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="smgd.launch")
+    pipe = _Flood(10, ends=False)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(child._pump, pipe, "stderr")
+        await trio.sleep(REPORT_S + 1.0)
+        floods = [r for r in caplog.records if r.getMessage() == "[e0] flood line"]
+        assert _not_logged(caplog.records) == pipe.sent - len(floods) > 0
+        report = next(r for r in caplog.records if "not logged" in r.getMessage())
+        assert report.levelno == logging.WARNING and "of its stderr" in report.getMessage()
+        nursery.cancel_scope.cancel()
 
 
 def test_an_engine_killed_by_a_signal_is_reported_by_the_signals_name() -> None:

@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "smgd.sampling",
             "smgd.worker_id",  # Worker, current_worker, for_worker
             "smgd.limits",  # the open-files limit
+            "smgd.linelog",  # the log budget of an engine's output lines
             "smgd.gc_tuning",  # the collector's thresholds (daemon and mock engine)
             "smgd.textfile",  # the config's text files, read one way
             # LAYERS.md has it in L1; config validates socket paths with its SUN_PATH_MAX,

@@ -21,6 +21,8 @@ ready, answers health checks, and answers each generate request by ``MODE``:
 - ``runaway``: ignores ``max_new_tokens``: streams tokens and never finishes.
 - ``lose-13``: never answers a request with ``max_new_tokens = 13`` (it loses it); answers
   every other request well.
+- ``flood``: well-behaved, but from its start two threads write short lines to its stdout and
+  its stderr as fast as the pipes take them (the ready line goes out in the middle of it).
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
 """
@@ -28,7 +30,9 @@ Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the da
 from __future__ import annotations
 
 import math
+import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -56,16 +60,31 @@ CHAOS_ROWS = 10_000  # rows for requests smgd never sent, in each ``chaos`` mess
 LOST_LIMIT = 13  # ``lose-13``: the max_new_tokens of the requests it never answers
 
 
+def flood(fd: int, name: str) -> None:
+    """Write short lines to ``fd`` for ever, in blocks of at most PIPE_BUF (4,096) bytes: a
+    pipe write that size is atomic, so the ready line never lands inside a flood line. The
+    block is made once: the thread spends its time in the write, which releases the GIL (the
+    engine's own thread goes on answering)."""
+    block = "".join(f"{name} flood line {k}\n" for k in range(128)).encode()
+    assert len(block) <= 4096
+    while True:
+        os.write(fd, block)
+
+
 def main() -> None:
     mode, input_addr, output_addr = sys.argv[1:4]
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(input_addr)
     push.connect(output_addr)
+    if mode == "flood":
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            threading.Thread(target=flood, args=(fd, name), daemon=True).start()
+        time.sleep(0.2)  # the flood is under way before the ready line
     # ``ready-list``: a well-behaved engine whose ready line is JSON but not an object.
     if mode != "no-ready-line":
-        print("SMGD_READY " + ("[4096]" if mode == "ready-list" else '{"context_length": 4096}'))
-    sys.stdout.flush()
+        report = "[4096]" if mode == "ready-list" else '{"context_length": 4096}'
+        os.write(1, f"SMGD_READY {report}\n".encode())  # one write: atomic beside a flood
     aborted: set[str] = set()
     pending: list[bytes] = []  # requests that came while another was being answered
     while True:

@@ -3,6 +3,7 @@ well-behaved mock engine; what the clients of each see, and that the daemon stay
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import trio
 
 from smgd.assets import TINY_MODEL_DIR
+from smgd.linelog import BURST_LINES, RATE_LINES_S, REPORT_S
 
 from ..engine_harness import short_ipc_dir
 from .harness import Daemon, StreamOutcome, mock_engine_toml, serve, stream, until
@@ -296,6 +298,46 @@ async def test_a_request_the_engine_loses_ends_at_request_s_beside_served_ones(
 
         await until(both_aborted, 10)
         assert daemon.log().count("rogue: lost ") == 2
+
+
+# The largest pause a stream beside an engine's output flood may have between two events: a
+# 5 ms step's stream has gaps of ~10-25 ms here on a loaded 2-core machine, and had ~200 ms
+# (each 64 KiB read of the flood was logged line by line: ~5,000 records on the loop).
+FLOOD_GAP_S = 0.1
+
+
+async def test_an_engine_flooding_its_output_is_logged_within_a_budget_beside_streams(
+    tmp_path: Path,
+) -> None:
+    """The engine writes lines to its stdout and stderr as fast as the pipes take them, from
+    before its ready line on. The ready line is read (the daemon gets ready), a stream on each
+    engine completes with no pause over FLOOD_GAP_S, the log holds a burst and the rate's
+    lines of the flood and a report of how many it left out, and the daemon stays up."""
+    start = trio.current_time()
+    async with serve(tmp_path, rogue_config("flood")) as daemon, daemon.client() as client:
+        outcomes: dict[str, StreamOutcome] = {}
+
+        async def one(model: str) -> None:
+            outcomes[model] = await stream(client, model, "hello there", 200)
+
+        async with trio.open_nursery() as nursery:
+            for model in ("m", "r"):
+                nursery.start_soon(one, model)
+        for model, outcome in outcomes.items():
+            assert outcome.status == 200 and outcome.error is None and outcome.done, outcome
+            assert outcome.usage is not None and outcome.usage["completion_tokens"] == 200
+            times = outcome.chunk_times
+            gap = max(b - a for a, b in itertools.pairwise(times))
+            assert gap < FLOOD_GAP_S, (model, gap)
+
+        async def reported() -> bool:
+            log = daemon.log()
+            return all(f"line(s) of its {pipe} not logged" in log for pipe in ("stdout", "stderr"))
+
+        await until(reported, REPORT_S + 10)
+        elapsed = trio.current_time() - start
+        logged = daemon.log().count(" flood line ")
+        assert logged <= 2 * (BURST_LINES + RATE_LINES_S * elapsed), (logged, elapsed)
         await serves_both(daemon, client)
 
 
