@@ -288,6 +288,26 @@ class TimeoutsConfig(_Section):
     request_s: Seconds = 0.0
 
 
+# The largest max_frame_mb: 64 GiB is no message an engine sends; past it is a typo.
+MAX_FRAME_MB = 1 << 16
+
+
+class LimitsConfig(_Section):
+    """Bounds on what an engine may send smgd."""
+
+    # The largest frame (one part of a ZMQ message) smgd takes from the engine, in MiB:
+    # libzmq refuses a bigger one before allocating it (ZMQ_MAXMSGSIZE) by dropping the
+    # engine's connection, and the requests in flight fail (docs/reference/faults.md). The
+    # biggest legit frames, measured with smgd's encoders of each wire: an SGLang decode step
+    # of 10,000 requests with top-20 logprobs is 3.8 MB (381 B a row); a prompt's logprobs
+    # with top-20 come in one message when its prefill ends, 282 B a token, 37 MB for 128k
+    # tokens; an embedding step, 37 KB per 4,096-dim vector (float64 msgpack), 38 MB for
+    # 1,024 of them. vLLM sends big arrays as frames of their own, each smaller (a 128k
+    # prompt's top-20 logprobs: 11 MB). 256 MiB is seven times the 128k prompt; raise it for
+    # prompt logprobs past ~900k tokens or embedding steps of over ~7,000 such vectors.
+    max_frame_mb: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAME_MB)] = 256
+
+
 class EngineConfig(_Section):
     name: str
     wire: WireFamily
@@ -299,6 +319,7 @@ class EngineConfig(_Section):
     launch: LaunchConfig | None = None
     mock: MockConfig = msgspec.field(default_factory=MockConfig)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     structured_output: StructuredOutputConfig = msgspec.field(
         default_factory=StructuredOutputConfig
     )
