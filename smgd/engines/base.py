@@ -12,7 +12,11 @@ One :class:`EngineClient` per configured engine. ``run()`` owns a nursery with:
 - a **silence watchdog**: no frame at all for ``timeouts.silence_s`` while requests are in
   flight means the engine is wedged;
 - a **deadline watchdog**: a request still running ``timeouts.request_s`` after it was sent
-  fails with an :class:`~smgd.errors.EngineTimeout` and is aborted (the engine serves on).
+  fails with an :class:`~smgd.errors.EngineTimeout` and is aborted (the engine serves on);
+- an **output watch** (:meth:`EngineClient._watch_output`, started by the subclass before the
+  engine can connect): a connection to the output socket that breaks while the engine lives
+  on lost a message, the one libzmq refused for being over ``limits.max_frame_mb``
+  (``ZMQ_MAXMSGSIZE``, set by the subclass on the socket), so the requests in flight fail.
 
 Any death signal (process exit, decode-error streak, send deadline, silence, the engine's own
 dead sentinel) fails every in-flight stream with an :class:`~smgd.errors.EngineDead` of its own
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
+import zmq
 
 from smgd import launch
 from smgd.admission import Admission
@@ -63,6 +68,7 @@ from smgd.wire.common import (
     GenerateRequest,
     TokenDelta,
 )
+from smgd.zmq_trio import open_monitor
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -459,6 +465,82 @@ class EngineClient:
         failed = fail_all(self._streams, partial(EngineDead, message))
         log.error("engine %s dead: %s (%d in-flight request(s) failed)", self.name, reason, failed)
         self._dead.set()
+
+    # ------------------------------------------------------------------ output frames
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """``limits.max_frame_mb`` in bytes: set as ``ZMQ_MAXMSGSIZE`` on the output socket
+        (before it binds: a connection takes the socket's options when it is made)."""
+        return self.config.limits.max_frame_mb << 20
+
+    async def _watch_output(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Watch the output socket's connections; start it before the engine can connect (a
+        monitor's events are not replayed). A broken one goes to :meth:`_output_broke`."""
+        peers: set[int] = set()  # by connection fd, as the subclasses' input watches
+        kinds = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        async with open_monitor(self._output_socket(), kinds) as events:
+            task_status.started()
+            async for event in events:
+                if event.kind == "accepted":
+                    peers.add(event.value)
+                elif event.kind == "disconnected" and event.value in peers:
+                    peers.discard(event.value)
+                    await self._output_broke()
+
+    async def _output_broke(self) -> None:
+        """A connection to the output socket broke. An engine that exits or crashes closes its
+        own (its death comes from its exit or its input socket, within
+        ``launch.EXIT_REPORT_S``); one that lives on had it cut by smgd: libzmq drops the
+        connection of a frame over ``limits.max_frame_mb`` without reading it, and the
+        message is lost, with what it held for each request in flight (the engine reconnects
+        and sends on). So, as after an undecodable frame, each fails and is aborted.
+
+        The requests in flight are taken off the reader at once, so that nothing the engine
+        sends after reconnecting reaches them (they would end as successes with a gap), and
+        fail when the cause is known: the engine's death, or the lost frame.
+        """
+        held, self._streams = self._streams, {}
+        for rid in held:
+            self._fresh.discard(rid)
+            self._constrained.pop(rid, None)
+        failed = False
+        try:
+            with trio.move_on_after(launch.EXIT_REPORT_S):
+                await self._dead.wait()
+            if self._death is None:
+                failed = True
+                self._lost_frame(held)
+        finally:
+            if not failed:  # dead, or stopped meanwhile: as die() and run() fail streams
+                death = self._death
+                why = death.message if death is not None else f"engine {self.name} stopped"
+                fail_all(held, partial(EngineDead, why))
+
+    def _lost_frame(self, held: dict[str, RequestStream]) -> None:
+        limit = self.config.limits.max_frame_mb
+        self._decode_errors += 1
+        rids = list(held)
+        message = (
+            f"engine {self.name} sent an output message smgd refused: its connection to the "
+            f"output socket broke while the engine ran on, which a frame over "
+            f"limits.max_frame_mb ({limit} MiB) does (smgd drops such a frame unread); the "
+            "request's output may be incomplete"
+        )
+        failed = fail_all(held, partial(WireError, message))
+        log.warning(
+            "engine %s: a connection to its output socket broke while it ran on (a frame over "
+            "limits.max_frame_mb = %d MiB, dropped unread?): %d request(s) in flight failed "
+            "and aborted",
+            self.name,
+            limit,
+            failed,
+        )
+        if self.state is EngineState.READY:  # draining included: it is alive
+            for rid in rids:
+                self._outbox_send.send_nowait(self._encode_abort(rid))
 
     # ------------------------------------------------------------------ tasks
 

@@ -413,6 +413,7 @@ class HandshakeEngineClient(EngineClient):
         inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
         inp.setsockopt(zmq.SNDHWM, UNLIMITED_HWM)
         out.setsockopt(zmq.RCVHWM, UNLIMITED_HWM)
+        out.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self._in, self._out, self._hs = TrioSocket(inp), TrioSocket(out), TrioSocket(hs)
         # Data plane first, so the addresses INIT hands out are already bound.
         for endpoint, sock in ((self.input_endpoint, inp), (self.output_endpoint, out)):
@@ -422,6 +423,7 @@ class HandshakeEngineClient(EngineClient):
             self.state_path, wire=self.wire, input=self.input_endpoint, output=self.output_endpoint
         )
         await nursery.start(self._watch_peers)
+        await nursery.start(self._watch_output)
         nursery.start_soon(self._handshake_task)
         if self.launch_argv is not None:
             argv = [self._fill(a) for a in self.launch_argv]

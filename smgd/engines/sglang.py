@@ -108,6 +108,7 @@ class SglangEngineClient(EngineClient):
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.RCVHWM, UNLIMITED_HWM)
+        pull.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self._push, self._pull = TrioSocket(push), TrioSocket(pull)
         for endpoint, sock in ((self.input_endpoint, push), (self.output_endpoint, pull)):
             if endpoint.startswith("ipc://"):
@@ -121,6 +122,7 @@ class SglangEngineClient(EngineClient):
                     f"engine {self.name}: cannot bind {endpoint}: {exc.strerror}"
                 ) from None
         await nursery.start(self._watch_peer)
+        await nursery.start(self._watch_output)
         if self.launch_argv is not None:
             ipc.prepare_ipc_dir(ipc_dir)  # holds the pid file, even with tcp addresses
             self.child = await launch.spawn(

@@ -23,6 +23,9 @@ ready, answers health checks, and answers each generate request by ``MODE``:
   every other request well.
 - ``flood``: well-behaved, but from its start two threads write short lines to its stdout and
   its stderr as fast as the pipes take them (the ready line goes out in the middle of it).
+- ``huge-frame``: answers its first request with one output message of ``HUGE_FRAME_BYTES``
+  (its first token, and a row for a request smgd never sent whose text is that long), then
+  well-behaved.
 
 Launched by smgd (``[engines.launch] kind = "command"``), so it dies with the daemon.
 """
@@ -58,6 +61,8 @@ from smgd.wire.sglang.structs import (
 STEP_S = 0.005  # between two output frames of one request
 CHAOS_ROWS = 10_000  # rows for requests smgd never sent, in each ``chaos`` message
 LOST_LIMIT = 13  # ``lose-13``: the max_new_tokens of the requests it never answers
+# ``huge-frame``'s message: over the 1 MiB limit the fault case sets, far under smgd's default.
+HUGE_FRAME_BYTES = 4 << 20
 
 
 def flood(fd: int, name: str) -> None:
@@ -85,6 +90,7 @@ def main() -> None:
     if mode != "no-ready-line":
         report = "[4096]" if mode == "ready-list" else '{"context_length": 4096}'
         os.write(1, f"SMGD_READY {report}\n".encode())  # one write: atomic beside a flood
+    huge_sent = False
     aborted: set[str] = set()
     pending: list[bytes] = []  # requests that came while another was being answered
     while True:
@@ -129,6 +135,14 @@ def main() -> None:
             push.send(encode_batch_output([(rid, [-1], None, len(prompt), 1, 0, [row])]))
         # Tokens sent so far: that row is one (of max_new_tokens) unless undecodable.
         n = 1 if mode == "negative-id" and msg.return_logprob else 0
+        if mode == "huge-frame" and not huge_sent:
+            huge_sent = True
+            out = build_batch_output(
+                [(rid, [prompt[0]], None, len(prompt), 1, 0), (f"{rid}-x", [1], None, 1, 1, 0)]
+            )
+            out = msgspec.structs.replace(out, decoded_texts=["", "x" * HUGE_FRAME_BYTES])
+            push.send(msgspec.msgpack.encode(out))
+            n = 1
         while mode == "runaway" or n < limit:
             if rid in aborted:
                 break

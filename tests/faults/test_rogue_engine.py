@@ -371,3 +371,35 @@ async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
         assert daemon.engine_pids() == pids, "the engine was relaunched"
         assert " dead: " not in daemon.log()
         await serves_both(daemon, client)
+
+
+async def test_an_output_frame_over_the_limit_fails_the_requests_in_flight_not_the_daemon(
+    tmp_path: Path,
+) -> None:
+    """The engine answers its first request with one 4 MiB message (its first token in it),
+    over ``limits.max_frame_mb = 1``: libzmq drops it unread with the engine's connection. The
+    client gets an engine error naming the limit at once (it got the whole 4 MiB read and
+    decoded, and its tokens, which is what a multi-GB frame would have had allocated); the
+    request is aborted on the engine, which reconnects, and the next request is served."""
+    config = rogue_config("huge-frame", extra="[engines.limits]\nmax_frame_mb = 1\n")
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        with trio.fail_after(10):  # not the silence watchdog's 60 s
+            hit = await stream(client, "r", "hello there", 8)
+        assert hit.body_complete and hit.finish_reason is None and not hit.text, hit
+        if hit.status == 200:
+            assert hit.error is not None and hit.done, hit
+            error = hit.error
+        else:
+            assert hit.status == 502, hit
+            error = json.loads(hit.body)["error"]
+        assert error["type"] == "engine_error", error
+        assert "limits.max_frame_mb (1 MiB)" in error["message"], error
+
+        async def aborted() -> bool:
+            return "rogue: abort " in daemon.log()
+
+        await until(aborted, 10)
+        assert "a connection to its output socket broke" in daemon.log()
+        metrics = (await client.get("/metrics")).text
+        assert 'smgd_engine_decode_errors_total{engine="rogue",wire="sglang"} 1.0' in metrics
+        await serves_both(daemon, client)
