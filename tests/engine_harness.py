@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import trio
+import zmq
 
-from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.config import EngineConfig, LimitsConfig, TimeoutsConfig, WireFamily
 from smgd.engines import base
 from smgd.engines.base import EngineClient
 from smgd.engines.sglang import SglangEngineClient
@@ -55,13 +56,15 @@ def short_ipc_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="smgd-t-", dir="/tmp"))
 
 
-def engine_config(**timeouts: float) -> EngineConfig:
+def engine_config(*, max_frame_mb: int | None = None, **timeouts: float) -> EngineConfig:
+    limits = LimitsConfig() if max_frame_mb is None else LimitsConfig(max_frame_mb=max_frame_mb)
     return EngineConfig(
         name="e0",
         wire=WireFamily.SGLANG,
         models=["m"],
         model_dir=".",
         timeouts=TimeoutsConfig(**timeouts),
+        limits=limits,
     )
 
 
@@ -73,6 +76,7 @@ async def sglang_pair(
     eos_ids: tuple[int, ...] = (),
     launch_mock: bool = False,
     with_mock: bool = True,
+    max_frame_mb: int | None = None,
     **timeouts: float,
 ) -> AsyncIterator[Pair]:
     ipc_dir = short_ipc_dir()
@@ -85,7 +89,7 @@ async def sglang_pair(
             ["--step-ms", str(step_s * 1000), "--max-batch", str(max_batch)],
         )
     client = SglangEngineClient(
-        engine_config(**timeouts),
+        engine_config(max_frame_mb=max_frame_mb, **timeouts),
         fallback_info=EngineInfo(max_model_len=4096, vocab_size=VOCAB),
         input_path=str(ipc_dir / "in.sock"),
         output_path=str(ipc_dir / "out.sock"),
@@ -131,3 +135,16 @@ async def collect(client: EngineClient, req: GenerateRequest) -> tuple[list[int]
 
 def expected_echo(prompt: list[int], n: int) -> list[int]:
     return [prompt[i % len(prompt)] for i in range(n)]
+
+
+def send_oversized(endpoint: str, size: int) -> None:
+    """Connect a PUSH socket to an engine client's output socket and send it one frame of
+    ``size`` bytes (not msgpack: an engine client that took it would report it undecodable);
+    the socket is closed once the frame is out (linger), or after 5 s."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(endpoint)
+    push.send(b"\xc1" * size)
+    push.close()
+    ctx.term()

@@ -27,6 +27,7 @@ from .engine_harness import (
     engine_config,
     expected_echo,
     request,
+    send_oversized,
     sglang_pair,
 )
 from .trio_helpers import TaskSteps
@@ -149,6 +150,27 @@ async def test_a_garbled_frame_fails_the_streams_and_a_streak_kills_the_engine()
                     while True:
                         await stream.receive()
             await trio.sleep_forever()  # until the streak kills the engine
+
+
+async def test_a_frame_over_the_limit_fails_the_streams_in_flight_and_the_engine_serves_on() -> (
+    None
+):
+    """A 2 MiB frame on the output socket, over ``max_frame_mb = 1``: libzmq drops it unread
+    with its connection, and the streams in flight fail at once with an error naming the
+    limit (they would have gone on past the lost message, or waited for the silence
+    watchdog); the engine serves the next request."""
+    async with sglang_pair(step_s=0.005, max_frame_mb=1) as pair:
+        async with pair.client.open_stream(request("g" * 32, [5, 6], 4000)) as stream:
+            await stream.receive()
+            endpoint = pair.client.output_endpoint
+            await trio.to_thread.run_sync(send_oversized, endpoint, 2 << 20)
+            with trio.fail_after(5), pytest.raises(WireError, match=r"max_frame_mb \(1 MiB\)"):
+                while True:
+                    await stream.receive()
+        assert pair.client.state is EngineState.READY
+        assert pair.client.statistics().decode_errors == 1
+        ids, _ = await collect(pair.client, request("h" * 32, [5, 6], 8))
+        assert ids == expected_echo([5, 6], 8)
 
 
 async def test_silence_with_requests_in_flight_kills_engine(

@@ -16,10 +16,10 @@ import pytest
 import trio
 import zmq
 
-from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
+from smgd.config import EngineConfig, LimitsConfig, TimeoutsConfig, WireFamily
 from smgd.engines.base import EngineState
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
-from smgd.errors import EngineDead, InvalidRequest
+from smgd.errors import EngineDead, InvalidRequest, WireError
 from smgd.launch import mock_argv
 from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
@@ -27,7 +27,14 @@ from smgd.mock.vllm import VllmMockWire
 from smgd.wire.common import EngineInfo, FinishReason
 from smgd.wire.vllm.structs import ReadyResponse
 
-from .engine_harness import VOCAB, collect, expected_echo, request, short_ipc_dir
+from .engine_harness import (
+    VOCAB,
+    collect,
+    expected_echo,
+    request,
+    send_oversized,
+    short_ipc_dir,
+)
 
 CONTEXT = 2048  # differs from the fallback's 4096, so readiness provably used the ready response
 EOS = 2
@@ -53,6 +60,7 @@ def make_client(
     ranks: int = 1,
     launch_argv: list[str] | None = None,
     timeouts: TimeoutsConfig | None = None,
+    limits: LimitsConfig | None = None,
 ) -> VllmEngineClient:
     config = EngineConfig(
         name="v0",
@@ -60,6 +68,7 @@ def make_client(
         models=["m"],
         model_dir=".",
         timeouts=timeouts or TimeoutsConfig(),
+        limits=limits or LimitsConfig(),
     )
     return VllmEngineClient(
         config,
@@ -92,6 +101,7 @@ async def vllm_setup(
     launch_mock: bool = False,
     ipc_dir: Path | None = None,
     step_s: float = 0.002,
+    limits: LimitsConfig | None = None,
     **timeouts: float,
 ) -> AsyncIterator[Setup]:
     ipc_dir = ipc_dir or short_ipc_dir()
@@ -105,7 +115,7 @@ async def vllm_setup(
              "--handshake", "{handshake}"],
         )  # fmt: skip
     client = make_client(
-        ipc_dir, ranks=ranks, launch_argv=argv, timeouts=TimeoutsConfig(**timeouts)
+        ipc_dir, ranks=ranks, launch_argv=argv, timeouts=TimeoutsConfig(**timeouts), limits=limits
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(client.run)
@@ -252,6 +262,22 @@ async def test_dead_sentinel_fails_every_stream_with_an_error_of_its_own() -> No
     # One object per stream: a shared one would collect every consumer's traceback.
     assert len({id(e) for e in errors}) == 16
     assert {str(e) for e in errors} == {"engine v0 failed: the engine sent ENGINE_CORE_DEAD"}
+
+
+async def test_a_frame_over_the_limit_fails_the_streams_in_flight_and_the_ranks_serve_on() -> None:
+    """As on the SGLang wire: a 2 MiB frame on the output socket shared by the ranks, over
+    ``max_frame_mb = 1``, fails the streams in flight naming the limit; the engine stays
+    ready and serves the next request."""
+    async with vllm_setup(step_s=0.005, limits=LimitsConfig(max_frame_mb=1)) as s:
+        async with s.client.open_stream(request(uuid.uuid4().hex, [10, 11], 2000)) as stream:
+            await stream.receive()
+            await trio.to_thread.run_sync(send_oversized, s.client.output_endpoint, 2 << 20)
+            with trio.fail_after(5), pytest.raises(WireError, match=r"max_frame_mb \(1 MiB\)"):
+                while True:
+                    await stream.receive()
+        assert s.client.state is EngineState.READY
+        ids, _ = await collect(s.client, request(uuid.uuid4().hex, [10, 11], 7))
+        assert ids == expected_echo([10, 11], 7)
 
 
 async def test_kill_9_of_a_launched_mock_fails_all_streams_fast() -> None:
