@@ -343,7 +343,8 @@ class Child:
         watch = READY_PREFIX.encode() if label == "stdout" else None
         lines = LineSplitter(max_line=MAX_LINE_BYTES, watch=watch)
         while True:
-            with trio.move_on_at(lines.report_due or math.inf):
+            due = lines.report_due
+            with trio.move_on_at(math.inf if due is None else due):
                 chunk = await stream.receive_some(PIPE_BYTES)
                 if not chunk:
                     break
