@@ -517,7 +517,10 @@ class GatewayCollector:
         rejected = counter(
             "smgd_engine_admission_rejected", "Requests refused by admission (queue full/timeout)."
         )
-        decode_errors = counter("smgd_engine_decode_errors", "Engine frames smgd could not decode.")
+        decode_errors = counter(
+            "smgd_engine_decode_errors",
+            "Engine output messages smgd could not decode, or refused over limits.max_frame_mb.",
+        )
         # The model-server protocol's three gauges, for the whole daemon (an endpoint picker
         # scrapes one series per server: per-engine series would make it read just one).
         queued_total = running_total = 0

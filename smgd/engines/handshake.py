@@ -410,10 +410,12 @@ class HandshakeEngineClient(EngineClient):
         inp, out, hs = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.ROUTER)
         for sock in (inp, out, hs):
             sock.setsockopt(zmq.LINGER, 0)
+            # Every frame the engine sends: outputs, and its handshake and registration (a
+            # few hundred bytes) too, so that no socket reads an engine's multi-GB frame.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         inp.setsockopt(zmq.ROUTER_MANDATORY, 1)
         inp.setsockopt(zmq.SNDHWM, UNLIMITED_HWM)
         out.setsockopt(zmq.RCVHWM, UNLIMITED_HWM)
-        out.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self._in, self._out, self._hs = TrioSocket(inp), TrioSocket(out), TrioSocket(hs)
         # Data plane first, so the addresses INIT hands out are already bound.
         for endpoint, sock in ((self.input_endpoint, inp), (self.output_endpoint, out)):
