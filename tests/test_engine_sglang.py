@@ -272,6 +272,25 @@ async def test_a_stale_socket_probe_is_not_mistaken_for_the_scheduler_leaving() 
         assert ids == [9, 10, 9]
 
 
+async def test_a_stale_socket_probe_of_the_output_socket_fails_no_stream() -> None:
+    """A probe connects to the output socket and leaves without a ZMTP handshake: no frame was
+    lost there, so the stream in flight goes on (the output watch took any connection that
+    ended for one that lost a frame)."""
+    from smgd.errors import TransportError
+    from smgd.ipc import clear_stale_socket
+
+    async with sglang_pair(step_s=0.005) as pair:
+        req = request(uuid.uuid4().hex, [9, 10], 200)
+        async with pair.client.open_stream(req) as stream:
+            ids = list((await stream.receive()).token_ids)
+            with pytest.raises(TransportError, match="live process"):
+                clear_stale_socket(pair.ipc_dir / "out.sock")
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+        assert ids == expected_echo([9, 10], 200)
+        assert pair.client.statistics().decode_errors == 0
+
+
 async def test_idle_probe_keeps_a_healthy_engine_ready(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:

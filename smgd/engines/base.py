@@ -478,17 +478,32 @@ class EngineClient:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Watch the output socket's connections; start it before the engine can connect (a
-        monitor's events are not replayed). A broken one goes to :meth:`_output_broke`."""
+        monitor's events are not replayed). A broken one goes to :meth:`_output_broke`.
+
+        A connection that never completed its ZMTP handshake carried no frame: a stale-socket
+        probe (:func:`smgd.ipc.clear_stale_socket`) connects and leaves so. libzmq reports
+        that as a failed handshake and the disconnect right after it, back to back (one call
+        on its I/O thread), so a disconnect that follows a failed handshake is not a break.
+        """
         peers: set[int] = set()  # by connection fd, as the subclasses' input watches
-        kinds = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        kinds = (
+            zmq.EVENT_ACCEPTED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
         async with open_monitor(self._output_socket(), kinds) as events:
             task_status.started()
+            unshaken = False  # the event before was a failed handshake
             async for event in events:
                 if event.kind == "accepted":
                     peers.add(event.value)
                 elif event.kind == "disconnected" and event.value in peers:
                     peers.discard(event.value)
-                    await self._output_broke()
+                    if not unshaken:
+                        await self._output_broke()
+                unshaken = event.kind == "handshake_failed"
 
     async def _output_broke(self) -> None:
         """A connection to the output socket broke. An engine that exits or crashes closes its
