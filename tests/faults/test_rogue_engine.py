@@ -383,8 +383,17 @@ async def test_an_output_frame_over_the_limit_fails_the_requests_in_flight_not_t
     request is aborted on the engine, which reconnects, and the next request is served."""
     config = rogue_config("huge-frame", extra="[engines.limits]\nmax_frame_mb = 1\n")
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
-        with trio.fail_after(10):  # not the silence watchdog's 60 s
-            hit = await stream(client, "r", "hello there", 8)
+        beside: list[StreamOutcome] = []
+        async with trio.open_nursery() as nursery:
+
+            async def other() -> None:  # on the other engine, meanwhile: untouched
+                beside.append(await stream(client, "m", "hello there", 200))
+
+            nursery.start_soon(other)
+            with trio.fail_after(10):  # not the silence watchdog's 60 s
+                hit = await stream(client, "r", "hello there", 8)
+        assert beside[0].done and beside[0].error is None and beside[0].usage is not None
+        assert beside[0].usage["completion_tokens"] == 200
         assert hit.body_complete and hit.finish_reason is None and not hit.text, hit
         if hit.status == 200:
             assert hit.error is not None and hit.done, hit
