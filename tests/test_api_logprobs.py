@@ -11,6 +11,9 @@ one-shot decodes of prefixes); a streamed entry goes out once its text has.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -23,17 +26,25 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from smgd.api.core.pipeline import Choice, LogprobTrack
-from smgd.api.handlers.openai import TokenText
+from smgd.api.core.sse import encode_json
+from smgd.api.handlers import openai as openai_handlers
+from smgd.api.handlers.openai import (
+    EchoHead,
+    TokenText,
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+)
 from smgd.api.http.app import create_app
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
 from smgd.engines.sglang import SglangEngineClient
 from smgd.gateway import Gateway
 from smgd.mock.engine import MockEngine
-from smgd.mock.scheduler import MockRequest, MockScheduler, mock_logprob
+from smgd.mock.scheduler import MockRequest, MockScheduler, mock_logprob, mock_prompt_logprob
 from smgd.mock.sglang import SglangMockWire
 from smgd.text.stream import TextStream
 from smgd.text.tokenizer import load_tokenizer
-from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta
+from smgd.wire.common import EngineInfo, Finish, FinishReason, GenerateRequest, TokenDelta
 from tests.engine_harness import short_ipc_dir
 from tests.fake_engine import (
     EOS,
@@ -487,6 +498,222 @@ async def test_completion_logprob_rejections(body: dict[str, Any], param: str) -
     async with open_app(LogprobEngine()) as (app, _):
         reply = await post(app, "/v1/completions", {"model": MODEL, **body})
     assert reply.status == 400 and reply.json()["error"]["param"] == param
+
+
+# --------------------------------------------------------------------------- echo
+
+
+@pytest.mark.parametrize("tail_ids", [None, [], ASCII[:4], IDS[:5]])
+@pytest.mark.parametrize("prompt", [IDS[:1], IDS[:7]])
+def test_echo_head_join_is_the_encoded_join(prompt: list[int], tail_ids: list[int] | None) -> None:
+    """The prompt's part, encoded once and spliced, is the bytes of the joined object."""
+    rows = [mock_prompt_logprob(prompt[p], p, 2) for p in range(1, len(prompt))]
+    head = echo_logprobs(TT, prompt, rows)
+    tail = None
+    if tail_ids is not None:
+        entries = [mock_logprob(t, i, 2) for i, t in enumerate(tail_ids)]
+        texts = contributions(tail_ids)
+        tail = completion_logprobs(TT, entries, offsets(texts), texts)
+    assert EchoHead(head).join(tail) == encode_json(join_logprobs(head, tail))
+
+
+class PromptLogprobEngine(LogprobEngine):
+    """A LogprobEngine whose first delta of a request asking for prompt logprobs carries them
+    (the mock engine's formula), as SGLang and vLLM send them with the first output."""
+
+    def __init__(self, name: str = "fake", *, behaviour: Behaviour | None = None) -> None:
+        super().__init__(name, behaviour=behaviour)
+        self.prompted: set[str] = set()
+
+    def deliver(self, delta: TokenDelta) -> None:
+        req = next((r for r in self.requests if r.rid == delta.rid), None)
+        k = None if req is None else req.sampling.prompt_logprobs
+        if req is not None and k is not None and delta.rid not in self.prompted:
+            self.prompted.add(delta.rid)
+            ids = req.prompt_ids
+            delta.prompt_logprobs = [mock_prompt_logprob(ids[p], p, k) for p in range(1, len(ids))]
+        super().deliver(delta)
+
+
+# Completions echo + logprobs requests that were served before the prompt's logprobs were
+# shared among its choices (n = 2, one prompt and a batch of two), and the digest of what they
+# were answered then (commit c9ca101): the id and `created` blanked, and a stream's events in
+# each choice's order (the order of the choices' events is the engines' timing). The reply
+# must stay what it was, byte for byte.
+ECHO_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
+    (
+        "/v1/completions",
+        {"prompt": " café 日本 ok", "n": 2, "echo": True, "logprobs": 2, "max_tokens": 3},
+        "13a1d08ca7f360289f54679d664126a9f796e89f0ea1bf501e7f8867eeb475be",
+        "6ba432abd634243e223f57348962bb1c1a9fbd7436482ff02a2c8fbc4b70f5f1",
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": ["Hello there", " café 日本 ok"],
+            "n": 2,
+            "echo": True,
+            "logprobs": 1,
+            "max_tokens": 2,
+        },
+        "49091e68896d3d6a24b56962ded9ece73c7b88fef22bac4c70f9fb423f99d4d4",
+        "deddeea5209b5e9ec4517d9f1f1ebae404d96f3855d31ad1fe9c163305da7686",
+    ),
+    (  # echo without generation, and vLLM's prompt_logprobs field (non-streamed only)
+        "/v1/completions",
+        {
+            "prompt": [ASCII[:5], IDS[:6]],
+            "n": 2,
+            "echo": True,
+            "logprobs": 0,
+            "prompt_logprobs": 0,
+            "max_tokens": 0,
+        },
+        "e62df50c709493aa4bd6dde20ab7c6c1f7617a7ce5cbb221f71bc1d9e1a80f7c",
+        None,
+    ),
+    (  # chat: the prompt's logprobs once, at the top level
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "café 日本"}],
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "prompt_logprobs": 1,
+            "max_tokens": 2,
+        },
+        "a0d6a7f6cf25b58061e3dffbfacb8c5fc06cef3b01f40393c79f8bad07508a1d",
+        None,
+    ),
+]
+
+
+def _normal(raw: bytes) -> bytes:
+    raw = re.sub(rb'"id":"(chat)?cmpl-[^"]*"', b'"id":""', raw)
+    return re.sub(rb'"created":[0-9]+', b'"created":0', raw)
+
+
+def _by_choice(events: list[str]) -> bytes:
+    """A stream's events, each choice's in their order, choice after choice."""
+    by: dict[int, list[bytes]] = {}
+    for e in events:
+        index = len(events) if e == "[DONE]" else json.loads(e)["choices"][0]["index"]
+        by.setdefault(index, []).append(_normal(e.encode()))
+    return b"\n".join(b"\n".join(by[i]) for i in sorted(by))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body", "digest", "streamed"),
+    ECHO_BODIES,
+    ids=["one-prompt", "two-prompts", "echo-only", "chat"],
+)
+async def test_prompt_logprobs_reply_is_unchanged_and_converts_each_prompt_once(
+    path: str,
+    body: dict[str, Any],
+    digest: str,
+    streamed: str | None,
+    streaming: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replies above are unchanged, and each prompt's logprobs were converted once
+    (they were converted for every choice: 2 x 2 here, 16 x 64 at most)."""
+    if streaming:
+        if streamed is None:
+            pytest.skip("non-streamed only (vLLM's rules)")
+        digest = streamed
+    calls: list[str] = []
+
+    def counting(name: str) -> Any:
+        real = getattr(openai_handlers, name)
+
+        def count(*args: Any) -> Any:
+            calls.append(name)
+            return real(*args)
+
+        return count
+
+    for name in ("echo_logprobs", "prompt_logprobs_field"):
+        monkeypatch.setattr(openai_handlers, name, counting(name))
+    full = {"model": MODEL, "temperature": 1.0, "stream": streaming, **body}
+    async with open_app(PromptLogprobEngine(behaviour=Behaviour(output=ASCII))) as (app, _):
+        if streaming:
+            sse = await post_stream(app, path, full)
+            assert sse.status == 200, sse.raw
+            raw = _by_choice(sse.events)
+        else:
+            reply = await post(app, path, full)
+            assert reply.status == 200, reply.body
+            raw = _normal(reply.body)
+    prompts = 2 if isinstance(body.get("prompt"), list) else 1
+    assert calls.count("echo_logprobs") == (prompts if body.get("echo") else 0)
+    # Echo implies prompt_logprobs: vLLM's field too, in a non-streamed reply.
+    assert calls.count("prompt_logprobs_field") == (0 if streaming else prompts)
+    assert hashlib.sha256(raw).hexdigest() == digest
+
+
+@pytest.mark.parametrize(
+    ("body", "asked"),
+    [
+        ({"prompt": ["ab", "cd"], "n": 3, "echo": True, "logprobs": 2}, [2, None, None]),
+        ({"prompt": "ab", "n": 2, "logprobs": 1, "prompt_logprobs": 1}, [1, None]),
+        # SGLang's wire has one top-k for the prompt and the output: every choice keeps it.
+        ({"prompt": "ab", "n": 2, "logprobs": 1, "prompt_logprobs": 3}, [3, 3]),
+    ],
+)
+async def test_only_a_prompts_first_choice_asks_for_its_logprobs(
+    body: dict[str, Any], asked: list[int | None]
+) -> None:
+    """``asked``: each prompt's engine requests' prompt_logprobs (None: not asked)."""
+    engine = PromptLogprobEngine(behaviour=Behaviour(output=ASCII))
+    full = {"model": MODEL, "temperature": 1.0, "max_tokens": 2, **body}
+    async with open_app(engine) as (app, _):
+        reply = await post(app, "/v1/completions", full)
+    assert reply.status == 200, reply.body
+    by_prompt: dict[tuple[int, ...], list[int | None]] = {}
+    for r in engine.requests:  # in the order the choices' tasks sent them
+        by_prompt.setdefault(tuple(r.prompt_ids), []).append(r.sampling.prompt_logprobs)
+    for got in by_prompt.values():
+        assert sorted(got, key=lambda k: -1 if k is None else k, reverse=True) == asked
+    # Every choice has its prompt's logprobs all the same.
+    fields = {json.dumps(c["prompt_logprobs"]) for c in reply.json()["choices"]}
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    assert len(by_prompt) == len(fields) == len(prompts)
+
+
+class SlowPromptEngine(PromptLogprobEngine):
+    """The choice that asked for the prompt's logprobs answers last (its prefill skips the
+    prefix cache), two steps after the others."""
+
+    async def _drive(self, req: GenerateRequest) -> None:
+        if req.sampling.prompt_logprobs is not None:
+            await trio.sleep(3 * self.behaviour.step_s)
+        await super()._drive(req)
+
+
+async def test_streamed_choices_wait_for_their_prompts_logprobs() -> None:
+    """Choices whose output comes before their prompt's logprobs (which only the prompt's
+    first choice asked for) send their first event, the prompt's part first, once they come:
+    every choice's stream is what the first choice's is."""
+    engine = SlowPromptEngine(behaviour=Behaviour(output=ASCII))
+    body = {"model": MODEL, "prompt": ["ab cd", "ef"], "n": 3, "echo": True, "logprobs": 1,
+            "max_tokens": 5, "temperature": 1.0, "stream": True}  # fmt: skip
+    async with open_app(engine) as (app, _):
+        sse = await post_stream(app, "/v1/completions", body)
+    assert sse.status == 200, sse.raw
+    by: dict[int, list[dict[str, Any]]] = {}
+    for chunk in sse.chunks():
+        choice = chunk["choices"][0]
+        by.setdefault(choice["index"], []).append(choice)
+    assert sorted(by) == list(range(6))
+    for index, chunks in by.items():
+        first = by[index - index % 3]
+        assert chunks[0]["logprobs"]["token_logprobs"][0] is None  # the prompt's part first
+        assert "".join(c["text"] for c in chunks) == "".join(c["text"] for c in first)
+        mine, its = merged_logprobs(chunks), merged_logprobs(first)
+        for key in ("tokens", "token_logprobs", "top_logprobs"):  # offsets: per chunk
+            assert mine[key] == its[key]
+        assert chunks[-1]["finish_reason"] == "length"
 
 
 # --------------------------------------------------------------------------- SGLang mock wire

@@ -146,3 +146,23 @@ async def test_a_long_option_for_many_prompts_does_not_pause_the_streams(tmp_pat
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["choices"]) == 64
         assert max(gaps) < MAX_PAUSE_S, sorted(gaps)[-3:]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_echo_logprobs_for_many_choices_do_not_pause_the_streams(
+    tmp_path: Path, streaming: bool
+) -> None:
+    """16 choices of a 4,000-token prompt with `echo` and 20 top logprobs (a 20 KB body):
+    the engine sent the prompt's logprobs for every choice and smgd decoded, converted and
+    encoded them 16 times on the loop, an 86 MB reply (a 1.6 s pause; 0.9 s streamed). Now
+    the first choice asks, the others share its part, encoded once."""
+    prompt = [6 + (i * 7919) % 1000 for i in range(4000)]  # no specials: the mock echoes them
+    body = {
+        "model": "m", "prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1,
+        "temperature": 1.0, "stream": streaming,
+    }  # fmt: skip
+    async with serve(tmp_path, config()) as daemon, daemon.client() as client:
+        gaps, answer = await pauses_beside(client, poster(client, "/v1/completions", body))
+        assert answer.status_code == 200, answer.text[:500]
+        assert answer.content.count(b'"finish_reason":"length"') == 16
+        assert max(gaps) < MAX_PAUSE_S, sorted(gaps)[-3:]

@@ -344,12 +344,15 @@ def plan_jobs(
     top_logprobs_param: str = "top_logprobs",
     align_logprobs: bool = True,
     names: ParamNames = OPENAI_NAMES,
+    prompt_logprobs_once: bool = False,
 ) -> tuple[list[Job], TextOptions]:
     """Pick an engine per choice, normalize sampling, validate; (prompts x n) jobs.
 
     ``top_logprobs_param`` names the request key of the top-k count in a 400 when an engine
     cannot return top-k logprobs; ``align_logprobs`` is :class:`LogprobTrack`'s ``aligned``;
     ``names`` are the endpoint's names of what an engine may refuse (:func:`check_engine`).
+    ``prompt_logprobs_once``: the reply gives each prompt's logprobs once for all its choices
+    (the OpenAI endpoints), so only a prompt's first choice asks the engine for them.
     """
     if not prompts:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -367,12 +370,14 @@ def plan_jobs(
             raise InvalidRequest(
                 f"{len(prompts)} prompt(s) x n={n} exceeds {MAX_CHOICES} choices", param="n"
             )
+        rest = _without_prompt_logprobs(params) if prompt_logprobs_once and n > 1 else params
         for j in range(n):
             engine = first if j == 0 else gateway.router.pick(model, ids)
+            sampling = for_choice(params if j == 0 else rest, j)
             req = GenerateRequest(
                 rid=new_engine_rid(),
                 prompt_ids=ids,
-                sampling=for_choice(params, j),
+                sampling=sampling,
                 priority=check_engine(engine, params, options.priority, names),
                 lora=lora,
             )
@@ -399,7 +404,7 @@ def plan_jobs(
                 logprobs=(
                     None if params.logprobs is None else LogprobTrack(aligned=align_logprobs)
                 ),
-                prompt_logprobs=params.prompt_logprobs is not None,
+                prompt_logprobs=sampling.prompt_logprobs is not None,
             )
             jobs.append(Job(engine, req, choice, gateway.router, checked=checked))
             state.choices.append(choice)
@@ -407,6 +412,22 @@ def plan_jobs(
     if options.ignored:
         log.debug("%s: ignored request keys %s", state.request_id, ", ".join(options.ignored))
     return jobs, options
+
+
+def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
+    """``params`` for a prompt's other choices when its first one asks for its logprobs.
+
+    Every choice asked before: the engine computed them and sent them n times (with no prefix
+    cache: SGLang's ``logprob_start_len`` 0 and vLLM's prompt logprobs skip it), and smgd
+    decoded them n times on its loop (0.8 s for 16 choices of a 4,000-token prompt with 20 top
+    logprobs). Kept when the prompt's top-k is larger than the output's: SGLang's wire has one
+    top-k count for both (``top_logprobs_num``), so dropping it would shrink the other
+    choices' output top logprobs.
+    """
+    prompt_k = params.prompt_logprobs
+    if prompt_k is None or (params.logprobs is not None and prompt_k > params.logprobs):
+        return params
+    return msgspec.structs.replace(params, prompt_logprobs=None)
 
 
 def check_engine(

@@ -22,9 +22,11 @@ string comes from :class:`TokenText`.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import trio
 
 from smgd.api.core.errors import stream_error
 from smgd.api.core.execute import collect, log_request, stream
@@ -60,8 +62,11 @@ if TYPE_CHECKING:
     from smgd.wire.common import SamplingParams, Structured, TokenLogprob
 
 __all__ = [
+    "BIG_REPLY_ENTRIES",
+    "EchoHead",
     "OpenAIRenderer",
     "ParsedRenderer",
+    "PromptParts",
     "TokenText",
     "chat_logprobs",
     "chat_reply",
@@ -243,6 +248,87 @@ def prompt_logprobs_field(
     return out
 
 
+# The keys of a completions `logprobs` object, and the JSON before each one's list.
+_JOINED = tuple(
+    (key, (b'{"' if i == 0 else b',"') + key.encode() + b'":')
+    for i, key in enumerate(("tokens", "token_logprobs", "top_logprobs", "text_offset"))
+)
+
+
+class EchoHead:
+    """One prompt's part of completions ``echo`` + ``logprobs`` (:func:`echo_logprobs`), its
+    JSON encoded once: every choice of the prompt starts its ``logprobs`` with these bytes, so
+    a choice costs a copy of them, not a conversion and an encode of the prompt's rows (16
+    choices of a 4,000-token prompt with 20 top logprobs each built and encoded the same part
+    again, 1.5 s of the loop; the engine's 16 copies of the rows took 0.8 s to decode).
+    """
+
+    __slots__ = ("_alone", "_lists", "_shift")
+
+    def __init__(self, part: dict[str, Any]) -> None:
+        self._alone = encode_json(part)
+        # Each list without its closing bracket (a view: join() copies it once).
+        self._lists = [memoryview(encode_json(part[key]))[:-1] for key, _ in _JOINED]
+        self._shift = sum(len(t) for t in part["tokens"])
+
+    def join(self, tail: dict[str, Any] | None) -> bytes:
+        """The JSON of ``join_logprobs(head, tail)``: the same bytes, the head's copied."""
+        if tail is None:
+            return self._alone
+        tail = {**tail, "text_offset": [self._shift + o for o in tail["text_offset"]]}
+        pieces: list[bytes | memoryview] = []
+        for (key, before), head in zip(_JOINED, self._lists, strict=True):
+            pieces.append(before)
+            more = encode_json(tail[key])
+            if len(head) == 1:  # "[": the head is empty
+                pieces.append(more)
+            elif more == b"[]":
+                pieces.extend((head, b"]"))
+            else:
+                pieces.extend((head, b",", memoryview(more)[1:]))
+        pieces.append(b"}")
+        return b"".join(pieces)
+
+
+class PromptParts:
+    """The prompt's logprobs of each prompt of a request, converted and encoded once and
+    shared by its choices: choice ``i`` is choice ``i % n`` of prompt ``i // n``, and the
+    choices of a prompt have its token ids (:func:`~smgd.api.core.prepare.plan_jobs`), so
+    its logprobs are theirs too. The engine is asked for them on the prompt's first choice
+    only (``prompt_logprobs_once``); a choice that asked itself gives its own rows if it
+    comes first in a stream.
+    """
+
+    __slots__ = ("_fields", "_heads", "n", "prompt_ids", "tokens")
+
+    def __init__(self, tokens: TokenText, jobs: list[Job], n: int) -> None:
+        self.tokens = tokens
+        self.n = n
+        self.prompt_ids = [job.request.prompt_ids for job in jobs[::n]]
+        self._heads: dict[int, EchoHead] = {}
+        self._fields: dict[int, msgspec.Raw] = {}
+
+    def head(self, choice: Choice, rows: list[TokenLogprob] | None) -> EchoHead | None:
+        """The echo head of ``choice``'s prompt: the one built, else one built from ``rows``
+        (None: not built, and no rows to build it from yet)."""
+        p = choice.index // self.n
+        head = self._heads.get(p)
+        if head is None and rows is not None:
+            part = echo_logprobs(self.tokens, self.prompt_ids[p], rows)
+            head = self._heads[p] = EchoHead(part)
+        return head
+
+    def field(self, choice: Choice, rows: list[TokenLogprob] | None) -> msgspec.Raw:
+        """vLLM's ``prompt_logprobs`` field of ``choice``'s prompt, encoded once."""
+        p = choice.index // self.n
+        field = self._fields.get(p)
+        if field is None:
+            field = self._fields[p] = msgspec.Raw(
+                encode_json(prompt_logprobs_field(self.tokens, rows))
+            )
+        return field
+
+
 def _rank(e: TokenLogprob) -> int | None:
     """The engine's rank of the prompt token, or its place among the top-k (None if absent)."""
     if e.rank is not None:
@@ -286,14 +372,16 @@ class OpenAIRenderer:
         include_usage: bool,
         echo: dict[int, str] | None = None,
         tokens: TokenText | None = None,
-        echo_ids: dict[int, list[int]] | None = None,
+        parts: PromptParts | None = None,
     ) -> None:
         self.fmt = fmt
         self.state = state
         self.include_usage = include_usage
         self.echo = echo
         self.tokens = tokens  # set when the request asked for logprobs
-        self.echo_ids = echo_ids  # echo with logprobs: each choice's prompt ids
+        self.parts = parts  # echo with logprobs: the prompts' logprobs, shared by their choices
+        # Choices whose first event waits for their prompt's logprobs: the text they made.
+        self._held: dict[int, str] = {}
 
     def delta(self, choice: Choice, text: str) -> bytes:
         if choice.sent_role and choice.finish_reason is None and self.tokens is None:
@@ -301,12 +389,28 @@ class OpenAIRenderer:
             # logprobs to add (the same bytes as the general path below).
             return self.fmt.text_event(choice.index, text) if text else b""
         first = not choice.sent_role
+        head = None
+        if first and self.parts is not None:
+            head = self.parts.head(choice, choice.prompt_logprobs)
+            if head is None:
+                # The engine sends the prompt's logprobs with the prompt's first choice only:
+                # this choice's first event (the prompt's logprobs first) waits for them.
+                self._held[choice.index] = self._held.get(choice.index, "") + text
+                return b""
+            if self._held:
+                text = self._held.pop(choice.index, "") + text
+        out = self._event(choice, text, first, head)
+        if head is not None and self._held:
+            out += self._release(choice)
+        return out
+
+    def _event(self, choice: Choice, text: str, first: bool, head: EchoHead | None) -> bytes:
         if first and self.echo is not None:
             text = self.echo[choice.index] + text
         if not text and not choice.done and not (first and self.fmt.chat):
             return b""
         choice.sent_role = True
-        logprobs = self._unsent_logprobs(choice, first=first)
+        logprobs = self._unsent_logprobs(choice, head)
         return self.fmt.chunk(
             choice.index,
             text,
@@ -315,6 +419,19 @@ class OpenAIRenderer:
             logprobs=logprobs,
         )
 
+    def _release(self, source: Choice) -> bytes:
+        """The first events of the choices that waited for the logprobs of ``source``'s
+        prompt, now that its first event has them."""
+        assert self.parts is not None
+        n = self.parts.n
+        prompt = source.index // n
+        out = []
+        for index in [i for i in self._held if i // n == prompt]:
+            choice = self.state.choices[index]
+            head = self.parts.head(choice, None)
+            out.append(self._event(choice, self._held.pop(index), True, head))
+        return b"".join(out)
+
     def text_frame(self, choice: Choice) -> tuple[bytes, bytes] | tuple[()] | None:
         if self.tokens is not None:
             return ()  # every event carries its logprobs
@@ -322,18 +439,16 @@ class OpenAIRenderer:
             return None  # the first event (role, echo) is still to come
         return self.fmt.text_frame(choice.index)
 
-    def _unsent_logprobs(self, choice: Choice, *, first: bool = False) -> bytes:
+    def _unsent_logprobs(self, choice: Choice, head: EchoHead | None = None) -> bytes:
         """The logprobs of the chunk (``null`` if none); a completions ``echo`` puts the
-        prompt's before the output's in a choice's ``first`` chunk."""
+        prompt's (``head``) before the output's in a choice's first chunk."""
         found: dict[str, Any] | None = None
         if self.tokens is not None and choice.logprobs is not None:
             entries, offsets, texts = choice.logprobs.unsent()
             if entries:
                 found = self._logprobs(entries, offsets, texts)
-            if first and self.echo_ids is not None:
-                prompt = self.echo_ids[choice.index]
-                head = echo_logprobs(self.tokens, prompt, choice.prompt_logprobs or [])
-                found = join_logprobs(head, found)
+            if head is not None:
+                return head.join(found)
         return b"null" if found is None else encode_json(found)
 
     def _logprobs(
@@ -448,21 +563,21 @@ async def _respond(
     include_usage: bool,
     echo: dict[int, str] | None,
     tokenizer: Tokenizer,
+    n: int,
     parsers: dict[int, ChoiceParser] | None = None,
     echo_only: bool = False,
 ) -> Reply:
     """``echo``: each choice's prompt text, to put before its output; with logprobs, the
     prompt's logprobs go before the output's too. ``echo_only``: ``max_tokens: 0``, the reply
-    is the prompt alone (its one engine token is counted in usage, as vLLM counts it)."""
+    is the prompt alone (its one engine token is counted in usage, as vLLM counts it). ``n``:
+    the choices of each prompt (``jobs`` are prompt after prompt)."""
     prefix = "chatcmpl-" if chat else "cmpl-"
     sampling = jobs[0].request.sampling
     wants_logprobs = sampling.logprobs is not None
     tokens = (
         TokenText(tokenizer) if wants_logprobs or sampling.prompt_logprobs is not None else None
     )
-    echo_ids = None
-    if echo is not None and wants_logprobs:
-        echo_ids = {job.choice.index: job.request.prompt_ids for job in jobs}
+    parts = None if tokens is None else PromptParts(tokens, jobs, n)
     response_id = prefix + state.request_id
     if streaming:
         fmt = ChunkFormat(
@@ -482,7 +597,7 @@ async def _respond(
                 include_usage=include_usage,
                 echo=echo,
                 tokens=tokens if wants_logprobs else None,
-                echo_ids=echo_ids,
+                parts=parts if echo is not None and wants_logprobs else None,
             )
         body = stream(
             jobs,
@@ -496,6 +611,57 @@ async def _respond(
         )
         return Reply(body, SSE_HEADERS)
     await collect(jobs, state, call.ctx.cutoff, log=False)
+    build = partial(
+        _reply_body, jobs, state, response_id, chat=chat, echo=echo, tokens=tokens,
+        parts=parts, parsers=parsers, echo_only=echo_only,
+    )  # fmt: skip
+    if _reply_entries(jobs, n) < BIG_REPLY_ENTRIES:
+        payload = build()
+    else:
+        payload = await trio.to_thread.run_sync(build, limiter=call.ctx.tokenize_limiter)
+    log_request(state)  # now that the finish reasons the client gets are known
+    return Reply(payload, JSON_HEADERS)
+
+
+# A non-streamed reply that converts at least this many logprob entries (a token's, or one of
+# its top alternatives) is built in a worker thread. They cost 1.2-1.6 µs each on the 2-core
+# test VM (converted and encoded), so 4,096 take ~5 ms, about what a thread hop and the GIL's
+# hand-back cost the loop (BIG_BODY_BYTES's rule); a 4,000-token prompt's with 20 top
+# logprobs each (84,000) took 0.13 s, and a batch of 64 such prompts over 8 s of the loop.
+# In a thread the build still holds the GIL, but the loop gets it back every switch interval.
+BIG_REPLY_ENTRIES = 4_096
+
+
+def _reply_entries(jobs: list[Job], n: int) -> int:
+    """How many logprob entries the reply of ``jobs`` converts: the outputs' (each choice's)
+    and the prompts' (once per prompt)."""
+    sampling = jobs[0].request.sampling
+    entries = 0
+    if sampling.logprobs is not None:
+        tokens = sum(job.choice.completion_tokens for job in jobs)
+        entries += tokens * (sampling.logprobs + 1)
+    if sampling.prompt_logprobs is not None:
+        tokens = sum(len(job.request.prompt_ids) for job in jobs[::n])
+        entries += tokens * (sampling.prompt_logprobs + 1)
+    return entries
+
+
+def _reply_body(
+    jobs: list[Job],
+    state: RequestState,
+    response_id: str,
+    *,
+    chat: bool,
+    echo: dict[int, str] | None,
+    tokens: TokenText | None,
+    parts: PromptParts | None,
+    parsers: dict[int, ChoiceParser] | None,
+    echo_only: bool,
+) -> bytes:
+    """A non-streamed reply's JSON, once every job has finished (pure: a big one is built in
+    a worker thread). The prompt's parts are built once per prompt (:class:`PromptParts`)
+    from the logprobs of its first choice, the one that asked the engine for them."""
+    sampling = jobs[0].request.sampling
     choices: list[dict[str, Any]] = []
     for job in jobs:
         choice = job.choice
@@ -516,6 +682,9 @@ async def _respond(
         else:
             entry["text"] = text
         entry["logprobs"] = None
+        rows = None
+        if parts is not None:
+            rows = jobs[choice.index - choice.index % parts.n].choice.prompt_logprobs
         if tokens is not None and choice.logprobs is not None:
             track = choice.logprobs
             entry["logprobs"] = (
@@ -523,15 +692,16 @@ async def _respond(
                 if chat
                 else completion_logprobs(tokens, track.entries, track.offsets, track.texts)
             )
-            if echo_ids is not None:
-                head = echo_logprobs(tokens, echo_ids[choice.index], choice.prompt_logprobs or [])
-                entry["logprobs"] = join_logprobs(head, None if echo_only else entry["logprobs"])
+            if echo is not None and parts is not None:
+                head = parts.head(choice, rows or [])
+                assert head is not None
+                tail = None if echo_only else entry["logprobs"]
+                entry["logprobs"] = msgspec.Raw(head.join(tail))
         entry["finish_reason"] = finish_reason
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
-        if not chat and tokens is not None and sampling.prompt_logprobs is not None:
-            entry["prompt_logprobs"] = prompt_logprobs_field(tokens, choice.prompt_logprobs)
+        if not chat and parts is not None and sampling.prompt_logprobs is not None:
+            entry["prompt_logprobs"] = parts.field(choice, rows)
         choices.append(entry)
-    log_request(state)  # now that the finish reasons the client gets are known
     payload: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion" if chat else "text_completion",
@@ -543,7 +713,7 @@ async def _respond(
     if chat and sampling.prompt_logprobs is not None and tokens is not None:
         # vLLM puts chat's at the top level (one prompt for every choice).
         payload["prompt_logprobs"] = prompt_logprobs_field(tokens, jobs[0].choice.prompt_logprobs)
-    return Reply(encode_json(payload), JSON_HEADERS)
+    return encode_json(payload)
 
 
 def _sampler(
@@ -652,7 +822,7 @@ async def chat_reply(call: Call) -> Reply:
     jobs, options = plan_jobs(
         call.ctx.gateway, model, text, [ids],
         _sampler(body, text, chat=True, forced=forced_constraint(tools)), state,
-        top_logprobs_param="top_logprobs",
+        top_logprobs_param="top_logprobs", prompt_logprobs_once=True,
     )  # fmt: skip
     if options.echo:
         raise InvalidRequest("`echo` is not supported for chat", param="echo")
@@ -670,7 +840,7 @@ async def chat_reply(call: Call) -> Reply:
             parsers[job.choice.index] = parser
     return await _respond(
         call, jobs, state, chat=True, streaming=streaming, include_usage=include_usage, echo=None,
-        tokenizer=text.tokenizer, parsers=parsers,
+        tokenizer=text.tokenizer, n=options.n, parsers=parsers,
     )  # fmt: skip
 
 
@@ -729,6 +899,7 @@ async def completion_reply(call: Call) -> Reply:
         call.ctx.gateway, model, text, prompts, _sampler(body, text, chat=False), state,
         top_logprobs_param="logprobs",
         names=ParamNames(prompt_logprobs="echo") if implied else OPENAI_NAMES,
+        prompt_logprobs_once=True,
     )  # fmt: skip
     _no_streamed_prompt_logprobs(body, streaming)
     if options.echo_only and streaming:
@@ -739,13 +910,17 @@ async def completion_reply(call: Call) -> Reply:
     if options.echo:
         echo = {}
         for job in jobs:
-            item = raw[job.choice.index // options.n]
-            echo[job.choice.index] = (
-                item if isinstance(item, str) else text.tokenizer.decode(item, False)
-            )
+            p, j = divmod(job.choice.index, options.n)
+            item = raw[p]
+            if j:  # the prompt's first choice has its text
+                echo[job.choice.index] = echo[job.choice.index - j]
+            else:
+                echo[job.choice.index] = (
+                    item if isinstance(item, str) else text.tokenizer.decode(item, False)
+                )
     return await _respond(
         call, jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
-        tokenizer=text.tokenizer, echo_only=options.echo_only,
+        tokenizer=text.tokenizer, n=options.n, echo_only=options.echo_only,
     )  # fmt: skip
 
 
