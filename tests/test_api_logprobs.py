@@ -25,6 +25,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from smgd.api.core import prepare
 from smgd.api.core.pipeline import Choice, LogprobTrack
 from smgd.api.core.sse import encode_json
 from smgd.api.handlers import openai as openai_handlers
@@ -714,6 +715,51 @@ async def test_streamed_choices_wait_for_their_prompts_logprobs() -> None:
         for key in ("tokens", "token_logprobs", "top_logprobs"):  # offsets: per chunk
             assert mine[key] == its[key]
         assert chunks[-1]["finish_reason"] == "length"
+
+
+ONE_SHORT_PROMPT = {
+    "prompt": "ab", "n": 8, "temperature": 1.0, "echo": True, "logprobs": 3, "max_tokens": 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ["abcd"] * 3, "echo": True, "logprobs": 3}, "echo"),
+        ("/v1/completions", {"prompt": "abcd", "prompt_logprobs": 20}, "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "abcd " * 20}], "prompt_logprobs": 0},
+            "prompt_logprobs",
+        ),
+        (
+            "/generate",
+            {
+                "text": "abcd",
+                "sampling_params": {"n": 4},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 5,
+            },
+            "logprob_start_len",
+        ),
+    ],
+)
+async def test_prompt_logprobs_past_the_bound_are_refused_by_name(
+    path: str, body: dict[str, Any], param: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt tokens x (k + 1) over MAX_PROMPT_LOGPROBS (each prompt once where only its first
+    choice asks; native /generate asks per choice): a 400 before any engine sees it."""
+    monkeypatch.setattr(prepare, "MAX_PROMPT_LOGPROBS", 40)
+    engine = PromptLogprobEngine()
+    async with open_app(engine) as (app, _):
+        reply = await post(app, path, {"model": MODEL, "max_tokens": 1, **body})
+        ok = await post(app, "/v1/completions", {**ONE_SHORT_PROMPT, "model": MODEL})
+    assert reply.status == 400, reply.body
+    error = reply.json()["error"]
+    assert error["param"] == param and "entries a request may have" in error["message"]
+    assert ok.status == 200, ok.body  # 8 choices of one short prompt: asked once
+    assert len(engine.requests) == 8
 
 
 # --------------------------------------------------------------------------- SGLang mock wire

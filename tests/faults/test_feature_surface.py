@@ -154,15 +154,30 @@ async def test_echo_logprobs_for_many_choices_do_not_pause_the_streams(
 ) -> None:
     """16 choices of a 4,000-token prompt with `echo` and 20 top logprobs (a 20 KB body):
     the engine sent the prompt's logprobs for every choice and smgd decoded, converted and
-    encoded them 16 times on the loop, an 86 MB reply (a 1.6 s pause; 0.9 s streamed). Now
-    the first choice asks, the others share its part, encoded once."""
+    encoded them 16 times on the loop, an 86 MB reply (a 1.6-1.9 s pause). Streamed, two such
+    prompts (a 0.9-1.0 s pause for one). Now a prompt's first choice asks, the others share
+    its part, encoded once."""
     prompt = [6 + (i * 7919) % 1000 for i in range(4000)]  # no specials: the mock echoes them
+    prompts = [prompt, prompt[1:]] if streaming else [prompt]
     body = {
-        "model": "m", "prompt": prompt, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1,
-        "temperature": 1.0, "stream": streaming,
+        "model": "m", "prompt": prompts, "n": 16, "echo": True, "logprobs": 20,
+        "max_tokens": 1, "temperature": 1.0, "stream": streaming,
     }  # fmt: skip
     async with serve(tmp_path, config()) as daemon, daemon.client() as client:
         gaps, answer = await pauses_beside(client, poster(client, "/v1/completions", body))
         assert answer.status_code == 200, answer.text[:500]
-        assert answer.content.count(b'"finish_reason":"length"') == 16
+        assert answer.content.count(b'"finish_reason":"length"') == 16 * len(prompts)
         assert max(gaps) < MAX_PAUSE_S, sorted(gaps)[-3:]
+
+
+async def test_prompt_logprobs_past_the_bound_are_refused(tmp_path: Path) -> None:
+    """64 prompts of 4,000 tokens with 20 top logprobs (5.4 million entries, a 1.2 MB body):
+    the engine's one frame of them took seconds to decode on the loop, and the reply was
+    340 MB (a 4.7 s pause). Refused by name, before any engine sees it."""
+    prompt = [6 + (i * 7919) % 1000 for i in range(4000)]
+    body = {"model": "m", "prompt": [prompt[i:] for i in range(64)], "echo": True,
+            "logprobs": 20, "max_tokens": 1}  # fmt: skip
+    async with serve(tmp_path, config()) as daemon, daemon.client() as client:
+        answer = await poster(client, "/v1/completions", body)()
+    assert answer.status_code == 400, answer.text[:500]
+    assert answer.json()["error"]["param"] == "echo"

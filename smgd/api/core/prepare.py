@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "JSON_HEADERS",
     "MAX_CHOICES",
+    "MAX_PROMPT_LOGPROBS",
     "OPENAI_NAMES",
     "ApiContext",
     "Call",
@@ -81,6 +82,14 @@ _T = TypeVar("_T")
 # One HTTP request fans out into (prompts x n) engine requests while admission sees one;
 # 64 bounds what a single batched /v1/completions call can put on the engines.
 MAX_CHOICES = 64
+# The prompt logprob entries (a prompt token's, or one of its top alternatives) one request may
+# ask the engines for: 2**20 holds lm-eval's largest batches (64 prompts of a 4k context with
+# `logprobs: 1`, 524,288) and a 100k-token document with 9 top logprobs. Each entry is decoded
+# on the loop as it comes (0.6 µs; an engine that sends a whole batch's in one frame pauses
+# it ~0.6 s at this bound) and converted for the reply (1.2-1.6 µs, in a worker thread when
+# big); 64 prompts of 4,000 tokens with 20 top logprobs (5.4 million) paused it 4.7 s, and
+# built a 340 MB reply. vLLM has no such bound (only its max_logprobs, 20 per token).
+MAX_PROMPT_LOGPROBS = 1 << 20
 
 _decoder = msgspec.json.Decoder()
 
@@ -409,9 +418,27 @@ def plan_jobs(
             jobs.append(Job(engine, req, choice, gateway.router, checked=checked))
             state.choices.append(choice)
     assert options is not None
+    _check_prompt_logprobs(jobs, names)
     if options.ignored:
         log.debug("%s: ignored request keys %s", state.request_id, ", ".join(options.ignored))
     return jobs, options
+
+
+def _check_prompt_logprobs(jobs: list[Job], names: ParamNames) -> None:
+    """Refuse a request whose prompt logprobs would be over :data:`MAX_PROMPT_LOGPROBS`."""
+    tokens = k = 0
+    for job in jobs:
+        asked = job.request.sampling.prompt_logprobs
+        if asked is not None:
+            tokens += len(job.request.prompt_ids)
+            k = asked
+    if tokens * (k + 1) > MAX_PROMPT_LOGPROBS:
+        raise InvalidRequest(
+            f"`{names.prompt_logprobs}`: the prompt logprobs asked for ({tokens} prompt tokens "
+            f"x {k + 1} entries each) are more than the {MAX_PROMPT_LOGPROBS} entries a request "
+            "may have; ask for fewer top logprobs, or send fewer or shorter prompts",
+            param=names.prompt_logprobs,
+        )
 
 
 def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
