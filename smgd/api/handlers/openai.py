@@ -662,7 +662,7 @@ def _reply_body(
     a worker thread). The prompt's parts are built once per prompt (:class:`PromptParts`)
     from the logprobs of its first choice, the one that asked the engine for them."""
     sampling = jobs[0].request.sampling
-    choices: list[dict[str, Any]] = []
+    choices: list[bytes] = []
     for job in jobs:
         choice = job.choice
         text = "" if echo_only else "".join(choice.parts)
@@ -701,19 +701,30 @@ def _reply_body(
         entry["stop_reason"] = stop_reason(choice, job.request.sampling)
         if not chat and parts is not None and sampling.prompt_logprobs is not None:
             entry["prompt_logprobs"] = parts.field(choice, rows)
-        choices.append(entry)
-    payload: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": state.created,
-        "model": state.model,
-        "choices": choices,
-        "usage": state.usage(),
-    }
+        choices.append(encode_json(entry))
+    # Each choice is encoded on its own and the reply joined from them: the same bytes as one
+    # encode of the whole, whose one call held the GIL 0.24 s for a 343 MB reply (a pause of
+    # the loop even from a worker thread); between calls the loop gets it back, and the join
+    # is a copy.
+    envelope = encode_json(
+        {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": state.created,
+            "model": state.model,
+        }
+    )
+    rest: dict[str, Any] = {"usage": state.usage()}
     if chat and sampling.prompt_logprobs is not None and tokens is not None:
         # vLLM puts chat's at the top level (one prompt for every choice).
-        payload["prompt_logprobs"] = prompt_logprobs_field(tokens, jobs[0].choice.prompt_logprobs)
-    return encode_json(payload)
+        rest["prompt_logprobs"] = prompt_logprobs_field(tokens, jobs[0].choice.prompt_logprobs)
+    pieces: list[bytes | memoryview] = [memoryview(envelope)[:-1], b',"choices":[']
+    for i, encoded in enumerate(choices):
+        if i:
+            pieces.append(b",")
+        pieces.append(encoded)
+    pieces.extend((b"],", memoryview(encode_json(rest))[1:]))
+    return b"".join(pieces)
 
 
 def _sampler(
