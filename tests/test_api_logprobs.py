@@ -762,6 +762,22 @@ async def test_prompt_logprobs_past_the_bound_are_refused_by_name(
     assert len(engine.requests) == 8
 
 
+@pytest.mark.parametrize(("n", "status"), [(8, 400), (2, 200)])
+async def test_a_reply_repeating_too_many_prompt_logprobs_is_refused(
+    n: int, status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each choice repeats its prompt's logprobs: choices x prompt tokens x (k + 1) over
+    MAX_REPLY_PROMPT_LOGPROBS is a 400 naming `echo`, though the engine is asked once."""
+    monkeypatch.setattr(openai_handlers, "MAX_REPLY_PROMPT_LOGPROBS", 100)
+    body = {"model": MODEL, "prompt": IDS[:6], "n": n, "echo": True, "logprobs": 3,
+            "max_tokens": 1, "temperature": 1.0}  # fmt: skip
+    async with open_app(PromptLogprobEngine()) as (app, _):
+        reply = await post(app, "/v1/completions", body)
+    assert reply.status == status, reply.body  # 6 tokens x 4 entries: 24 a choice
+    if status == 400:
+        assert reply.json()["error"]["param"] == "echo"
+
+
 # --------------------------------------------------------------------------- SGLang mock wire
 
 

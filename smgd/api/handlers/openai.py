@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BIG_REPLY_ENTRIES",
+    "MAX_REPLY_PROMPT_LOGPROBS",
     "EchoHead",
     "OpenAIRenderer",
     "ParsedRenderer",
@@ -77,6 +78,15 @@ __all__ = [
     "template_kwargs",
 ]
 
+# A completions reply repeats its prompt's logprobs in every choice of the prompt (vLLM's
+# shape: `echo`'s part of `logprobs`, and the `prompt_logprobs` field): at most this many
+# entries (a prompt token's, or one of its top alternatives) over all its choices, about
+# 270 MB of reply at ~64 bytes an entry. 16 choices of a 4,000-token prompt with 20 top
+# logprobs are 1.3 million (86 MB); 4 such prompts (5.4 million, 343 MB) paused the loop
+# 0.4-0.8 s even converted once and built in a thread (the reply's copies: its join, the
+# HTTP write's), and took 2.6 s to answer. What the engines send is bounded apart
+# (prepare.MAX_PROMPT_LOGPROBS).
+MAX_REPLY_PROMPT_LOGPROBS = 1 << 22
 # Chat keys that would change the prompt in ways smgd does not implement; rejected by name.
 _CHAT_UNSUPPORTED = ("chat_template", "documents")
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
@@ -913,6 +923,7 @@ async def completion_reply(call: Call) -> Reply:
         prompt_logprobs_once=True,
     )  # fmt: skip
     _no_streamed_prompt_logprobs(body, streaming)
+    _check_reply_size(jobs, options.n, "prompt_logprobs" if not implied else "echo")
     if options.echo_only and streaming:
         raise InvalidRequest(
             "`max_tokens: 0` (echo without generation) needs `stream: false`", param="max_tokens"
@@ -933,6 +944,23 @@ async def completion_reply(call: Call) -> Reply:
         call, jobs, state, chat=False, streaming=streaming, include_usage=include_usage, echo=echo,
         tokenizer=text.tokenizer, n=options.n, echo_only=options.echo_only,
     )  # fmt: skip
+
+
+def _check_reply_size(jobs: list[Job], n: int, param: str) -> None:
+    """Refuse a completions request whose reply would repeat more prompt logprob entries than
+    :data:`MAX_REPLY_PROMPT_LOGPROBS` over its choices."""
+    k = jobs[0].request.sampling.prompt_logprobs  # the first choice asks for them, if any
+    if k is None:
+        return
+    tokens = sum(len(job.request.prompt_ids) for job in jobs[::n]) * n
+    if tokens * (k + 1) > MAX_REPLY_PROMPT_LOGPROBS:
+        raise InvalidRequest(
+            f"`{param}`: a reply of {len(jobs)} choice(s) would repeat the prompt logprobs of "
+            f"{tokens} prompt tokens x {k + 1} entries each, more than the "
+            f"{MAX_REPLY_PROMPT_LOGPROBS} a reply may hold; ask for fewer choices (`n`) or top "
+            "logprobs, or send fewer or shorter prompts",
+            param=param,
+        )
 
 
 def _no_streamed_prompt_logprobs(body: dict[str, Any], streaming: bool) -> None:
