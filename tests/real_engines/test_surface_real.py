@@ -91,6 +91,18 @@ async def offline(python: str, model: str, out: dict[str, Any]) -> None:
     out.update(oracle_result(stdout, ok=proc.returncode == 0, diagnostics=stderr))
 
 
+def streamed_logprobs(body: str) -> dict[int, list[float | None]]:
+    """Each choice's ``token_logprobs``, joined over a streamed completion's events."""
+    joined: dict[int, list[float | None]] = {}
+    for line in body.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices", []):
+            if choice.get("logprobs"):
+                joined.setdefault(choice["index"], []).extend(choice["logprobs"]["token_logprobs"])
+    return joined
+
+
 def own(row: list[list[Any]], token_id: int) -> float:
     """The logprob vLLM gave ``token_id`` in a [[id, logprob, rank], ...] row."""
     return float(next(max(lp, -9999.0) for tid, lp, _ in row if tid == token_id))
@@ -109,6 +121,11 @@ async def test_prompt_logprobs_echo_min_tokens_priority_match_vllm() -> None:
             }  # fmt: skip
             generated = await client.post("/v1/completions", json=lm_eval)
             loglik = await client.post("/v1/completions", json={**lm_eval, "max_tokens": 0})
+            # n = 2 (sampled: vLLM takes n > 1 only so): only the first choice asks the
+            # engine for the prompt's logprobs; each choice carries them, whole or streamed.
+            sampled = {**lm_eval, "n": 2, "temperature": 1.0}
+            loglik_n2 = await client.post("/v1/completions", json={**sampled, "max_tokens": 0})
+            streamed_n2 = await client.post("/v1/completions", json={**sampled, "stream": True})
             prompt_lp = await client.post(
                 "/v1/completions",
                 json={
@@ -146,6 +163,13 @@ async def test_prompt_logprobs_echo_min_tokens_priority_match_vllm() -> None:
             max(v, -9999.0) for _, v, _ in rows[i]
         )
     assert loglik.json()["usage"]["completion_tokens"] == 1  # as vLLM counts it
+    assert loglik_n2.status_code == 200, loglik_n2.text
+    assert [c["logprobs"] for c in loglik_n2.json()["choices"]] == [lp, lp]
+    assert streamed_n2.status_code == 200, streamed_n2.text
+    streamed = streamed_logprobs(streamed_n2.text)
+    assert sorted(streamed) == [0, 1]
+    for joined in streamed.values():  # the prompt's, then the sampled token's own
+        assert joined[:-1] == lp["token_logprobs"] and len(joined) == len(HELLO) + 1
     assert generated.status_code == 200, generated.text
     with_one = generated.json()["choices"][0]["logprobs"]
     assert with_one["token_logprobs"][:-1] == lp["token_logprobs"]
@@ -232,6 +256,11 @@ def test_sglang_prompt_logprobs_echo_min_tokens_priority_match_sglang() -> None:
                 "/v1/completions",
                 {"prompt": SGLANG_PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1},
             )
+            loglik_n2 = daemon_real.post(
+                url,
+                "/v1/completions",
+                {"prompt": SGLANG_PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1, "n": 2},
+            )
         out, err = oracle.communicate(timeout=600)
     finally:
         oracle.kill()
@@ -252,6 +281,9 @@ def test_sglang_prompt_logprobs_echo_min_tokens_priority_match_sglang() -> None:
 
     assert loglik.status_code == 200, loglik.text
     lp = loglik.json()["choices"][0]["logprobs"]
+    # n = 2: the prompt's logprobs asked of the engine once, carried by each choice.
+    assert loglik_n2.status_code == 200, loglik_n2.text
+    assert [c["logprobs"] for c in loglik_n2.json()["choices"]] == [lp, lp]
     theirs = expected[1]["meta_info"]
     assert lp["token_logprobs"] == [v for v, _, _ in theirs["input_token_logprobs"]]
     assert lp["top_logprobs"][0] is None
