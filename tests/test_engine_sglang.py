@@ -566,3 +566,22 @@ async def test_a_reload_that_sets_request_s_ends_requests_already_past_it_at_onc
                 reloaded = trio.current_time()
                 assert await _fails_with_timeout(old) - reloaded < 0.1
                 assert 30.0 <= await _fails_with_timeout(young) - reloaded <= 30.1
+
+
+async def test_output_and_prompt_top_logprobs_each_come_back_as_asked() -> None:
+    """The wire has one top-k count for both sides (the larger); each side's top lists are
+    cut back to its own count, whichever is larger."""
+    async with sglang_pair() as pair:
+        for out_k, prompt_k in ((1, 3), (4, 2), (2, 2)):
+            req = request(
+                uuid.uuid4().hex, [10, 11, 12, 13], 3, logprobs=out_k, prompt_logprobs=prompt_k
+            )
+            output: list[int] = []
+            prompt: list[int] = []
+            async with pair.client.open_stream(req) as stream:
+                async for delta in stream:
+                    output += [len(e.top or ()) for e in delta.logprobs or ()]
+                    prompt += [len(e.top or ()) for e in delta.prompt_logprobs or ()]
+            assert output == [out_k] * 3, (out_k, prompt_k)
+            assert prompt and set(prompt) == {prompt_k}, (out_k, prompt_k)
+        assert not pair.client._tops  # each finished request forgotten

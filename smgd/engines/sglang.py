@@ -85,6 +85,10 @@ class SglangEngineClient(EngineClient):
         self._health_rid: str | None = None
         self._health_done = trio.Event()
         self._probe_lock = trio.Lock()
+        # rid -> (output top-k, prompt top-k) of the requests that ask the two different
+        # counts: the wire has one count for both, the larger (wire.sglang.encode), so the
+        # other side's top lists come back longer than asked and are cut here.
+        self._tops: dict[str, tuple[int, int]] = {}
 
     @property
     def input_endpoint(self) -> str:
@@ -263,7 +267,27 @@ class SglangEngineClient(EngineClient):
         if isinstance(req, EmbedRequest):
             return [encode_embed(req)]
         lora = None if req.lora is None else self.lora.get(req.lora)
+        out_k, prompt_k = req.sampling.logprobs, req.sampling.prompt_logprobs
+        if out_k is not None and prompt_k is not None and out_k != prompt_k:
+            self._tops[req.rid] = (out_k, prompt_k)
         return [encode_generate(req, lora)]
+
+    def _forget(self, rid: str) -> None:
+        super()._forget(rid)
+        if self._tops:
+            self._tops.pop(rid, None)
+
+    def _trim_tops(self, deltas: Sequence[TokenDelta]) -> None:
+        """Cut each top-k list of the requests in ``_tops`` to what its side asked for."""
+        tops = self._tops
+        for delta in deltas:
+            asked = tops.get(delta.rid)
+            if asked is None:
+                continue
+            for entries, k in zip((delta.logprobs, delta.prompt_logprobs), asked, strict=True):
+                for entry in entries or ():
+                    if entry.top is not None and len(entry.top) > k:
+                        del entry.top[k:]
 
     def _encode_abort(self, rid: str) -> list[bytes]:
         return [encode_abort(rid)]
@@ -271,6 +295,8 @@ class SglangEngineClient(EngineClient):
     def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
         result = decode_output(memoryview(frames[0]))  # zero-copy over the zmq frame
         if isinstance(result, list):
+            if self._tops:  # empty unless a request asked two top-k counts
+                self._trim_tops(result)
             health = self._health_rid
             if health is None:
                 return result

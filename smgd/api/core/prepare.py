@@ -447,12 +447,11 @@ def _without_prompt_logprobs(params: SamplingParams) -> SamplingParams:
     Every choice asked before: the engine computed them and sent them n times (with no prefix
     cache: SGLang's ``logprob_start_len`` 0 and vLLM's prompt logprobs skip it), and smgd
     decoded them n times on its loop (0.8 s for 16 choices of a 4,000-token prompt with 20 top
-    logprobs). Kept when the prompt's top-k is larger than the output's: SGLang's wire has one
-    top-k count for both (``top_logprobs_num``), so dropping it would shrink the other
-    choices' output top logprobs.
+    logprobs). (SGLang's wire has one top-k count for both sides, the larger; its client cuts
+    the first choice's output top lists back to the output's count, so every choice's output
+    is alike.)
     """
-    prompt_k = params.prompt_logprobs
-    if prompt_k is None or (params.logprobs is not None and prompt_k > params.logprobs):
+    if params.prompt_logprobs is None:
         return params
     return msgspec.structs.replace(params, prompt_logprobs=None)
 

@@ -130,8 +130,8 @@ def _tgri(
     prompt_logprobs: int | None = None,
     priority: int | None = None,
 ) -> TokenizedGenerateReqInput:
-    # One top-k count serves the prompt and the output on this wire: the larger one (smgd
-    # trims each side to what was asked for).
+    # One top-k count serves the prompt and the output on this wire: the larger one (the
+    # engine client cuts the other side's top lists back to what it asked for).
     top = max(logprobs or 0, prompt_logprobs or 0)
     return TokenizedGenerateReqInput(
         rid=rid,
