@@ -540,13 +540,15 @@ class PromptLogprobEngine(LogprobEngine):
 # shared among its choices (n = 2, one prompt and a batch of two), and the digest of what they
 # were answered then (commit c9ca101): the id and `created` blanked, and a stream's events in
 # each choice's order (the order of the choices' events is the engines' timing). The reply
-# must stay what it was, byte for byte.
+# must stay what it was, byte for byte. The streamed digests are of the commit after, which
+# fixed streamed echo's text_offset after the first chunk (it did not count the echoed
+# prompt; test_echoed_completions_text_offsets_index_the_whole_text).
 ECHO_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (
         "/v1/completions",
         {"prompt": " café 日本 ok", "n": 2, "echo": True, "logprobs": 2, "max_tokens": 3},
         "13a1d08ca7f360289f54679d664126a9f796e89f0ea1bf501e7f8867eeb475be",
-        "6ba432abd634243e223f57348962bb1c1a9fbd7436482ff02a2c8fbc4b70f5f1",
+        "4dcde99b9dcb69584e9eabb6a549b3a1bbedc74aa7c048d67fa9dfa1c9efd600",
     ),
     (
         "/v1/completions",
@@ -558,7 +560,7 @@ ECHO_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
             "max_tokens": 2,
         },
         "49091e68896d3d6a24b56962ded9ece73c7b88fef22bac4c70f9fb423f99d4d4",
-        "deddeea5209b5e9ec4517d9f1f1ebae404d96f3855d31ad1fe9c163305da7686",
+        "e808ed3d6a2dacfddd3ae7ef0fab39a15177e136d7b4df91dce0cdf1a3cf3f18",
     ),
     (  # echo without generation, and vLLM's prompt_logprobs field (non-streamed only)
         "/v1/completions",
@@ -926,3 +928,32 @@ async def test_stop_usage_through_sglang_mock(logprobs: int | None) -> None:
         assert choice.logprobs is not None and choice.logprobs.tokens is not None
         assert len(choice.logprobs.tokens) == done + 1
         assert "".join(choice.logprobs.tokens) == choice.text
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_echoed_completions_text_offsets_index_the_whole_text(streaming: bool) -> None:
+    """With ``echo``, every ``text_offset`` indexes the text the client got, the echoed
+    prompt first (vLLM's offsets count the prompt's text in every streamed chunk, not only
+    the first)."""
+    engine = PromptLogprobEngine(behaviour=Behaviour(output=ASCII, tokens_per_step=2))
+    # Token ids, so no BOS is added: a BOS token's text ("<s>") is not in the echoed text.
+    prompt = TOK.encode(" Hello, world", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1,
+            "max_tokens": 8, "n": 2, "temperature": 1.0, "stream": streaming}  # fmt: skip
+    async with open_app(engine) as (app, _):
+        if streaming:
+            reply = await post_stream(app, "/v1/completions", body)
+            chunks = [c for event in reply.chunks() for c in event["choices"]]
+        else:
+            chunks = (await post(app, "/v1/completions", body)).json()["choices"]
+    for index in (0, 1):
+        mine = [c for c in chunks if c["index"] == index]
+        text = "".join(c["text"] for c in mine)
+        assert text.startswith(" Hello, world") and len(text) > len(" Hello, world")
+        checked = 0
+        for chunk in mine:
+            lp = chunk["logprobs"] or {"tokens": [], "text_offset": []}
+            for token, at in zip(lp["tokens"], lp["text_offset"], strict=True):
+                assert text[at : at + len(token)] == token, (index, token, at)
+                checked += 1
+        assert checked == len(prompt) + 8, index

@@ -456,6 +456,11 @@ class OpenAIRenderer:
         if self.tokens is not None and choice.logprobs is not None:
             entries, offsets, texts = choice.logprobs.unsent()
             if entries:
+                if self.echo is not None and head is None:
+                    # After the first chunk: offsets count the echoed prompt's text too (the
+                    # client's text starts with it), as vLLM's do in every chunk.
+                    shift = len(self.echo[choice.index])
+                    offsets = [shift + at for at in offsets]
                 found = self._logprobs(entries, offsets, texts)
             if head is not None:
                 return head.join(found)
