@@ -548,7 +548,7 @@ ECHO_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
         "/v1/completions",
         {"prompt": " café 日本 ok", "n": 2, "echo": True, "logprobs": 2, "max_tokens": 3},
         "13a1d08ca7f360289f54679d664126a9f796e89f0ea1bf501e7f8867eeb475be",
-        "4dcde99b9dcb69584e9eabb6a549b3a1bbedc74aa7c048d67fa9dfa1c9efd600",
+        "87fa81d8b98cf60206ba9b4c01594a34c98e77d62a4d7321b69473d5de3a437f",
     ),
     (
         "/v1/completions",
@@ -560,7 +560,7 @@ ECHO_BODIES: list[tuple[str, dict[str, Any], str, str | None]] = [
             "max_tokens": 2,
         },
         "49091e68896d3d6a24b56962ded9ece73c7b88fef22bac4c70f9fb423f99d4d4",
-        "e808ed3d6a2dacfddd3ae7ef0fab39a15177e136d7b4df91dce0cdf1a3cf3f18",
+        "bfb1ea1bc1adea783168dd8506f5a778602f741d25ea877caadda9184aee9a7e",
     ),
     (  # echo without generation, and vLLM's prompt_logprobs field (non-streamed only)
         "/v1/completions",
@@ -957,3 +957,19 @@ async def test_echoed_completions_text_offsets_index_the_whole_text(streaming: b
                 assert text[at : at + len(token)] == token, (index, token, at)
                 checked += 1
         assert checked == len(prompt) + 8, index
+
+
+async def test_a_streamed_echo_has_the_logprobs_of_the_whole_reply() -> None:
+    """A text prompt (its BOS token's text "<s>" counted in the offsets, as vLLM counts it):
+    each choice's streamed logprobs, joined, are the non-streamed reply's."""
+    body = {"model": MODEL, "prompt": " Hello, world", "echo": True, "logprobs": 2,
+            "max_tokens": 7, "n": 2, "temperature": 1.0}  # fmt: skip
+    engine = PromptLogprobEngine(behaviour=Behaviour(output=ASCII, tokens_per_step=2))
+    async with open_app(engine) as (app, _):
+        whole = (await post(app, "/v1/completions", body)).json()["choices"]
+        reply = await post_stream(app, "/v1/completions", {**body, "stream": True})
+    chunks = [c for event in reply.chunks() for c in event["choices"]]
+    for choice in whole:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert len([c for c in mine if c["logprobs"]]) > 2  # several chunks after the first
+        assert merged_logprobs(mine) == choice["logprobs"]

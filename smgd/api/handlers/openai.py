@@ -273,19 +273,21 @@ class EchoHead:
     again, 1.5 s of the loop; the engine's 16 copies of the rows took 0.8 s to decode).
     """
 
-    __slots__ = ("_alone", "_lists", "_shift")
+    __slots__ = ("_alone", "_lists", "shift")
 
     def __init__(self, part: dict[str, Any]) -> None:
         self._alone = encode_json(part)
         # Each list without its closing bracket (a view: join() copies it once).
         self._lists = [memoryview(encode_json(part[key]))[:-1] for key, _ in _JOINED]
-        self._shift = sum(len(t) for t in part["tokens"])
+        # Where the output's text starts, by the prompt tokens' texts: its text_offsets move
+        # by this (vLLM's count: a BOS token's text included, which the echoed text has not).
+        self.shift = sum(len(t) for t in part["tokens"])
 
     def join(self, tail: dict[str, Any] | None) -> bytes:
         """The JSON of ``join_logprobs(head, tail)``: the same bytes, the head's copied."""
         if tail is None:
             return self._alone
-        tail = {**tail, "text_offset": [self._shift + o for o in tail["text_offset"]]}
+        tail = {**tail, "text_offset": [self.shift + o for o in tail["text_offset"]]}
         pieces: list[bytes | memoryview] = []
         for (key, before), head in zip(_JOINED, self._lists, strict=True):
             pieces.append(before)
@@ -456,11 +458,12 @@ class OpenAIRenderer:
         if self.tokens is not None and choice.logprobs is not None:
             entries, offsets, texts = choice.logprobs.unsent()
             if entries:
-                if self.echo is not None and head is None:
-                    # After the first chunk: offsets count the echoed prompt's text too (the
-                    # client's text starts with it), as vLLM's do in every chunk.
-                    shift = len(self.echo[choice.index])
-                    offsets = [shift + at for at in offsets]
+                if head is None and self.parts is not None:
+                    # After the first chunk: offsets count the echoed prompt's tokens' text
+                    # too, as the first chunk's do (and vLLM's, in every chunk).
+                    built = self.parts.head(choice, None)
+                    if built is not None:
+                        offsets = [built.shift + at for at in offsets]
                 found = self._logprobs(entries, offsets, texts)
             if head is not None:
                 return head.join(found)
