@@ -973,3 +973,41 @@ async def test_a_streamed_echo_has_the_logprobs_of_the_whole_reply() -> None:
         mine = [c for c in chunks if c["index"] == choice["index"]]
         assert len([c for c in mine if c["logprobs"]]) > 2  # several chunks after the first
         assert merged_logprobs(mine) == choice["logprobs"]
+
+
+async def test_streamed_generate_logprobs_are_converted_once_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every streamed ``/generate`` event carries all logprobs so far and the prompt's (as
+    SGLang's do); each entry is converted once however many events repeat it (a 4,096-token
+    stream with top-20 logprobs converted ~180 million items on the loop), and each event
+    still has them all."""
+    from smgd.api.handlers import native
+
+    calls = 0
+    item = native.NativeLogprobs._item
+
+    def counted(self: native.NativeLogprobs, logprob: float, token_id: int) -> list[Any]:
+        nonlocal calls
+        calls += 1
+        return item(self, logprob, token_id)
+
+    monkeypatch.setattr(native.NativeLogprobs, "_item", counted)
+    tokens, top, prompt = 48, 2, [70, 71, 72]
+    engine = PromptLogprobEngine(behaviour=Behaviour(output=ASCII * 4, tokens_per_step=1))
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": top,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": tokens}}  # fmt: skip
+    async with open_app(engine) as (app, _):
+        whole = (await post(app, "/generate", body)).json()["meta_info"]
+        calls = 0
+        streamed = await post_stream(app, "/generate", {**body, "stream": True})
+    events = streamed.chunks()
+    assert len(events) > tokens // 2  # many events, each repeating what came before
+    assert calls == (tokens + len(prompt) - 1) * (1 + top)
+    for got in events:
+        meta = got["meta_info"]
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            assert meta[key] == whole[key], key
+        n = len(got["output_ids"])
+        assert meta["output_token_logprobs"] == whole["output_token_logprobs"][:n]
+        assert meta["output_top_logprobs"] == whole["output_top_logprobs"][:n]

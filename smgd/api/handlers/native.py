@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import trio
 
 from smgd.api.core.errors import stream_error
@@ -72,43 +73,85 @@ def _finish(choice: Choice, max_tokens: int) -> dict[str, Any] | None:
     return {"type": "stop", "matched": choice.matched}
 
 
+class _Grown:
+    """A JSON array that only grows, its items encoded once: ``raw`` is the whole array.
+
+    A streamed ``/generate`` event carries every logprob so far (SGLang's cumulative
+    ``meta_info``): rebuilt per event, a 4,096-token stream with top-20 logprobs converted
+    ~180 million items on the loop. Encoded as they come, an event costs a copy of the bytes.
+    """
+
+    __slots__ = ("_body", "count")
+
+    def __init__(self) -> None:
+        self._body = bytearray()
+        self.count = 0  # items so far
+
+    def extend(self, items: list[Any]) -> None:
+        if not items:
+            return
+        if self.count:
+            self._body += b","
+        self._body += encode_json(items)[1:-1]
+        self.count += len(items)
+
+    @property
+    def raw(self) -> msgspec.Raw:
+        return msgspec.Raw(b"[" + self._body + b"]")
+
+
 class NativeLogprobs:
-    """SGLang's logprob fields of ``meta_info`` for one request."""
+    """SGLang's logprob fields of ``meta_info`` for one request: each choice's entries
+    converted and encoded once, as they come (``_Grown``), the prompt's once."""
 
     def __init__(self, tokens: TokenText, *, top: bool, with_text: bool) -> None:
         self.tokens = tokens
         self.top = top
         self.with_text = with_text
+        self._output: dict[int, tuple[_Grown, _Grown]] = {}  # by choice: values, tops
+        self._prompt: dict[int, tuple[int, dict[str, Any]]] = {}  # by choice: (rows, fields)
 
     def _item(self, logprob: float, token_id: int) -> list[Any]:
         text = self.tokens.get(token_id)[0] if self.with_text else None
         return [max(logprob, MIN_LOGPROB), token_id, text]
 
-    def fields(self, track: LogprobTrack) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "output_token_logprobs": [self._item(e.logprob, e.token_id) for e in track.entries]
-        }
+    def fields(self, index: int, track: LogprobTrack) -> dict[str, Any]:
+        """Choice ``index``'s output fields, with the entries of ``track`` not seen before
+        converted now (entries only ever grow)."""
+        grown = self._output.get(index)
+        if grown is None:
+            grown = self._output[index] = (_Grown(), _Grown())
+        values, tops = grown
+        new = track.entries[values.count :]
+        values.extend([self._item(e.logprob, e.token_id) for e in new])
+        out: dict[str, Any] = {"output_token_logprobs": values.raw}
         if self.top:
-            out["output_top_logprobs"] = [
-                [self._item(t.logprob, t.token_id) for t in e.top or ()] for e in track.entries
-            ]
+            tops.extend([[self._item(t.logprob, t.token_id) for t in e.top or ()] for e in new])
+            out["output_top_logprobs"] = tops.raw
         return out
 
-    def prompt_fields(self, prompt_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:
-        """``logprob_start_len: 0``: the first prompt token has no logprob (SGLang's null)."""
+    def prompt_fields(
+        self, index: int, prompt_ids: list[int], entries: list[TokenLogprob]
+    ) -> dict[str, Any]:
+        """``logprob_start_len: 0``: the first prompt token has no logprob (SGLang's null).
+        Converted and encoded once per choice (every streamed event repeats them), again only
+        if more rows came (an engine may send a long prompt's in parts)."""
+        done = self._prompt.get(index)
+        if done is not None and done[0] == len(entries):
+            return done[1]
         first = prompt_ids[0] if prompt_ids else None
         text = self.tokens.get(first)[0] if self.with_text and first is not None else None
         out: dict[str, Any] = {
-            "input_token_logprobs": [
-                [None, first, text],
-                *(self._item(e.logprob, e.token_id) for e in entries),
-            ]
+            "input_token_logprobs": msgspec.Raw(
+                encode_json(
+                    [[None, first, text], *(self._item(e.logprob, e.token_id) for e in entries)]
+                )
+            )
         }
         if self.top:
-            out["input_top_logprobs"] = [
-                None,
-                *([self._item(t.logprob, t.token_id) for t in e.top or ()] for e in entries),
-            ]
+            rows = ([self._item(t.logprob, t.token_id) for t in e.top or ()] for e in entries)
+            out["input_top_logprobs"] = msgspec.Raw(encode_json([None, *rows]))
+        self._prompt[index] = (len(entries), out)
         return out
 
 
@@ -129,8 +172,8 @@ def _meta(
     }
     if logprobs is not None and choice.logprobs is not None:
         if choice.prompt_logprobs is not None:
-            meta.update(logprobs.prompt_fields(prompt_ids, choice.prompt_logprobs))
-        meta.update(logprobs.fields(choice.logprobs))
+            meta.update(logprobs.prompt_fields(choice.index, prompt_ids, choice.prompt_logprobs))
+        meta.update(logprobs.fields(choice.index, choice.logprobs))
     return meta
 
 
