@@ -37,9 +37,9 @@ import trio
 
 from smgd.config import Config, EngineConfig, WireFamily, engine_ipc_dir, load_config
 from smgd.engines import grammar_args, launch_flags, scheduling_args
-from smgd.engines.base import EngineState
 from smgd.engines.lora import lora_args, static_adapters
 from smgd.engines.sglang import SglangEngineClient
+from smgd.engines.state import EngineState
 from smgd.engines.tokenspeed import DEFAULT_HANDSHAKE, TokenspeedEngineClient, tokenspeed_argv
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
 from smgd.errors import ConfigError, SmgdError, TransportError

@@ -13,7 +13,7 @@ import trio
 import zmq
 
 from smgd.config import EngineConfig, LimitsConfig, TimeoutsConfig, WireFamily
-from smgd.engines import base
+from smgd.engines import validation
 from smgd.engines.base import EngineClient
 from smgd.engines.sglang import SglangEngineClient
 from smgd.launch import mock_argv
@@ -27,17 +27,17 @@ VOCAB = 1024
 
 class VocabularyScans:
     """Records every prompt an engine client scans against its vocabulary (the ids, in
-    order), by wrapping ``smgd.engines.base._check_vocabulary`` for the test."""
+    order), by wrapping ``smgd.engines.validation._check_vocabulary`` for the test."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.prompts: list[list[int]] = []
-        scan = base._check_vocabulary
+        scan = validation._check_vocabulary
 
         def counted(ids: list[int], vocab: int | None, param: str) -> None:
             self.prompts.append(list(ids))
             scan(ids, vocab, param)
 
-        monkeypatch.setattr(base, "_check_vocabulary", counted)
+        monkeypatch.setattr(validation, "_check_vocabulary", counted)
 
     @property
     def lengths(self) -> list[int]:

@@ -26,8 +26,9 @@ import trio
 from smgd.api.http.app import create_app
 from smgd.api.http.dispatch import Dispatcher
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
-from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.base import EngineClient
 from smgd.engines.delivery import DELIVERY
+from smgd.engines.state import EngineState
 from smgd.gateway import Gateway
 from smgd.wire.common import (
     EngineInfo,

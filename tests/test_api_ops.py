@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from smgd.api.core import prepare
-from smgd.engines.base import EngineState
+from smgd.engines.state import EngineState
 from smgd.text.tokenizer import load_tokenizer
 from tests.fake_engine import (
     MODEL,

@@ -101,7 +101,7 @@ async def test_engine_death_non_stream_is_502(autojump_clock: trio.abc.Clock) ->
 
 
 async def test_engine_not_ready_is_503_with_retry_after(autojump_clock: trio.abc.Clock) -> None:
-    from smgd.engines.base import EngineState
+    from smgd.engines.state import EngineState
 
     fake = FakeEngine()
     async with open_app(fake) as (app, _):

@@ -12,8 +12,9 @@ import trio
 import trio.testing
 import zmq
 
-from smgd.engines.base import EngineState, _check_vocabulary
+from smgd.engines.state import EngineState
 from smgd.engines.stream import RequestStream
+from smgd.engines.validation import _check_vocabulary
 from smgd.errors import EngineDead, EngineNotReady, EngineTimeout, InvalidRequest, WireError
 from smgd.wire.common import Finish, FinishReason
 from smgd.wire.sglang.decode import decode_request

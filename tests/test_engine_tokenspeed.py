@@ -22,13 +22,13 @@ import trio.testing
 import zmq
 
 from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
-from smgd.engines.base import EngineState
 from smgd.engines.handshake import (
     HandshakeTracker,
     RankTable,
     derive_handshake_port,
     identity_index,
 )
+from smgd.engines.state import EngineState
 from smgd.engines.tokenspeed import TokenspeedEngineClient, tokenspeed_argv
 from smgd.errors import ConfigError, EngineDead, EngineNotReady, InvalidRequest
 from smgd.launch import mock_argv

@@ -17,7 +17,7 @@ import trio
 import zmq
 
 from smgd.config import EngineConfig, LimitsConfig, TimeoutsConfig, WireFamily
-from smgd.engines.base import EngineState
+from smgd.engines.state import EngineState
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
 from smgd.errors import EngineDead, InvalidRequest, WireError
 from smgd.launch import mock_argv

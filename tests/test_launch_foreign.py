@@ -13,9 +13,9 @@ from typing import Any
 
 import trio
 
-from smgd.engines.base import EngineState
 from smgd.engines.handshake import HandshakeTracker
 from smgd.engines.sglang import SglangEngineClient
+from smgd.engines.state import EngineState
 from smgd.errors import EngineDead
 from smgd.launch import mock_argv
 from smgd.wire.common import EngineInfo

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from smgd.admission import Admission
-from smgd.engines.base import EngineState
+from smgd.engines.state import EngineState
 from smgd.engines.stream import RequestStream
 from smgd.errors import (
     Draining,

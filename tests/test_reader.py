@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 import trio
 
-from smgd.engines.base import DELIVER_CHUNK, EngineState
 from smgd.engines.delivery import DELIVERY
+from smgd.engines.reader import DELIVER_CHUNK, reader_task
 from smgd.engines.sglang import SglangEngineClient
+from smgd.engines.state import EngineState
 from smgd.engines.stream import RequestStream
 from smgd.errors import WireError
 from smgd.wire.common import EngineInfo, Finish, FinishReason, TokenDelta, TokenLogprob
@@ -85,7 +86,7 @@ async def test_a_large_message_is_delivered_in_slices_with_passes_between() -> N
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
-        nursery.start_soon(client._reader_task)
+        nursery.start_soon(reader_task, client)
         with trio.fail_after(5):
             while len(got) < 2 * n + DELIVER_CHUNK:
                 await trio.lowlevel.checkpoint()
@@ -116,7 +117,7 @@ async def _undecodable_then_good(bad: str, decode: Any) -> None:
     failed = dict(client._streams)
     client._decode_frames = decode  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client._reader_task)
+        nursery.start_soon(reader_task, client)
         with trio.fail_after(5):
             while not client._decode_errors:
                 await trio.lowlevel.checkpoint()
@@ -176,7 +177,7 @@ async def test_first_outputs_go_first_in_a_message_delivered_in_slices() -> None
     new = [f"r{i}" for i in range(n - 5, n)]
     client._fresh.update(new)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client._reader_task)
+        nursery.start_soon(reader_task, client)
         with trio.fail_after(5):
             while len(got) < n + len(small):
                 await trio.lowlevel.checkpoint()
@@ -194,7 +195,7 @@ async def test_a_small_message_keeps_the_engines_order() -> None:
     _streams(client, DELIVER_CHUNK, got)
     client._fresh.add(f"r{DELIVER_CHUNK - 1}")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(client._reader_task)
+        nursery.start_soon(reader_task, client)
         with trio.fail_after(5):
             while len(got) < DELIVER_CHUNK:
                 await trio.lowlevel.checkpoint()
@@ -265,7 +266,7 @@ async def _watch_held_writes(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
-        nursery.start_soon(client._reader_task)
+        nursery.start_soon(reader_task, client)
         with trio.fail_after(5):
             while len(sinks.written) < rows:
                 await trio.lowlevel.checkpoint()
@@ -318,7 +319,7 @@ async def test_a_reader_that_stops_on_undecodable_frames_still_makes_its_held_wr
     sinks.install(client, 1)
     client._decode_frames = _decode_unless_bad  # type: ignore[method-assign]
     with trio.fail_after(5):
-        await client._reader_task()  # returns: the engine was declared dead
+        await reader_task(client)  # returns: the engine was declared dead
     assert client._death is not None
     assert sinks.written == ["r0"]  # the row delivered before it stopped was written
     assert not DELIVERY.open and not DELIVERY.held

@@ -27,7 +27,8 @@ import trio.testing
 from smgd.admission import Admission
 from smgd.assets import TINY_MODEL_DIR
 from smgd.config import Config, EngineConfig, TimeoutsConfig, WireFamily, load_config
-from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.base import EngineClient
+from smgd.engines.state import EngineState
 from smgd.errors import EngineDead, Overloaded, TransportError
 from smgd.gateway import Gateway
 from smgd.launch import mock_argv

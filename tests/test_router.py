@@ -9,8 +9,9 @@ from typing import Any, cast
 import pytest
 
 from smgd.config import RoutingConfig, RoutingPolicy
-from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.base import EngineClient
 from smgd.engines.lora import LoraTable
+from smgd.engines.state import EngineState
 from smgd.errors import EngineNotReady, ModelNotFound
 from smgd.router import AFFINITY_OVERLOAD_MARGIN, Router
 

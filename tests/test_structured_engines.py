@@ -27,8 +27,9 @@ from smgd.config import (
     load_config,
 )
 from smgd.engines import grammar_args
-from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.base import EngineClient
 from smgd.engines.sglang import SglangEngineClient
+from smgd.engines.state import EngineState
 from smgd.engines.stream import RequestStream
 from smgd.engines.tokenspeed import TokenspeedEngineClient
 from smgd.engines.vllm import VllmEngineClient, structured_backend

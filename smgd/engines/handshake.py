@@ -47,7 +47,9 @@ import trio
 import zmq
 
 from smgd import ipc, launch
-from smgd.engines.base import EngineClient, EngineState
+from smgd.engines.base import EngineClient
+from smgd.engines.output_watch import watch_output
+from smgd.engines.state import EngineState
 from smgd.errors import EngineDead, TransportError, WireError
 from smgd.wire.common import EngineInfo, EngineLoad, EngineRequest, TokenDelta
 from smgd.zmq_trio import TrioSocket, open_monitor
@@ -425,7 +427,7 @@ class HandshakeEngineClient(EngineClient):
             self.state_path, wire=self.wire, input=self.input_endpoint, output=self.output_endpoint
         )
         await nursery.start(self._watch_peers)
-        await nursery.start(self._watch_output)
+        await nursery.start(watch_output, self)
         nursery.start_soon(self._handshake_task)
         if self.launch_argv is not None:
             argv = [self._fill(a) for a in self.launch_argv]

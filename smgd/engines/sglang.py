@@ -26,6 +26,7 @@ import zmq
 
 from smgd import ipc, launch
 from smgd.engines.base import EngineClient
+from smgd.engines.output_watch import watch_output
 from smgd.errors import EngineDead
 from smgd.wire.common import EmbedRequest, EngineInfo, EngineRequest, TokenDelta
 from smgd.wire.sglang.decode import decode_output
@@ -126,7 +127,7 @@ class SglangEngineClient(EngineClient):
                     f"engine {self.name}: cannot bind {endpoint}: {exc.strerror}"
                 ) from None
         await nursery.start(self._watch_peer)
-        await nursery.start(self._watch_output)
+        await nursery.start(watch_output, self)
         if self.launch_argv is not None:
             ipc.prepare_ipc_dir(ipc_dir)  # holds the pid file, even with tcp addresses
             self.child = await launch.spawn(

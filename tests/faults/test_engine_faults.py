@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from smgd.engines.base import DELIVER_CHUNK
+from smgd.engines.reader import DELIVER_CHUNK
 
 from .harness import (
     Daemon,

@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
-from smgd.engines.base import EngineState
 from smgd.engines.sglang import SglangEngineClient
+from smgd.engines.state import EngineState
 from smgd.errors import EngineDead
 from smgd.launchers import sglang_scheduler_script
 from smgd.wire.common import (

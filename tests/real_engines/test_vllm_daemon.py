@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from smgd.config import load_config
 from smgd.daemon import Running, run_daemon
-from smgd.engines.base import EngineState
 from smgd.engines.handshake import STATE_FILE
+from smgd.engines.state import EngineState
 from smgd.engines.vllm import VllmEngineClient
 from smgd.gateway import Gateway
 from smgd.launch import launcher_script

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from smgd.config import EngineConfig, TimeoutsConfig, WireFamily
-from smgd.engines.base import EngineState
+from smgd.engines.state import EngineState
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
 from smgd.errors import EngineDead
 from smgd.launch import launcher_script
