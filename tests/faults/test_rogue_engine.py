@@ -49,9 +49,10 @@ async def serves_both(daemon: Daemon, client: httpx.AsyncClient) -> None:
         assert done.finish_reason == "length" and done.usage is not None
 
 
-def assert_lost_output(outcome: StreamOutcome) -> None:
-    """The request failed with the engine error for an undecodable frame (its output may have
-    been in it): a 502 before the first byte, else an error event, ``[DONE]`` and a whole body."""
+def assert_lost_output(outcome: StreamOutcome, says: str = "could not decode") -> None:
+    """The request failed with the engine error for a frame smgd could not take (undecodable,
+    by default; its output may have been in it): a 502 before the first byte, else an error
+    event, ``[DONE]`` and a whole body; the error's message holds ``says``."""
     assert outcome.body_complete, outcome
     if outcome.status == 200:
         assert outcome.error is not None and outcome.done, outcome
@@ -60,7 +61,7 @@ def assert_lost_output(outcome: StreamOutcome) -> None:
         assert outcome.status == 502, outcome
         error = json.loads(outcome.body)["error"]
     assert error["type"] == "engine_error", error
-    assert "could not decode" in error["message"], error
+    assert says in error["message"], error
 
 
 async def test_an_output_frame_that_breaks_the_decoder_leaves_the_daemon_serving(
@@ -394,15 +395,8 @@ async def test_an_output_frame_over_the_limit_fails_the_requests_in_flight_not_t
                 hit = await stream(client, "r", "hello there", 8)
         assert beside[0].done and beside[0].error is None and beside[0].usage is not None
         assert beside[0].usage["completion_tokens"] == 200
-        assert hit.body_complete and hit.finish_reason is None and not hit.text, hit
-        if hit.status == 200:
-            assert hit.error is not None and hit.done, hit
-            error = hit.error
-        else:
-            assert hit.status == 502, hit
-            error = json.loads(hit.body)["error"]
-        assert error["type"] == "engine_error", error
-        assert "limits.max_frame_mb (1 MiB)" in error["message"], error
+        assert hit.finish_reason is None and not hit.text, hit
+        assert_lost_output(hit, says="limits.max_frame_mb (1 MiB)")
 
         async def aborted() -> bool:
             return "rogue: abort " in daemon.log()
