@@ -21,11 +21,20 @@ import httpx
 import pytest
 import trio
 
+from smgd.api.http.app import PREFIX_ROUTES, ROUTES, admin_routes
+
 from ..engine_harness import short_ipc_dir
 from .harness import daemon_toml, descendants, mock_engine_toml, serve, stream
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from pathlib import Path
+
+    from smgd.api.http.dispatch import Route
+    from smgd.reload import ReloadResult
+
+    # (method, path, JSON body or None)
+    Request = tuple[str, str, dict[str, object] | None]
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +108,41 @@ async def test_admin_token_env_unset_on_tcp_is_refused(tmp_path: Path) -> None:
     assert f"config error at $.admin.token_env: {UNSET} is unset or empty" in err
 
 
+# The public routes open without a key (docs/reference/http-api.md, Auth "no"): the probes,
+# the metrics scrape and the load report, for load balancers and scrapers. Every other route of
+# the app's table needs one, so a route added to the table is checked as guarded unless it is
+# added here.
+OPEN_ROUTES = frozenset(("/health", "/liveness", "/readiness", "/metrics", "/get_load"))
+
+
+def _requests(routes: Mapping[str, Route], prefix_routes: Mapping[str, Route]) -> list[Request]:
+    """A request for every route of a route table: GET where the route takes it, else POST
+    with an empty JSON object (refused by the handler, after the key check); a prefix route's
+    template with the model's id in place of its part in braces."""
+    paths = [*routes.items()]
+    paths += [(t[: t.index("{")] + "m", route) for t, route in prefix_routes.items()]
+    return [
+        ("GET", path, None) if "GET" in route.methods else ("POST", path, {})
+        for path, route in paths
+    ]
+
+
+async def _no_reload() -> ReloadResult:
+    raise AssertionError("only the admin route table is read")
+
+
+def _no_drain() -> None:
+    raise AssertionError("only the admin route table is read")
+
+
 async def test_keys_guard_every_route_with_any_case_of_bearer(tmp_path: Path) -> None:
+    """Every route of the public app's table: the probes, metrics and load report (and only
+    those) answer 200 without a key; every other route answers 401 (the envelope's
+    ``authentication_error`` and ``WWW-Authenticate: Bearer``) without a key, with a wrong one
+    and with a key but no scheme, and lets the request through to its handler with a right key
+    whatever the case of ``Bearer`` (a GET is served, a POST of ``{}`` refused with a 400).
+    Every route of the admin listener: 401 without its token or with a wrong one; served with
+    it (the drain last: it ends the daemon)."""
     admin_port = _free_port()
     engine = mock_engine_toml("e0", "m")
     config = (
@@ -108,11 +151,29 @@ async def test_keys_guard_every_route_with_any_case_of_bearer(tmp_path: Path) ->
         + engine
     )
     env = {"SMGD_FAULT_KEYS": "k1,k2", "SMGD_FAULT_ADMIN": "tok"}
+    public = _requests(ROUTES, PREFIX_ROUTES)
+    assert {path for _, path, _ in public} >= OPEN_ROUTES  # each names a route that exists
     async with serve(tmp_path, config, env=env) as daemon, daemon.client() as client:
+        for method, path, json_body in public:
+            bare = await client.request(method, path, json=json_body)
+            if path in OPEN_ROUTES:
+                assert bare.status_code == 200, (path, bare.text)
+                continue
+            for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "k2"}):
+                refused = await client.request(method, path, json=json_body, headers=headers)
+                assert refused.status_code == 401, (path, headers, refused.text)
+                assert refused.json()["error"]["type"] == "authentication_error"
+                assert refused.headers["www-authenticate"] == "Bearer"
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                headers = {"Authorization": f"{scheme} k2"}
+                let_in = await client.request(method, path, json=json_body, headers=headers)
+                # The handler's own answer: a GET served, an empty body refused.
+                expected = 200 if method == "GET" else 400
+                assert let_in.status_code == expected, (path, scheme, let_in.text)
+        # A whole request with each case of the scheme, streamed and not.
         body = {"model": "m", "prompt": "hi", "max_tokens": 2}
-        assert (await client.post("/v1/completions", json=body)).status_code == 401
         for scheme in ("Bearer", "bearer", "BEARER"):
-            headers = {"Authorization": f"{scheme} k2"}
+            headers = {"Authorization": f"{scheme} k1"}
             assert (
                 await client.post("/v1/completions", json=body, headers=headers)
             ).status_code == 200
@@ -121,10 +182,26 @@ async def test_keys_guard_every_route_with_any_case_of_bearer(tmp_path: Path) ->
             )
             assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         admin = f"http://127.0.0.1:{admin_port}"
+        admin_table = admin_routes(_no_reload, _no_drain)
         async with httpx.AsyncClient(base_url=admin, timeout=30) as admin_client:
-            assert (await admin_client.post("/admin/reload")).status_code == 401
+            for method, path, json_body in _requests(admin_table, {}):
+                for headers in ({}, {"Authorization": "Bearer tik"}):
+                    refused = await admin_client.request(
+                        method, path, json=json_body, headers=headers
+                    )
+                    assert refused.status_code == 401, (path, headers, refused.text)
             ok = await admin_client.post("/admin/reload", headers={"Authorization": "bearer tok"})
             assert ok.status_code == 200, ok.text
+            engines = await admin_client.get(
+                "/admin/engines", headers={"Authorization": "BEARER tok"}
+            )
+            assert engines.status_code == 200, engines.text
+            # Last: the drain ends the daemon.
+            drained = await admin_client.post(
+                "/admin/drain", headers={"Authorization": "Bearer tok"}
+            )
+            assert drained.status_code == 200 and drained.json() == {"draining": True}
+        assert await daemon.wait_exit(30) == 0
 
 
 def _free_port() -> int:
