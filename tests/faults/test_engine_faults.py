@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from functools import partial
 from typing import TYPE_CHECKING
 
 import httpx
@@ -19,10 +20,12 @@ from .harness import (
     mock_engine_toml,
     serve,
     stream,
+    stream_h11,
     until,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
     from pathlib import Path
 
 pytestmark = pytest.mark.slow
@@ -58,12 +61,15 @@ async def all_under_way(outcomes: list[StreamOutcome]) -> None:
 
 
 async def kill9_under_load(
-    daemon: Daemon, client: httpx.AsyncClient, n: int
+    daemon: Daemon, read: Callable[[StreamOutcome], Awaitable[object]], n: int
 ) -> tuple[list[StreamOutcome], int, float]:
-    """``n`` long streams; once all are under way, SIGKILL the engine. Returns when every
-    stream has ended: their outcomes, the killed pid and when it was killed."""
+    """``n`` long streams, each run by ``read`` into its outcome; once all are under way,
+    SIGKILL the engine. Returns when every stream has ended: their outcomes, the killed pid
+    and when it was killed."""
     async with trio.open_nursery() as nursery:
-        results = start_streams(client, nursery, n)
+        results = [StreamOutcome(status=0) for _ in range(n)]
+        for outcome in results:
+            nursery.start_soon(read, outcome)
         await all_under_way(results)
         (engine,) = daemon.engine_pids()
         os.kill(engine, signal.SIGKILL)
@@ -85,7 +91,8 @@ async def test_engine_kill9_under_load_ends_every_stream_then_recovers(tmp_path:
     config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
     async with serve(tmp_path, config) as daemon, daemon.client() as client:
         with trio.fail_after(30):
-            results, engine, killed_at = await kill9_under_load(daemon, client, STREAMS)
+            read = partial(partial_stream, client)
+            results, engine, killed_at = await kill9_under_load(daemon, read, STREAMS)
         # Every stream ended within a second of the kill, each with an error event and [DONE].
         for outcome in results:
             assert outcome.ended_at is not None and outcome.ended_at - killed_at < 1.0
@@ -100,23 +107,34 @@ async def test_engine_kill9_under_load_ends_every_stream_then_recovers(tmp_path:
 
 
 async def test_engine_kill9_while_its_messages_are_delivered_in_slices(tmp_path: Path) -> None:
-    """More streams than one slice: every engine message is delivered in slices, with passes
-    of the loop between them, when the engine dies. Every stream still ends with the error."""
+    """More streams than one delivery slice, all running in one batch when the engine is
+    killed: every message it sent then held a row for each of them, more than
+    ``DELIVER_CHUNK``, so each was delivered in slices with passes of the loop between them.
+    Every stream still ends within 1 s of the kill with the error, and a new engine process
+    serves.
+
+    What the client cannot see, and this does not prove: that the death was noticed in a pass
+    between two slices of one message rather than between two messages (a step's slices take
+    a few ms of its 20)."""
     n = DELIVER_CHUNK + 44
     engine_toml = mock_engine_toml("e0", "m", step_ms=STEP_MS) + f"max_batch = {2 * n}\n"
-    async with (
-        serve(tmp_path, daemon_toml(engine_toml)) as daemon,
-        httpx.AsyncClient(
-            base_url=daemon.url,
-            timeout=60,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        ) as client,
-    ):
+    async with serve(tmp_path, daemon_toml(engine_toml)) as daemon, daemon.client() as client:
+        # Read with h11 on a socket each (stream_h11): through httpx, ending 300 streams at
+        # once took this process seconds, which would count against the daemon's 1 s.
+        read = partial(stream_h11, daemon.url, "m", "the quick brown fox", LONG)
         with trio.fail_after(60):
-            results, _, _ = await kill9_under_load(daemon, client, n)
+            results, engine, killed_at = await kill9_under_load(
+                daemon, lambda outcome: read(into=outcome), n
+            )
+        # Each stream had its first tokens (all_under_way) and none had ended before the kill:
+        # all n ran in the engine's one batch (max_batch = 2n), a row each in every message.
+        # Each ended within a second of the kill, with an error event and [DONE].
         for outcome in results:
+            assert outcome.ended_at is not None and 0 <= outcome.ended_at - killed_at < 1.0
             ended_by_the_engine_error(outcome)
         await daemon.wait_ready()
+        (relaunched,) = daemon.engine_pids()
+        assert relaunched != engine
         after = await stream(client, "m", "hello again", 8)
         assert after.error is None and after.done and len(after.chunks) == 8
 
