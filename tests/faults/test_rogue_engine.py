@@ -186,6 +186,7 @@ async def test_an_engine_that_attaches_but_never_reports_ready_is_told_apart(
     """A launched command that connects but prints no ``SMGD_READY`` line: ``/readiness`` and
     the log say so (they said the scheduler did not attach, which it had)."""
     config = rogue_config("no-ready-line", extra="[engines.timeouts]\nready_s = 1.0\n")
+    why = "the scheduler attached, but printed no `SMGD_READY` line on its stdout within 1 s"
     async with serve(tmp_path, config, wait_ready=False) as daemon, daemon.client() as client:
 
         async def failed_once() -> bool:
@@ -193,9 +194,11 @@ async def test_an_engine_that_attaches_but_never_reports_ready_is_told_apart(
 
         await until(failed_once, 20)
         report = (await client.get("/readiness")).json()["engines"]["rogue"]
-        assert report["last_error"] == (
-            "the scheduler attached, but printed no `SMGD_READY` line on its stdout within 1 s"
-        ), report
+        assert report["last_error"] == why, report
+        log = daemon.log()
+        assert f"engine rogue dead: {why}" in log
+        assert f"engine rogue failed: {why}; restarting in" in log
+        assert "did not attach" not in log
 
 
 async def test_rows_for_unknown_requests_and_after_a_finish_change_nothing(
