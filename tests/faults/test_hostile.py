@@ -192,14 +192,44 @@ def _expect_answer(client: h11.Connection) -> None:
     client.send(h11.EndOfMessage())
 
 
-async def _answers(url: str, *steps: tuple[bytes, int]) -> list[tuple[int, bytes]]:
+# One answer on a connection: (status, its headers as "name: value" lines, its body).
+Answer = tuple[int, bytes, bytes]
+
+
+async def _receive(conn: trio.SocketStream) -> bytes:
+    try:
+        return await conn.receive_some(1 << 16)
+    except trio.BrokenResourceError:  # reset by the server after its answer
+        return b""
+
+
+async def _answer(client: h11.Connection, conn: trio.SocketStream) -> Answer:
+    """The next whole answer on the connection."""
+    status, head, body = 0, b"", b""
+    while True:
+        event = client.next_event()
+        if event is h11.NEED_DATA:
+            client.receive_data(await _receive(conn))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+            head = b"".join(b"%s: %s\n" % (k, v) for k, v in event.headers)
+        elif isinstance(event, h11.Data):
+            body += bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return status, head, body
+        else:
+            raise AssertionError(f"no answer but {event!r}")
+
+
+async def _answers(url: str, *steps: tuple[bytes, int]) -> list[Answer]:
     """On one keep-alive connection, send each step's bytes (possibly several pipelined
-    requests) once the previous step's answers (its count) are in; every answer (status, head)
-    in order, up to the server's close."""
+    requests) once the answers to the steps before it are in, and read that step's count of
+    answers; every answer in order. Exactly the last one ends the connection: it says
+    ``connection: close``, and the server then closes with nothing after it (one that closes
+    sooner fails, naming the answers it got)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     client = h11.Connection(h11.CLIENT)
-    answers: list[tuple[int, bytes]] = []
-    due = 0
+    answers: list[Answer] = []
 
     async def send(conn: trio.SocketStream, request: bytes) -> None:
         # A server that answers before the whole request arrived (a 413) closes on the rest.
@@ -211,30 +241,25 @@ async def _answers(url: str, *steps: tuple[bytes, int]) -> list[tuple[int, bytes
         trio.open_nursery() as nursery,
     ):
         with trio.fail_after(10):
-            status, head = 0, b""
             _expect_answer(client)
+            closing = False
             for request, count in steps:
+                if closing:
+                    break
                 nursery.start_soon(send, conn, request)
-                due += count
-                while len(answers) < due:
-                    event = client.next_event()
-                    if event is h11.NEED_DATA:
-                        try:
-                            data = await conn.receive_some(1 << 16)
-                        except trio.BrokenResourceError:  # reset by the server after its answer
-                            data = b""
-                        client.receive_data(data)
-                    elif isinstance(event, h11.Response):
-                        status = event.status_code
-                        head = b"".join(b"%s: %s\n" % (k, v) for k, v in event.headers)
-                    elif isinstance(event, h11.EndOfMessage):
-                        answers.append((status, head))
-                        if client.their_state is h11.MUST_CLOSE:
-                            return answers
-                        client.start_next_cycle()
-                        _expect_answer(client)
-                    elif isinstance(event, h11.ConnectionClosed):
-                        return answers
+                for _ in range(count):
+                    answers.append(await _answer(client, conn))
+                    if client.their_state is h11.MUST_CLOSE:  # it said connection: close
+                        closing = True
+                        break
+                    client.start_next_cycle()
+                    _expect_answer(client)
+            assert closing, f"the connection is kept open after the last answer: {answers}"
+            assert len(answers) == sum(count for _, count in steps), f"closed after {answers}"
+            rest, _ = client.trailing_data
+            while data := await _receive(conn):
+                rest += data
+            assert rest == b"", rest  # nothing after the answer that closes
         nursery.cancel_scope.cancel()
     return answers
 
@@ -255,18 +280,33 @@ async def test_hostile_requests_after_fast_ones_on_a_keep_alive_connection(
             b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
             b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(ok), ok)
         )
-        answers = await _answers(url, (_keep_alive_post(ok) + both, 3))
-        assert [status for status, _ in answers] == [200, 400]
+        answers = await _answers(url, (_keep_alive_post(ok) + both, 2))
+        assert [status for status, _, _ in answers] == [200, 400]
+        assert json.loads(answers[0][2])["usage"]["completion_tokens"] == 2
+        assert b"connection: close\n" not in answers[0][1]
+        assert b"connection: close\n" in answers[1][1]
+        assert _envelope(answers[1][2]) == {
+            "message": "a request may not have both Content-Length and Transfer-Encoding",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
         # Headers over the limit after two fast requests: two answers, then a 431 and a close.
         big = _keep_alive_post(ok, b"x-big: " + b"a" * (1 << 17) + b"\r\n")
-        answers = await _answers(url, (_keep_alive_post(ok) * 2, 2), (big, 2))
-        assert [status for status, _ in answers] == [200, 200, 431]
+        answers = await _answers(url, (_keep_alive_post(ok) * 2, 2), (big, 1))
+        assert [status for status, _, _ in answers] == [200, 200, 431]
+        assert _envelope(answers[2][2])["message"] == (
+            "the request line and headers are larger than 65536 bytes"
+        )
         # A body far over max_body_bytes on a keep-alive connection: a 413, the connection
         # closed with the body still arriving, and no task left behind (the next checks).
         huge = b'{"model": "m", "prompt": "' + b"x" * 9_000_000 + b'"}'
-        answers = await _answers(url, (_keep_alive_post(huge), 2))
-        assert [status for status, _ in answers] == [413]
+        answers = await _answers(url, (_keep_alive_post(huge), 1))
+        assert [status for status, _, _ in answers] == [413]
         assert b"connection: close\n" in answers[0][1]
+        assert _envelope(answers[0][2])["message"] == (
+            f"the request body is larger than {8 * 1024 * 1024} bytes"
+        )
         # Still serving, streams included, and nothing above was an internal error.
         assert (await client.get("/readiness")).status_code == 200
         after = await stream(client, "m", "still fine", 5)
