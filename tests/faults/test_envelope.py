@@ -49,7 +49,10 @@ async def test_the_real_daemon_answers_every_route_through_one_envelope(tmp_path
             assert done.error is None and done.done and len(done.chunks) == 3
             scrape = (await client.get("/metrics")).text
             assert 'route="unmatched",status="404"' in scrape
-            assert 'route="/v1/completions",status="405"' not in scrape  # a 405 is unmatched
+            # A 405 is counted as unmatched (the one above), not under its route.
+            assert 'route="/v1/completions",status="405"' not in scrape
+            unmatched = 'smgd_http_requests_total{method="GET",route="unmatched",status="405"}'
+            assert f"{unmatched} 1.0\n" in scrape
             assert 'route="/health",status="413"' in scrape
             assert 'smgd_aborts_total{reason="validation"} 2.0' in scrape  # the two 413s
 

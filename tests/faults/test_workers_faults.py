@@ -98,7 +98,9 @@ async def test_a_worker_that_dies_while_its_file_is_broken_leaves_no_connection_
                 body = {"model": "m", "prompt": "x", "max_tokens": 2}
                 answer = await fresh.post("/v1/completions", json=body)
             assert answer.status_code == 200
-        ready = (await client.get("/readiness")).json()
+        readiness = await client.get("/readiness")
+        assert readiness.status_code == 503 and readiness.headers["retry-after"] == "5"
+        ready = readiness.json()
         assert ready["status"] == "not_ready"
         assert sorted(ready["workers"].values()) == ["no_answer", "ready"]
 
