@@ -1,8 +1,11 @@
-"""A scripted mock engine through the real daemon: a tool call and a think block, token by token.
+"""A scripted mock engine through the real daemon, on an engine with no tool or reasoning
+parser: a tool call and a think block token by token, and a client's tool loop.
 
 The mock writes the reply a script gives for the prompt (tokenized with the model's tokenizer,
-one token per step, then EOS); a prompt without a reply is echoed. Until smgd parses tool calls
-and reasoning, both arrive as plain text in ``content``, each token its own SSE event.
+one token per step, then EOS); a prompt without a reply is echoed. With no ``tool_parser`` or
+``reasoning_parser`` on the engine, the markup is plain text in ``content``, each token its own
+SSE event. A tool loop's history (an assistant turn of ``tool_calls``, the ``tool`` result)
+renders into the prompt; an image part is refused. Parsed calls and reasoning: test_tools.py.
 """
 
 from __future__ import annotations
