@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("smgd.mock")
 
+# The most of a constraint the mock logs (see SglangMockWire._add).
+CONSTRAINT_LOG_CHARS = 4096
+
 _FINISH = {
     MockFinish.LENGTH: FinishReason.LENGTH,
     MockFinish.STOP: FinishReason.STOP,
@@ -90,6 +93,16 @@ class SglangMockWire:
     def _add(msg: TokenizedGenerateReqInput, sched: MockScheduler) -> None:
         sp = msg.sampling_params
         ids = ext_to_ids(msg.input_ids)
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+            constraint: str | None = getattr(sp, kind)
+            if constraint is not None:
+                # Logged: the mock writes its echo or script whatever the constraint (it has
+                # no grammar), so the line is what shows which constraint reached the engine.
+                # A big one (the fault suite sends 8 MB schemas) only by its start and size.
+                if len(constraint) > CONSTRAINT_LOG_CHARS:
+                    size = len(constraint)
+                    constraint = f"{constraint[:CONSTRAINT_LOG_CHARS]}... ({size} characters)"
+                log.info("constraint %s %s: %s", msg.rid, kind, constraint)
         sched.add(
             MockRequest(
                 rid=msg.rid or "",

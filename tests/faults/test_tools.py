@@ -9,6 +9,7 @@ non-streamed one, the OpenAI SDK reads both, and no markup reaches ``content``.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -16,7 +17,7 @@ import openai
 import pytest
 import trio
 
-from .harness import daemon_toml, mock_engine_toml, serve
+from .harness import daemon_toml, mock_engine_toml, serve, until
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,14 +51,9 @@ text = '''{THINK}{CALL}\n{CALL2}'''
 when = "weather"
 text = '''{THINK}Let me look.\n{CALL}'''
 """
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    },
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
     {"type": "function", "function": {"name": "get_time"}},
 ]
 
@@ -67,7 +63,7 @@ def config(tmp_path: Path, *, grammar: bool = False) -> str:
     parsers = 'tool_parser = "hermes"\nreasoning_parser = "qwen3"\n'
     engine = mock_engine_toml("e0", "m", step_ms=2.0, extra=parsers)
     engine += 'script = "replies.toml"\n'
-    if grammar:  # the mock then takes constraints (and ignores them: the script writes JSON)
+    if grammar:  # the mock then takes constraints (and logs them; the script writes the JSON)
         engine += '[engines.structured_output]\nbackend = "xgrammar"\n'
     return daemon_toml(engine)
 
@@ -209,9 +205,47 @@ async def test_openai_sdk_reads_tool_calls(tmp_path: Path) -> None:
         ]
 
 
+def sent_schemas(log: str) -> list[Any]:
+    """The JSON schemas the mock engine was sent as constraints, in order (its log lines)."""
+    return [
+        json.loads(line.split(" json_schema: ", 1)[1])
+        for line in log.splitlines()
+        if " smgd.mock: constraint " in line
+    ]
+
+
+# What tool_choice "required" constrains the output to with TOOLS (vLLM's schema): a JSON
+# array of one or more calls, each a tool's name and its parameters.
+NO_PARAMETERS = {"type": "object", "properties": {}}
+REQUIRED_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "anyOf": [
+            {
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+            for name, params in (
+                ("get_weather", WEATHER_PARAMETERS),
+                ("get_time", NO_PARAMETERS),
+            )
+        ],
+    },
+}
+
+
 async def test_required_and_named_tool_choice_are_constrained(tmp_path: Path) -> None:
+    """``required`` and a named function reach the engine as a JSON schema constraint (the
+    mock logs each it is sent; it does not apply them: its script writes the JSON), and the
+    replies parse as the calls; with a ``response_format`` as well, a 400."""
     grammar = config(tmp_path, grammar=True)
     async with serve(tmp_path, grammar) as daemon, daemon.client() as client:
+
+        async def sent(n: int) -> bool:
+            return len(sent_schemas(daemon.log())) >= n
+
         required = body("pick one", tool_choice="required")
         whole = (await client.post("/v1/chat/completions", json=required)).json()
         choice = whole["choices"][0]
@@ -222,6 +256,8 @@ async def test_required_and_named_tool_choice_are_constrained(tmp_path: Path) ->
         streamed = accumulate(await chunks(client, {**required, "stream": True}))
         assert streamed["finish"] == "tool_calls" and streamed["content"] == ""
         assert [c["name"] for c in streamed["calls"].values()] == ["get_time"]
+        await until(partial(sent, 2), 10)
+        assert sent_schemas(daemon.log()) == [REQUIRED_SCHEMA] * 2
 
         named = {"type": "function", "function": {"name": "get_weather"}}
         whole = (
@@ -232,12 +268,20 @@ async def test_required_and_named_tool_choice_are_constrained(tmp_path: Path) ->
         [call] = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        await until(partial(sent, 3), 10)
+        assert sent_schemas(daemon.log())[2] == WEATHER_PARAMETERS
 
-        # With another constraint: a 400 naming tool_choice.
+        # With another constraint: a 400 naming tool_choice, and nothing reaches the engine.
         both = body("pick one", tool_choice="required", response_format={"type": "json_object"})
         refused = await client.post("/v1/chat/completions", json=both)
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "tool_choice"
+        # The engine logs in the order it is sent requests: a named call's constraint after
+        # the refusal comes right after the first one's.
+        again = await client.post("/v1/chat/completions", json=body("city args", tool_choice=named))
+        assert again.status_code == 200
+        await until(partial(sent, 4), 10)
+        assert sent_schemas(daemon.log()) == [REQUIRED_SCHEMA] * 2 + [WEATHER_PARAMETERS] * 2
 
 
 async def test_required_tool_choice_needs_a_grammar_backend(tmp_path: Path) -> None:
