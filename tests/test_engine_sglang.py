@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -23,6 +25,7 @@ from smgd.wire.sglang.structs import TokenizedGenerateReqInput
 from smgd.zmq_trio import TrioSocket
 
 from .engine_harness import (
+    Pair,
     VocabularyScans,
     collect,
     engine_config,
@@ -32,6 +35,23 @@ from .engine_harness import (
     sglang_pair,
 )
 from .trio_helpers import TaskSteps
+
+
+@asynccontextmanager
+async def losing_pair(
+    *, silence_s: float, request_s: float = 0.0, health_interval_s: float = 30.0
+) -> AsyncIterator[Pair]:
+    """An engine pair (10 ms steps) whose mock loses every request sent from now on, while it
+    answers health probes."""
+    async with sglang_pair(
+        step_s=0.01,
+        silence_s=silence_s,
+        request_s=request_s,
+        health_interval_s=health_interval_s,
+    ) as pair:
+        assert pair.mock is not None
+        pair.mock.inject("lose")
+        yield pair
 
 
 async def test_stream_tokens_usage_and_length_finish() -> None:
@@ -200,10 +220,8 @@ async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
     then sends: it is alive and lost the request. That request fails alone (504) with an
     abort; the engine is not declared dead (a relaunch would cost every other client its
     start-up), and a request sent meanwhile is not judged before its own silence_s."""
-    async with sglang_pair(step_s=0.01, silence_s=30.0, health_interval_s=0.0) as pair:
-        assert pair.mock is not None
+    async with losing_pair(silence_s=30.0, health_interval_s=0.0) as pair:
         client = pair.client
-        pair.mock.inject("lose")
         young_alive_after_lost: list[bool] = []
 
         async def later() -> None:
@@ -224,6 +242,7 @@ async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
                 assert 30.0 <= trio.current_time() - sent <= 30.0 * 1.25 + 1
         assert young_alive_after_lost == [True], "judged before its own silence_s"
         assert client.state is EngineState.READY and client.in_flight == 0
+        assert pair.mock is not None
         pair.mock.inject("ok")
         ids, _ = await collect(client, request("c" * 32, [9, 10], 4))
         assert ids == expected_echo([9, 10], 4)
@@ -521,9 +540,7 @@ async def test_a_request_the_engine_loses_fails_at_request_s_and_is_aborted(
 async def test_requests_expire_in_the_order_they_were_sent_each_at_its_own_deadline(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with sglang_pair(step_s=0.01, request_s=5.0, silence_s=600.0) as pair:
-        assert pair.mock is not None
-        pair.mock.inject("lose")
+    async with losing_pair(request_s=5.0, silence_s=600.0) as pair:
         ended: dict[str, float] = {}
         sent: dict[str, float] = {}
 
@@ -544,29 +561,29 @@ async def test_requests_expire_in_the_order_they_were_sent_each_at_its_own_deadl
 async def test_without_request_s_a_lost_request_stays_in_flight(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with sglang_pair(step_s=0.01, silence_s=86400.0, health_interval_s=0.0) as pair:
-        assert pair.mock is not None
-        pair.mock.inject("lose")
-        async with pair.client.open_stream(request("d" * 32, [5, 6], 50)) as stream:
-            with trio.move_on_after(3600):
-                await stream.receive()
-                pytest.fail("a lost request had output")
-            assert pair.client.in_flight == 1 and not stream.finished
+    async with (
+        losing_pair(silence_s=86400.0, health_interval_s=0.0) as pair,
+        pair.client.open_stream(request("d" * 32, [5, 6], 50)) as stream,
+    ):
+        with trio.move_on_after(3600):
+            await stream.receive()
+            pytest.fail("a lost request had output")
+        assert pair.client.in_flight == 1 and not stream.finished
 
 
 async def test_a_reload_that_sets_request_s_ends_requests_already_past_it_at_once(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with sglang_pair(step_s=0.01, silence_s=86400.0) as pair:
-        assert pair.mock is not None
-        pair.mock.inject("lose")
-        async with pair.client.open_stream(request("e" * 32, [5, 6], 50)) as old:
-            await trio.sleep(100)
-            pair.client.reconfigure(engine_config(request_s=30.0, silence_s=86400.0))
-            async with pair.client.open_stream(request("f" * 32, [5, 6], 50)) as young:
-                reloaded = trio.current_time()
-                assert await _fails_with_timeout(old) - reloaded < 0.1
-                assert 30.0 <= await _fails_with_timeout(young) - reloaded <= 30.1
+    async with (
+        losing_pair(silence_s=86400.0) as pair,
+        pair.client.open_stream(request("e" * 32, [5, 6], 50)) as old,
+    ):
+        await trio.sleep(100)
+        pair.client.reconfigure(engine_config(request_s=30.0, silence_s=86400.0))
+        async with pair.client.open_stream(request("f" * 32, [5, 6], 50)) as young:
+            reloaded = trio.current_time()
+            assert await _fails_with_timeout(old) - reloaded < 0.1
+            assert 30.0 <= await _fails_with_timeout(young) - reloaded <= 30.1
 
 
 async def test_output_and_prompt_top_logprobs_each_come_back_as_asked() -> None:
