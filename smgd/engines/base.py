@@ -202,9 +202,7 @@ class EngineClient(ClientCore):
     def _withdraw(self, rid: str, stream: RequestStream) -> None:
         """A submitted request's block was left: forget it, and abort it if still running."""
         still_running = stream.state is StreamState.OPEN
-        self._streams.pop(rid, None)
-        self._fresh.discard(rid)
-        self._constrained.pop(rid, None)
+        self._untrack(rid)
         if still_running:
             stream.state = StreamState.CLOSED
             if self.state is EngineState.READY:  # draining included: it is alive

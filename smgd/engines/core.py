@@ -153,6 +153,14 @@ class ClientCore:
             self._outbox_send.send_nowait(self._encode_abort(delta.rid))
         delta.finish = Finish(reason=FinishReason.LENGTH)
 
+    def _untrack(self, rid: str) -> None:
+        """Take request ``rid`` out of the requests in flight and the tables kept beside them
+        (a request that ends early: left by its client, failed alone, or its frame lost).
+        A request whose final delta came leaves through :meth:`deliver` instead."""
+        self._streams.pop(rid, None)
+        self._fresh.discard(rid)
+        self._constrained.pop(rid, None)
+
     def _forget(self, rid: str) -> None:
         """Request ``rid`` ended (its final delta came): drop what the wire client kept of it.
 

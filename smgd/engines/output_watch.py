@@ -76,8 +76,7 @@ async def _output_broke(client: ClientCore) -> None:
     """
     held, client._streams = client._streams, {}
     for rid in held:
-        client._fresh.discard(rid)
-        client._constrained.pop(rid, None)
+        client._untrack(rid)
     failed = False
     try:
         with trio.move_on_after(launch.EXIT_REPORT_S):

@@ -117,8 +117,7 @@ def _undecodable(client: ClientCore, exc: Exception) -> bool:
             len(rids),
         )
     for rid in rids:  # as EngineClient._withdraw() does for a stream left early
-        client._fresh.discard(rid)
-        client._constrained.pop(rid, None)
+        client._untrack(rid)
         client._outbox_send.send_nowait(client._encode_abort(rid))
     if client._decode_streak >= DECODE_ERROR_STREAK:
         client.die(f"{client._decode_streak} undecodable frames in a row ({exc})")

@@ -144,9 +144,7 @@ def _fail_alone(
     which serves on."""
     for stream in streams:
         rid = stream.rid
-        del client._streams[rid]
-        client._fresh.discard(rid)
-        client._constrained.pop(rid, None)
+        client._untrack(rid)
         stream.fail(error())
         if client.state is EngineState.READY:
             client._outbox_send.send_nowait(client._encode_abort(rid))
