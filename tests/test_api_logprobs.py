@@ -34,7 +34,6 @@ from smgd.api.handlers.openai import (
     TokenText,
     completion_logprobs,
     echo_logprobs,
-    join_logprobs,
 )
 from smgd.api.http.app import create_app
 from smgd.config import Config, EngineConfig, ServerConfig, WireFamily
@@ -502,6 +501,20 @@ async def test_completion_logprob_rejections(body: dict[str, Any], param: str) -
 
 
 # --------------------------------------------------------------------------- echo
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """The plain join EchoHead.join must spell: echoed prompt logprobs followed by the
+    generated ones (offsets moved past the head)."""
+    if tail is None:
+        return head
+    shift = sum(len(t) for t in head["tokens"])
+    return {
+        "tokens": head["tokens"] + tail["tokens"],
+        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+        "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+        "text_offset": head["text_offset"] + [shift + o for o in tail["text_offset"]],
+    }
 
 
 @pytest.mark.parametrize("tail_ids", [None, [], ASCII[:4], IDS[:5]])

@@ -228,19 +228,6 @@ def echo_logprobs(
     }
 
 
-def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
-    """Echoed prompt logprobs followed by the generated ones (offsets moved past the head)."""
-    if tail is None:
-        return head
-    shift = sum(len(t) for t in head["tokens"])
-    return {
-        "tokens": head["tokens"] + tail["tokens"],
-        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
-        "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
-        "text_offset": head["text_offset"] + [shift + o for o in tail["text_offset"]],
-    }
-
-
 def prompt_logprobs_field(
     tt: TokenText, entries: list[TokenLogprob] | None
 ) -> list[dict[str, Any] | None] | None:
@@ -284,7 +271,8 @@ class EchoHead:
         self.shift = sum(len(t) for t in part["tokens"])
 
     def join(self, tail: dict[str, Any] | None) -> bytes:
-        """The JSON of ``join_logprobs(head, tail)``: the same bytes, the head's copied."""
+        """The JSON of the head's lists followed by ``tail``'s (its offsets moved past the
+        head's text), the head's bytes copied, not encoded again."""
         if tail is None:
             return self._alone
         tail = {**tail, "text_offset": [self.shift + o for o in tail["text_offset"]]}
