@@ -603,3 +603,10 @@ async def test_output_and_prompt_top_logprobs_each_come_back_as_asked() -> None:
             assert output == [out_k] * 3, (out_k, prompt_k)
             assert prompt and set(prompt) == {prompt_k}, (out_k, prompt_k)
         assert not pair.client._tops  # each finished request forgotten
+        # One left early (its client gone) is forgotten at once, not when the engine's
+        # answer to its abort comes (a request failed alone may get none).
+        left = request(uuid.uuid4().hex, [10, 11], 500, logprobs=1, prompt_logprobs=3)
+        async with pair.client.open_stream(left) as stream:
+            await stream.receive()
+            assert left.rid in pair.client._tops
+        assert left.rid not in pair.client._tops

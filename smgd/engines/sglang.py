@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from smgd.wire.sglang.encode import (
     encode_embed_health_check,
     encode_generate,
     encode_health_check,
+    new_health_check_rid,
 )
 from smgd.wire.sglang.structs import HealthCheckOutput
 from smgd.zmq_trio import TrioSocket, open_monitor
@@ -216,7 +216,7 @@ class SglangEngineClient(EngineClient):
         # One probe at a time: an answer is matched by the one rid awaited (the idle prober's
         # and the silence watchdog's probes could otherwise overlap as requests come and go).
         async with self._probe_lock:
-            rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+            rid = new_health_check_rid()
             self._health_rid = rid
             self._health_done = trio.Event()
             probe = encode_embed_health_check if self.task == "embed" else encode_health_check
@@ -275,6 +275,13 @@ class SglangEngineClient(EngineClient):
 
     def _forget(self, rid: str) -> None:
         super()._forget(rid)
+        if self._tops:
+            self._tops.pop(rid, None)
+
+    def _untrack(self, rid: str) -> None:
+        # A request that ends early may never get a final delta (failed alone, its frame
+        # lost): what it asked for its top-k goes with it here.
+        super()._untrack(rid)
         if self._tops:
             self._tops.pop(rid, None)
 
