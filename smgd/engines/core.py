@@ -23,14 +23,15 @@ import trio
 from smgd.admission import Admission
 from smgd.engines.lora import LoraTable
 from smgd.engines.state import EngineState
-from smgd.engines.stream import RequestStream, fail_all
+from smgd.engines.stream import RequestStream, StreamState, fail_all
 from smgd.errors import EngineDead
 from smgd.wire.common import Finish, FinishReason
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from smgd.config import EngineConfig
+    from smgd.errors import EngineError
     from smgd.wire.common import EngineInfo, EngineLoad, EngineRequest, LoraAdapter, TokenDelta
     from smgd.zmq_trio import TrioSocket
 
@@ -160,6 +161,25 @@ class ClientCore:
         self._streams.pop(rid, None)
         self._fresh.discard(rid)
         self._constrained.pop(rid, None)
+
+    def fail_alone(self, streams: Iterable[RequestStream], error: Callable[[], EngineError]) -> int:
+        """Fail each of ``streams`` (still open) with an error of its own from ``error()``,
+        take it out of the requests in flight and, while the engine serves (draining
+        included), abort it there: the engine lives on and would otherwise run it for nobody.
+        Returns how many failed. The one way out for a request that fails while its engine
+        does not (a deadline, a silence the engine answers a probe for, a frame smgd could not
+        decode or never got); the caller logs why."""
+        failed = 0
+        serving = self.state is EngineState.READY
+        for stream in streams:
+            rid = stream.rid
+            self._untrack(rid)
+            if stream.state is StreamState.OPEN:
+                stream.fail(error())
+                failed += 1
+            if serving:
+                self._outbox_send.send_nowait(self._encode_abort(rid))
+        return failed
 
     def _forget(self, rid: str) -> None:
         """Request ``rid`` ended (its final delta came): drop what the wire client kept of it.

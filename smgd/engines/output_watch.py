@@ -18,7 +18,6 @@ import trio
 import zmq
 
 from smgd import launch
-from smgd.engines.state import EngineState
 from smgd.engines.stream import fail_all
 from smgd.errors import EngineDead, WireError
 from smgd.zmq_trio import open_monitor
@@ -94,14 +93,13 @@ async def _output_broke(client: ClientCore) -> None:
 def _lost_frame(client: ClientCore, held: dict[str, RequestStream]) -> None:
     limit = client.config.limits.max_frame_mb
     client._decode_errors += 1
-    rids = list(held)
     message = (
         f"engine {client.name} sent an output message smgd refused: its connection to the "
         f"output socket broke while the engine ran on, which a frame over "
         f"limits.max_frame_mb ({limit} MiB) does (smgd drops such a frame unread); the "
         "request's output may be incomplete"
     )
-    failed = fail_all(held, partial(WireError, message))
+    failed = client.fail_alone(list(held.values()), partial(WireError, message))
     log.warning(
         "engine %s: a connection to its output socket broke while it ran on (a frame over "
         "limits.max_frame_mb = %d MiB, dropped unread?): %d request(s) in flight failed "
@@ -110,6 +108,3 @@ def _lost_frame(client: ClientCore, held: dict[str, RequestStream]) -> None:
         limit,
         failed,
     )
-    if client.state is EngineState.READY:  # draining included: it is alive
-        for rid in rids:
-            client._outbox_send.send_nowait(client._encode_abort(rid))

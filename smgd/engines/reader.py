@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from smgd.engines.delivery import DELIVERY
-from smgd.engines.stream import fail_all
 from smgd.errors import WireError
 
 if TYPE_CHECKING:
@@ -105,20 +104,16 @@ def _undecodable(client: ClientCore, exc: Exception) -> bool:
         log.warning("engine %s: undecodable frame: %s", client.name, exc)
     else:  # a decoder bug's traceback, for the report
         log.warning("engine %s: undecodable frame: %r", client.name, exc, exc_info=exc)
-    rids = list(client._streams)
     message = (
         f"engine {client.name} sent an output message smgd could not decode ({exc}); "
         "the request's output may be incomplete"
     )
-    if fail_all(client._streams, partial(WireError, message)):
+    if failed := client.fail_alone(list(client._streams.values()), partial(WireError, message)):
         log.warning(
             "engine %s: %d request(s) in flight failed and aborted (undecodable frame)",
             client.name,
-            len(rids),
+            failed,
         )
-    for rid in rids:  # as EngineClient._withdraw() does for a stream left early
-        client._untrack(rid)
-        client._outbox_send.send_nowait(client._encode_abort(rid))
     if client._decode_streak >= DECODE_ERROR_STREAK:
         client.die(f"{client._decode_streak} undecodable frames in a row ({exc})")
         return True

@@ -140,15 +140,8 @@ def _fail_alone(
     error: Callable[[], EngineError],
     why: str,
 ) -> None:
-    """Fail ``streams`` (each with an error of its own) and abort them on the engine,
-    which serves on."""
-    for stream in streams:
-        rid = stream.rid
-        client._untrack(rid)
-        stream.fail(error())
-        if client.state is EngineState.READY:
-            client._outbox_send.send_nowait(client._encode_abort(rid))
-    if streams:
+    """Fail and abort ``streams`` (:meth:`ClientCore.fail_alone`) and say ``why``."""
+    if client.fail_alone(streams, error):
         log.warning(
             "engine %s: %d request(s) %s, aborted: %s",
             client.name,
