@@ -7,8 +7,9 @@ exactly like a real scheduler. Runs in-process (tests) or as ``smgd mock-engine`
 
 Faults, on command (:meth:`MockEngine.inject` or the ``--control`` socket):
 ``die`` (exit at once, exit code 1), ``hang`` (stop stepping and reading), ``garble`` (every
-output message becomes an undecodable frame), ``silent`` (keep reading, never send), ``ok``
-(clear faults).
+output message becomes an undecodable frame), ``silent`` (keep reading, never send), ``lose``
+(drop the requests that arrive, answer the rest: SGLang health checks, vLLM utility calls),
+``ok`` (clear faults).
 """
 
 from __future__ import annotations
@@ -138,9 +139,12 @@ class MockEngine:
 
     async def _reader(self, in_sock: TrioSocket, out_sock: TrioSocket) -> None:
         while True:
+            batch = await in_sock.recv_multipart_batch(256, copy=True)
+            # After the read, not only before it: a message that came while the reader waited
+            # and the engine hung meanwhile is not answered either (a vLLM utility call, which
+            # the reader answers itself, was answered by a hung mock).
             while self.fault == "hang":
                 await self._fault_changed.wait()
-            batch = await in_sock.recv_multipart_batch(256, copy=True)
             for frames in batch:
                 replies = self.wire.on_request(frames, self.sched)
                 if self.fault != "silent":

@@ -9,6 +9,8 @@ vLLM behaviour it reproduces: EOS stops a request only when ``_eos_token_id`` wa
 ``prefill_stats`` on a request's first output; ``scheduler_stats`` on every step (as with
 log_stats on); sampled-token logprobs plus top-k columns; an undecodable request is dropped
 (vLLM's input thread would die; the silence watchdog is smgd's answer to either);
+utility calls are answered at once, between steps, as the engine core's busy loop does (under
+the ``lose`` fault too: the engine that lost a request answers smgd's health probe);
 :meth:`VllmMockWire.request_death` makes the next step send ``ENGINE_CORE_DEAD``.
 """
 
@@ -69,8 +71,9 @@ _FINISH = {
 
 QUEUED, SCHEDULED = 1, 2  # EngineCoreEventType
 
-# Utility calls the mock answers (a generate-only engine); the rest are answered with None.
-UTILITY_ANSWERS: dict[str, object] = {"get_supported_tasks": ["generate"]}
+# Utility calls the mock answers (a generate-only engine, awake: smgd's health probe asks
+# is_sleeping); the rest are answered with None.
+UTILITY_ANSWERS: dict[str, object] = {"get_supported_tasks": ["generate"], "is_sleeping": False}
 
 
 class VllmMockWire:
@@ -105,6 +108,7 @@ class VllmMockWire:
         self._queued_at: dict[str, float] = {}  # rid -> its ADD's arrival (log_stats)
         self._die = False
         self.loras: dict[int, str] = {}  # adapters the engine holds: lora_int_id -> name
+        self.utility_calls: list[str] = []  # the method of every utility call received
 
     def request_death(self) -> None:
         self._die = True
@@ -157,6 +161,7 @@ class VllmMockWire:
             # vLLM's API server asks this at start-up and waits for the answer; LoRA calls
             # as the engine answers them; other utility calls get None (the call succeeded,
             # nothing to report).
+            self.utility_calls.append(msg.method)
             failure, value = self._lora_utility(msg)
             if failure is None and value is None:
                 value = UTILITY_ANSWERS.get(msg.method)
