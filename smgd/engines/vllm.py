@@ -16,6 +16,11 @@ What the engine does not do and this client therefore does:
 - name the EOS token a STOP finish hit (the engine's ``stop_reason`` is None then);
 - slice logprobs to each request's own top-k (the engine sends the batch-wide maximum);
 - finish aborted requests locally (vLLM never answers a client abort).
+
+Health probe (:meth:`VllmEngineClient.answers_probe`, :meth:`VllmEngineClient.probe_health`):
+the utility call :data:`PROBE_METHOD` on every rank, answered between two steps by the engine
+core's busy loop. So a silent engine that answers it lost the silent requests (they fail
+alone), and an idle engine that does not is wedged (:mod:`smgd.engines.watchdogs`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from smgd.wire.vllm.encode import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from smgd.config import EngineConfig
     from smgd.wire.common import EngineInfo, EngineRequest, LoraAdapter, TokenDelta
 
@@ -57,6 +64,13 @@ log = logging.getLogger("smgd.engine.vllm")
 UTILITY_TIMEOUT_S = 120.0
 # vLLM's message for an adapter directory it cannot find (LoRAAdapterNotFoundError).
 _NOT_FOUND = "No adapter found for"
+# The health probe: a utility call the engine core's busy loop answers between two steps (it
+# drains its input queue before each), so an answer proves the loop turns. vLLM 0.32.0's
+# EngineCore.is_sleeping reads two flags (the scheduler's pause state, the executor's sleep
+# tags) and asks no worker: cheap, and a sleeping or paused engine answers too. Any answer
+# counts, a failure included ("Server shutting down", a version without the method): the loop
+# that wrote it is alive.
+PROBE_METHOD = "is_sleeping"
 
 
 class _Call:
@@ -179,22 +193,7 @@ class VllmEngineClient(HandshakeEngineClient):
         per rank. Raises :class:`EngineDead` if the engine dies or does not answer in time."""
         if self.table is None:
             raise EngineNotReady(f"engine {self.name} is {self.state_name}")
-        calls: list[tuple[int, _Call]] = []
-        try:
-            for rank in self.table.ranks:
-                call_id = random.getrandbits(64)  # vLLM: uuid1().int >> 64
-                call = self._calls[call_id] = _Call()
-                calls.append((call_id, call))
-                self._outbox_send.send_nowait(
-                    [rank.identity, *encode_utility(call_id, method, list(args))]
-                )
-            with trio.move_on_after(UTILITY_TIMEOUT_S):
-                for _, call in calls:
-                    await call.done.wait()
-            replies = [call.reply for _, call in calls]
-        finally:
-            for call_id, _ in calls:
-                self._calls.pop(call_id, None)
+        replies = await self._call_ranks(method, args, UTILITY_TIMEOUT_S)
         if self._death is not None:
             raise EngineDead(f"engine {self.name} failed during {method}: {self.last_error}")
         if any(r is None for r in replies):
@@ -202,6 +201,75 @@ class VllmEngineClient(HandshakeEngineClient):
                 f"engine {self.name}: no answer to {method} within {UTILITY_TIMEOUT_S:g} s"
             )
         return [r for r in replies if r is not None]
+
+    async def _call_ranks(
+        self, method: str, args: Sequence[Any], limit_s: float
+    ) -> list[UtilityReply | None]:
+        """Send ``method`` to every rank, each under a call id of its own; each rank's reply,
+        None for a rank that sent none within ``limit_s`` (or if the engine died meanwhile).
+
+        A reply is taken by its call id alone, so a reply to another call (an earlier probe's,
+        come late) is never taken for this one's. The ids leave the table however this ends
+        (answered, timed out, cancelled): a reply that comes later finds no call and is
+        dropped by :meth:`_wire_outputs`.
+        """
+        assert self.table is not None
+        calls: list[_Call] = []
+        ids: list[int] = []
+        try:
+            for rank in self.table.ranks:
+                call_id = random.getrandbits(64)  # vLLM: uuid1().int >> 64
+                while call_id in self._calls:  # one in flight has it: its reply is its own
+                    call_id = random.getrandbits(64)
+                call = self._calls[call_id] = _Call()
+                ids.append(call_id)
+                calls.append(call)
+                self._outbox_send.send_nowait(
+                    [rank.identity, *encode_utility(call_id, method, list(args))]
+                )
+            with trio.move_on_after(limit_s):
+                for call in calls:
+                    await call.done.wait()
+            return [call.reply for call in calls]
+        finally:
+            for call_id in ids:
+                self._calls.pop(call_id, None)
+
+    async def _unanswering_ranks(self, limit_s: float) -> list[int] | None:
+        """The ranks that did not answer a health probe (:data:`PROBE_METHOD`) within
+        ``limit_s`` (all of them if the engine died meanwhile); None before the ranks
+        registered (nothing to probe, nothing proven).
+
+        Every rank is probed and must answer: smgd runs the ranks as one engine (one rank's
+        death is the engine's), and its least-load pick would keep sending requests to a
+        wedged rank, more of them as the ones it lost are failed alone. So a rank that does
+        not answer is a wedged engine, not a lost request.
+
+        Probes may overlap (the idle prober's with the silence watchdog's, as requests come
+        and go): each is judged by its own call ids' replies alone, so neither waits out the
+        other's limit (a lock, as the SGLang client's one health rid needs, would add up to
+        ``health_timeout_s`` to the watchdog's verdict).
+        """
+        if self.table is None:
+            await trio.lowlevel.checkpoint()
+            return None
+        ranks = [rank.index for rank in self.table.ranks]
+        replies = await self._call_ranks(PROBE_METHOD, (), limit_s)
+        if self._death is not None:
+            return ranks
+        return [index for index, reply in zip(ranks, replies, strict=True) if reply is None]
+
+    async def answers_probe(self, limit_s: float) -> bool:
+        return await self._unanswering_ranks(limit_s) == []
+
+    async def probe_health(self, limit_s: float) -> None:
+        silent = await self._unanswering_ranks(limit_s)
+        if silent and self._death is None:
+            ranks = ", ".join(map(str, silent))
+            self.die(
+                f"no answer to a health check (utility call {PROBE_METHOD}) within "
+                f"{limit_s:g} s from rank(s) {ranks}"
+            )
 
     async def add_lora(self, adapter: LoraAdapter, *, load_inplace: bool = False) -> None:
         """The engine core's ``add_lora``: load the adapter's weights (validating them).
