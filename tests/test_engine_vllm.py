@@ -14,12 +14,13 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from smgd.config import EngineConfig, LimitsConfig, TimeoutsConfig, WireFamily
 from smgd.engines.state import EngineState
 from smgd.engines.vllm import VllmEngineClient, vllm_argv
-from smgd.errors import EngineDead, InvalidRequest, WireError
+from smgd.errors import EngineDead, EngineTimeout, InvalidRequest, WireError
 from smgd.launch import mock_argv
 from smgd.mock.engine import MockEngine
 from smgd.mock.scheduler import MockScheduler
@@ -480,3 +481,167 @@ async def test_a_registration_smgd_cannot_take_is_named_not_blamed_on_an_identit
                 await client.wait_ready()
             raise AssertionError(f"ready, with {client.info}")
     assert "identity" not in (client.last_error or "")
+
+
+# ------------------------------------------------------------------ the health probe
+
+
+async def test_a_request_lost_by_an_engine_that_answers_its_probe_fails_alone(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The engine core loses a request (no output for it for silence_s) and answers the
+    utility call the watchdog then sends: that request alone fails (504) with an abort, and
+    the engine serves on (without a probe it was declared dead: a relaunch for one lost
+    request)."""
+    async with vllm_setup(step_s=0.01, silence_s=30.0, health_interval_s=0.0) as s:
+        wire, mock = s.ranks[0].wire, s.ranks[0].mock
+        mock.inject("lose")
+        async with s.client.open_stream(request("a" * 32, [5, 6], 50)) as lost:
+            sent = trio.current_time()
+            with pytest.raises(EngineTimeout, match="answers but sent no output") as caught:
+                while True:
+                    await lost.receive()
+            assert caught.value.status == 504 and caught.value.code == "request_timeout"
+            assert 30.0 <= trio.current_time() - sent <= 30.0 * 1.25 + 1
+        assert wire.received == ["a" * 32] and wire.utility_calls == ["is_sleeping"]
+        assert s.client.state is EngineState.READY and s.client.in_flight == 0
+        assert not s.client._calls, "the probe's call id left the table"
+        with trio.fail_after(5):
+            while wire.aborts != ["a" * 32]:  # noqa: ASYNC110 - the mock has no event for it
+                await trio.sleep(0.01)
+        mock.inject("ok")
+        ids, _ = await collect(s.client, request("c" * 32, [9, 10], 4))
+        assert ids == expected_echo([9, 10], 4)
+
+
+async def test_a_silent_engine_that_leaves_the_probe_unanswered_is_dead(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Silent (it reads, and sends nothing: no token, no answer to the probe): wedged,
+    detected after silence_s (checked every quarter of it) plus health_timeout_s."""
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(step_s=0.01, silence_s=30.0, health_timeout_s=5.0) as s:
+            async with s.client.open_stream(request("f" * 32, [5, 6], 2000)) as stream:
+                await stream.receive()
+                s.ranks[0].mock.inject("silent")
+                start = trio.current_time()
+                with pytest.raises(EngineDead, match="no output"):
+                    while True:
+                        await stream.receive()
+                assert 30.0 + 5.0 <= trio.current_time() - start <= 30.0 * 1.25 + 5.0 + 1
+            assert s.ranks[0].wire.utility_calls == ["is_sleeping"]
+            assert not s.client._calls
+            await trio.sleep_forever()
+
+
+async def test_idle_probe_keeps_a_healthy_engine_ready(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with vllm_setup(step_s=0.01, health_interval_s=10.0, health_timeout_s=5.0) as s:
+        await trio.sleep(35)  # three probes
+        assert s.client.state is EngineState.READY
+        assert s.ranks[0].wire.utility_calls == ["is_sleeping"] * 3
+        assert not s.client._calls
+
+
+async def test_idle_probe_detects_a_hung_engine(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(step_s=0.01, health_interval_s=10.0, health_timeout_s=5.0) as s:
+            s.ranks[0].mock.inject("hang")
+            start = trio.current_time()
+            with trio.fail_after(60):
+                await s.client._dead.wait()
+            assert 15.0 <= trio.current_time() - start <= 15.5
+            assert s.client.last_error == (
+                "no answer to a health check (utility call is_sleeping) within 5 s from rank(s) 0"
+            )
+            assert not s.client._calls
+            await trio.sleep_forever()
+
+
+async def test_every_rank_must_answer_the_probe(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two ranks, one hung: the engine does not answer (a wedged rank would be sent ever more
+    requests), and the idle prober declares it dead naming that rank."""
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(ranks=2, health_interval_s=0.0) as s:
+            assert await s.client.answers_probe(5.0)
+            s.ranks[1].mock.inject("hang")
+            start = trio.current_time()
+            assert not await s.client.answers_probe(5.0)
+            assert 5.0 <= trio.current_time() - start <= 5.1
+            assert not s.client._calls
+            await s.client.probe_health(5.0)
+            assert s.client.state is EngineState.DEAD
+            assert (s.client.last_error or "").endswith("within 5 s from rank(s) 1")
+            assert s.ranks[0].wire.utility_calls == ["is_sleeping"] * 3
+            await trio.sleep_forever()
+
+
+async def test_a_probe_answered_late_leaves_nothing_and_is_not_taken_for_the_next(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A probe unanswered in time leaves no entry in the call table; its answer, come late,
+    is dropped, and the next probe is judged by its own answer alone: one that comes while
+    the engine still hangs is no answer to it."""
+    async with vllm_setup(health_interval_s=0.0) as s:
+        wire, mock = s.ranks[0].wire, s.ranks[0].mock
+        mock.inject("hang")
+        assert not await s.client.answers_probe(5.0)
+        assert not s.client._calls
+        mock.inject("ok")  # the mock reads the first probe now, and answers it late
+        with trio.fail_after(5):
+            while len(wire.utility_calls) < 1:  # noqa: ASYNC110 - the mock has no event for it
+                await trio.sleep(0.01)
+        await trio.sleep(1)  # the late answer arrives, and is dropped
+        assert not s.client._calls
+        # A probe whose own answer cannot come (hung again): the earlier late answer, had it
+        # been kept, or a stray one, would read as this one's.
+        mock.inject("hang")
+        assert not await s.client.answers_probe(5.0)
+        mock.inject("ok")
+        assert await s.client.answers_probe(5.0)
+        assert s.client.state is EngineState.READY and not s.client._calls
+        ids, _ = await collect(s.client, request("c" * 32, [9, 10], 4))
+        assert ids == expected_echo([9, 10], 4)
+
+
+async def test_overlapping_probes_each_get_their_own_answer(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The idle prober's probe and the silence watchdog's may overlap: each is judged by its
+    own call's answer, and neither waits out the other."""
+    async with vllm_setup(ranks=2, health_interval_s=0.0) as s:
+        results: list[bool] = []
+
+        async def probe() -> None:
+            results.append(await s.client.answers_probe(5.0))
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(probe)
+        assert results == [True] * 3
+        assert trio.current_time() - start < 1.0
+        assert not s.client._calls
+        assert [len(r.wire.utility_calls) for r in s.ranks] == [3, 3]
+
+
+def test_the_mock_answers_the_probe_while_it_loses_requests() -> None:
+    """Under ``lose`` the mock drops a request and answers utility calls (is_sleeping: False,
+    as vLLM's awake engine core does)."""
+    from smgd.wire.vllm.decode import decode_outputs
+    from smgd.wire.vllm.encode import encode_utility
+
+    wire = VllmMockWire("tcp://127.0.0.1:1")
+    sched = MockScheduler(max_batch=8)
+    sched.lose_requests = True
+    frames = make_client(Path("/tmp/x"))._wire_add(request("l" * 32, [5, 6], 4))
+    assert wire.on_request(frames, sched) == []
+    assert wire.received == ["l" * 32] and sched.idle, "the request was dropped"
+    reply = decode_outputs(wire.on_request(encode_utility(9, "is_sleeping"), sched)[0]).utility
+    assert reply is not None
+    assert (reply.call_id, reply.ok, reply.result) == (9, True, False)
