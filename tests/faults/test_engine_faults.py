@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from functools import partial
@@ -10,9 +11,11 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 import trio
+import zmq
 
 from smgd.engines.reader import DELIVER_CHUNK
 
+from ..engine_harness import short_ipc_dir
 from .harness import (
     Daemon,
     StreamOutcome,
@@ -171,6 +174,138 @@ async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
             assert outcome.ended_at - outcome.last_chunk_at >= silence_s + probe_s - DELIVERY_S
             assert outcome.ended_at - stopped_at < silence_s + probe_s + 3
             assert outcome.error is not None and outcome.done and outcome.body_complete
+        await daemon.wait_ready()
+        (replacement,) = daemon.engine_pids()
+        assert replacement != stopped
+        after = await stream(client, "m", "still there", 5)
+        assert after.error is None and len(after.chunks) == 5
+
+
+# --------------------------------------------------------------------------- vLLM's probe
+
+
+def vllm_mock_toml(timeouts: str, *, control: str | None = None) -> str:
+    """Engine ``e0`` (model ``m``): a mock on vLLM's wire smgd launches, with these
+    ``[engines.timeouts]`` lines and, given ``control``, the mock's fault-command socket."""
+    launch = ""
+    if control is not None:
+        launch = f'[engines.launch]\nkind = "mock"\nargs = ["--control", "{control}"]\n'
+    extra = f"[engines.timeouts]\n{timeouts}{launch}"
+    return mock_engine_toml("e0", "m", step_ms=STEP_MS, extra=extra).replace(
+        "[engines.mock]\n", '[engines.mock]\nwire = "vllm"\n'
+    )
+
+
+async def inject(daemon: Daemon, control: str, fault: str) -> None:
+    """Send the mock engine ``fault`` on its control socket; return once its log says it
+    took it (the mock's stderr is the daemon's)."""
+    before = daemon.log().count(f"mock: fault {fault}")
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        sock.setsockopt(zmq.LINGER, 5000)  # the command goes out before close() gives up
+        sock.connect(control)
+        sock.send(json.dumps({"fault": fault}).encode())
+    finally:
+        sock.close()
+
+    async def taken() -> bool:
+        return daemon.log().count(f"mock: fault {fault}") > before
+
+    await until(taken, 10)
+
+
+async def test_a_request_lost_by_a_vllm_engine_that_answers_its_probe_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """A vLLM engine core loses a request and sends nothing more, but answers the utility
+    call smgd probes it with after ``silence_s``: the request alone fails (504
+    ``request_timeout``) and the engine serves on, the same process (it was declared dead
+    and relaunched: vLLM's client had no probe)."""
+    silence_s = 1.0
+    control = f"ipc://{short_ipc_dir()}/control.sock"
+    timeouts = f"silence_s = {silence_s}\nhealth_interval_s = 0\nhealth_timeout_s = 1\n"
+    config = daemon_toml(vllm_mock_toml(timeouts, control=control))
+    async with serve(tmp_path, config) as daemon, daemon.client() as client:
+        served = await stream(client, "m", "hello there", 8)
+        assert served.error is None and served.done and len(served.chunks) == 8, served
+        pids = daemon.engine_pids()
+        await inject(daemon, control, "lose")
+        start = trio.current_time()
+        with trio.fail_after(20):
+            reply = await client.post(
+                "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 13}
+            )
+        assert silence_s <= trio.current_time() - start < silence_s * 1.25 + 3
+        assert reply.status_code == 504, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "request_timeout", error
+        assert "answers but sent no output" in error["message"], error
+        assert daemon.engine_pids() == pids, "the engine was relaunched"
+        assert " dead: " not in daemon.log()
+        await inject(daemon, control, "ok")
+        after = await stream(client, "m", "hello again", 8)
+        assert after.error is None and after.done and len(after.chunks) == 8, after
+        assert daemon.engine_pids() == pids
+
+
+async def test_a_sigstopped_vllm_engine_is_replaced_after_silence_and_an_unanswered_probe(
+    tmp_path: Path,
+) -> None:
+    """A vLLM engine core stops (``SIGSTOP``) under streams: they fail once it has been silent
+    for ``silence_s`` and left the utility-call probe unanswered for ``health_timeout_s``
+    (not before: without a probe it was dead at ``silence_s``); a new process serves."""
+    silence_s, probe_s = 1.5, 1.0
+    timeouts = f"silence_s = {silence_s}\nhealth_interval_s = 0\nhealth_timeout_s = {probe_s}\n"
+    async with (
+        serve(tmp_path, daemon_toml(vllm_mock_toml(timeouts))) as daemon,
+        daemon.client() as client,
+    ):
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                results = start_streams(client, nursery, 4)
+                await all_under_way(results)
+                (stopped,) = daemon.engine_pids()
+                os.kill(stopped, signal.SIGSTOP)
+                stopped_at = trio.current_time()
+        for outcome in results:
+            assert outcome.ended_at is not None and outcome.last_chunk_at is not None
+            # As the SGLang case above: the silence counts from the engine's last frame.
+            assert outcome.ended_at - outcome.last_chunk_at >= silence_s + probe_s - DELIVERY_S
+            assert outcome.ended_at - stopped_at < silence_s + probe_s + 3
+            assert outcome.error is not None and outcome.done and outcome.body_complete
+        assert "no output for 1.5 s" in daemon.log()
+        await daemon.wait_ready()
+        (replacement,) = daemon.engine_pids()
+        assert replacement != stopped
+        after = await stream(client, "m", "still there", 5)
+        assert after.error is None and len(after.chunks) == 5
+
+
+async def test_an_idle_sigstopped_vllm_engine_is_found_by_the_idle_probe_and_replaced(
+    tmp_path: Path,
+) -> None:
+    """A vLLM engine core with nothing to do stops (``SIGSTOP``): the idle prober's utility
+    call (every ``health_interval_s = 1``) goes unanswered for ``health_timeout_s = 1``, the
+    engine is declared dead and a new process serves (without a probe, nothing noticed until
+    a request came and then waited out ``silence_s``)."""
+    interval_s, probe_s = 1.0, 1.0
+    timeouts = f"health_interval_s = {interval_s}\nhealth_timeout_s = {probe_s}\n"
+    async with (
+        serve(tmp_path, daemon_toml(vllm_mock_toml(timeouts))) as daemon,
+        daemon.client() as client,
+    ):
+        served = await stream(client, "m", "hello there", 8)
+        assert served.error is None and served.done and len(served.chunks) == 8, served
+        (stopped,) = daemon.engine_pids()
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = trio.current_time()
+        dead = "engine e0 dead: no answer to a health check (utility call is_sleeping) within 1 s"
+
+        async def found() -> bool:
+            return dead in daemon.log()
+
+        await until(found, interval_s + probe_s + 5, poll_s=0.05)
+        assert probe_s <= trio.current_time() - stopped_at < interval_s + probe_s + 2
         await daemon.wait_ready()
         (replacement,) = daemon.engine_pids()
         assert replacement != stopped
