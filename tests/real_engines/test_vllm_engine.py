@@ -5,8 +5,10 @@
 
 The client launches the engine through smgd's launcher, runs the handshake, streams a greedy
 request that must stop on EOS only because smgd sent it, aborts one mid-stream (no reply
-comes; the client closes it locally and the engine keeps serving), then SIGKILLs the engine
-core under four streams: each stream still open must fail with its own EngineDead.
+comes; the client closes it locally and the engine keeps serving), checks the engine core
+answers smgd's health probe (the utility call ``is_sleeping``) idle and mid-stream and that the
+idle prober, every second, leaves it serving, then SIGKILLs the engine core under four
+streams: each stream still open must fail with its own EngineDead.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ ENGINE_ARGS = [
     "--enforce-eager",
     "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
 ]  # fmt: skip
+# The idle prober's period here: several probes run while the test's requests come and go.
+HEALTH_INTERVAL_S = 1.0
+# How long the test's own probes may take: the engine core answers between two steps, a few
+# ms apart for the tiny model; 5 s leaves room for a loaded CI machine.
+PROBE_S = 5.0
 
 
 def req(max_tokens: int, **sampling: object) -> GenerateRequest:
@@ -59,7 +66,7 @@ def make_client(python: str, model: str) -> VllmEngineClient:
     ipc_dir = short_ipc_dir()
     config = EngineConfig(
         name="vllm0", wire=WireFamily.VLLM, models=["tiny"], model_dir=model,
-        timeouts=TimeoutsConfig(ready_s=STARTUP_S),
+        timeouts=TimeoutsConfig(ready_s=STARTUP_S, health_interval_s=HEALTH_INTERVAL_S),
     )  # fmt: skip
     argv = vllm_argv(
         python=python, launcher=launcher_script("vllm_engine.py"), model=model, args=ENGINE_ARGS
@@ -118,6 +125,36 @@ async def kill_under_streams(client: VllmEngineClient, outcome: KillOutcome) -> 
             nursery.start_soon(doomed)
 
 
+async def answers_the_probe(client: VllmEngineClient) -> None:
+    """The real engine core answers the health probe idle and while it streams (between two
+    steps), and the idle prober probes it and leaves it serving."""
+    idle_probes = 0
+    probe_health = client.probe_health
+
+    async def counted(limit_s: float) -> None:
+        nonlocal idle_probes
+        idle_probes += 1
+        await probe_health(limit_s)
+
+    client.probe_health = counted  # type: ignore[method-assign]
+    start = trio.current_time()
+    assert await client.answers_probe(PROBE_S)
+    print(f"is_sleeping answered in {1000 * (trio.current_time() - start):.1f} ms (idle)")
+    async with client.open_stream(req(400, ignore_eos=True)) as stream:
+        await stream.receive()
+        assert await client.answers_probe(PROBE_S)
+        assert not stream.finished, "the probe came after the stream: nothing proven"
+    await trio.sleep(3.5 * HEALTH_INTERVAL_S)
+    assert idle_probes >= 2, idle_probes
+    assert client.state is EngineState.READY, client.last_error
+    assert not client._calls
+    ids: list[int] = []
+    async with client.open_stream(req(4, temperature=0.0, ignore_eos=True)) as stream:
+        async for delta in stream:
+            ids.extend(delta.token_ids)
+    assert len(ids) == 4
+
+
 @asynccontextmanager
 async def until_engine_dead(client: VllmEngineClient) -> AsyncIterator[None]:
     """Run ``client`` (ready when the body starts); the body kills its engine, and the client's
@@ -161,6 +198,7 @@ async def test_real_vllm_engine_client() -> None:
                 ids.extend(delta.token_ids)
         assert len(ids) == 4
 
+        await answers_the_probe(client)
         await kill_under_streams(client, outcome)
     for _ in range(2):
         if outcome.errors:
