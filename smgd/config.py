@@ -276,7 +276,8 @@ class TimeoutsConfig(_Section):
     # fail alone. A long prefill of a huge prompt on a slow GPU stays well under 60 s.
     silence_s: PositiveSeconds = 60.0
     # While idle, probe the engine this often (SGLang: a 1-token health-check generate, as
-    # /health_generate does); 0 disables. Idle engines are otherwise never heard from.
+    # /health_generate does; vLLM: the utility call is_sleeping on every rank; TokenSpeed's
+    # wire has no probe); 0 disables. Idle engines are otherwise never heard from.
     health_interval_s: Seconds = 30.0
     # A probe unanswered for this long = the engine is wedged. A busy scheduler answers at once.
     health_timeout_s: PositiveSeconds = 20.0
