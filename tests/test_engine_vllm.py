@@ -584,28 +584,45 @@ async def test_every_rank_must_answer_the_probe(
 async def test_a_probe_answered_late_leaves_nothing_and_is_not_taken_for_the_next(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A probe unanswered in time leaves no entry in the call table; its answer, come late,
-    is dropped, and the next probe is judged by its own answer alone: one that comes while
-    the engine still hangs is no answer to it."""
+    """A probe unanswered in time leaves no entry in the call table. Its answer, come late
+    while the next probe waits for its own, is dropped: the next probe is not answered by it.
+    The hung engine's real late answers, once it runs again, are dropped too."""
+    from smgd.wire.vllm.engine_side import encode_outputs
+    from smgd.wire.vllm.structs import EngineCoreOutputs, UtilityOutput, UtilityResult
+
     async with vllm_setup(health_interval_s=0.0) as s:
-        wire, mock = s.ranks[0].wire, s.ranks[0].mock
+        client, wire, mock = s.client, s.ranks[0].wire, s.ranks[0].mock
         mock.inject("hang")
-        assert not await s.client.answers_probe(5.0)
-        assert not s.client._calls
-        mock.inject("ok")  # the mock reads the first probe now, and answers it late
+        outcomes: list[bool] = []
+
+        async def probe() -> None:
+            outcomes.append(await client.answers_probe(5.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(probe)
+            await trio.testing.wait_all_tasks_blocked()
+            (first_id,) = client._calls
+        assert outcomes == [False] and not client._calls
+
+        def late_answer() -> list[Any]:
+            reply = UtilityOutput(first_id, None, UtilityResult(None, False))
+            return list(encode_outputs(EngineCoreOutputs(utility_output=reply)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(probe)
+            await trio.testing.wait_all_tasks_blocked()
+            assert first_id not in client._calls and len(client._calls) == 1
+            # The first probe's answer arrives as the reader hands it over.
+            assert client._decode_frames(late_answer()) == []
+        assert outcomes == [False, False] and not client._calls
+        mock.inject("ok")  # the mock answers both probes now, late
         with trio.fail_after(5):
-            while len(wire.utility_calls) < 1:  # noqa: ASYNC110 - the mock has no event for it
+            while len(wire.utility_calls) < 2:  # noqa: ASYNC110 - the mock has no event for it
                 await trio.sleep(0.01)
-        await trio.sleep(1)  # the late answer arrives, and is dropped
-        assert not s.client._calls
-        # A probe whose own answer cannot come (hung again): the earlier late answer, had it
-        # been kept, or a stray one, would read as this one's.
-        mock.inject("hang")
-        assert not await s.client.answers_probe(5.0)
-        mock.inject("ok")
-        assert await s.client.answers_probe(5.0)
-        assert s.client.state is EngineState.READY and not s.client._calls
-        ids, _ = await collect(s.client, request("c" * 32, [9, 10], 4))
+        assert await client.answers_probe(5.0)
+        assert wire.utility_calls == ["is_sleeping"] * 3
+        assert client.state is EngineState.READY and not client._calls
+        ids, _ = await collect(client, request("c" * 32, [9, 10], 4))
         assert ids == expected_echo([9, 10], 4)
 
 
