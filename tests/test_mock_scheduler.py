@@ -1,9 +1,17 @@
-"""The sans-IO mock scheduler: batching, limits, stops, aborts, scripted replies."""
+"""The sans-IO mock scheduler: batching, limits, stops, aborts, scripted replies, the prefix
+cache; and the bounds of what a mock wire records."""
 
 from __future__ import annotations
 
 from smgd.config import MockReply, MockScript
-from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler
+from smgd.mock.engine import RECORDED, record, record_in
+from smgd.mock.scheduler import (
+    PREFIX_BLOCK,
+    PREFIX_CACHE_BLOCKS,
+    MockFinish,
+    MockRequest,
+    MockScheduler,
+)
 from smgd.mock.script import Script
 
 
@@ -133,3 +141,53 @@ def test_empty_script_is_the_echo() -> None:
     sched = _scripted()
     sched.add(MockRequest(rid="a", prompt_ids=[10, 11], max_tokens=3))
     assert run_to_end(sched)["a"] == [10, 11, 10]
+
+
+def _first_cached(sched: MockScheduler, rid: str, prompt: list[int]) -> int:
+    sched.add(MockRequest(rid=rid, prompt_ids=prompt, max_tokens=1))
+    cached = {o.rid: o.cached_tokens for o in sched.step()}[rid]
+    run_to_end(sched)
+    return cached
+
+
+def test_prefix_cache_counts_whole_blocks_a_prompt_shares_with_earlier_ones() -> None:
+    sched = MockScheduler(max_batch=4)
+    prompt = list(range(100, 150))  # 50 tokens: three whole blocks of 16
+    assert _first_cached(sched, "a", prompt) == 0
+    assert _first_cached(sched, "b", prompt) == 3 * PREFIX_BLOCK
+    # A prompt sharing the first 40 tokens shares two whole blocks; a block that differs in
+    # its last token is another block, and so is every block after it (the hash chain).
+    assert _first_cached(sched, "c", prompt[:40] + [7] * 30) == 2 * PREFIX_BLOCK
+    changed = [*prompt[:31], 9, *prompt[32:]]
+    assert _first_cached(sched, "d", changed) == PREFIX_BLOCK
+
+
+def test_prefix_cache_is_bounded_and_drops_the_least_recently_used() -> None:
+    """It kept every prefix of every prompt as a tuple of its tokens: 2,000 distinct
+    2,048-token prompts held 2.1 GB of the built-in mock's memory."""
+    sched = MockScheduler(max_batch=4)
+    kept = list(range(1000, 1000 + PREFIX_BLOCK))
+    assert _first_cached(sched, "kept", kept) == 0
+    gone = list(range(2000, 2000 + PREFIX_BLOCK))
+    assert _first_cached(sched, "gone", gone) == 0
+    blocks_per_prompt = 64
+    for i in range(PREFIX_CACHE_BLOCKS // blocks_per_prompt):
+        if i % 16 == 0:  # used again now and then: stays
+            assert _first_cached(sched, f"kept{i}", kept) == PREFIX_BLOCK
+        filler = [3000 + i] + [5] * (blocks_per_prompt * PREFIX_BLOCK - 1)
+        sched._cached(filler)
+    assert len(sched._prefix_blocks) <= PREFIX_CACHE_BLOCKS
+    assert _first_cached(sched, "kept-last", kept) == PREFIX_BLOCK
+    assert _first_cached(sched, "gone-again", gone) == 0
+
+
+def test_a_mock_wires_records_keep_the_latest_and_stay_bounded() -> None:
+    entries: list[str] = []
+    table: dict[str, int] = {}
+    for i in range(5 * RECORDED):
+        record(entries, f"r{i}")
+        record_in(table, f"r{i}", i)
+        assert len(entries) <= 2 * RECORDED and len(table) <= 2 * RECORDED
+    assert len(entries) >= RECORDED and entries[-1] == f"r{5 * RECORDED - 1}"
+    assert entries == [f"r{i}" for i in range(5 * RECORDED - len(entries), 5 * RECORDED)]
+    assert list(table) == entries and table[entries[0]] == 5 * RECORDED - len(entries)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Literal, Protocol
+from itertools import islice
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import trio
 import zmq
@@ -30,12 +31,37 @@ if TYPE_CHECKING:
     from smgd.mock.scheduler import MockScheduler, StepOutput
 
 log = logging.getLogger("smgd.mock")
+_T = TypeVar("_T")
+_V = TypeVar("_V")
 
 # "lose": requests that arrive while it is set are dropped unanswered (an engine that loses a
 # request while it serves the others and answers its health checks); running ones go on.
 Fault = Literal["die", "hang", "garble", "silent", "lose", "ok"]
 FAULTS: tuple[Fault, ...] = ("die", "hang", "garble", "silent", "lose", "ok")
 GARBAGE = b"\xc1 not msgpack \xff"
+# What a mock wire records of what it got (request ids, aborts, utility calls), for tests and
+# a look from a debugger: the last RECORDED of each at least, 2 x RECORDED at most. A mock that
+# runs for long (a bench, the built-in engine of `smgd serve`) must not keep every id it got:
+# the vLLM mock's records held ~130 bytes per request (its 32-character id, a list entry and
+# a dict entry), ~50 KB a second at the 400 requests a second of `smgd bench`'s C = 1,024.
+RECORDED = 4096
+
+
+def record(entries: list[_T], entry: _T) -> None:
+    """Append ``entry`` to ``entries``, dropping the oldest past 2 x :data:`RECORDED` (in
+    one cut, down to RECORDED: the cost of a cut spread over as many appends)."""
+    entries.append(entry)
+    if len(entries) > 2 * RECORDED:
+        del entries[:-RECORDED]
+
+
+def record_in(table: dict[str, _V], key: str, value: _V) -> None:
+    """``table[key] = value``, dropping the oldest keys past 2 x :data:`RECORDED`, as
+    :func:`record` does."""
+    table[key] = value
+    if len(table) > 2 * RECORDED:
+        for old in list(islice(table, len(table) - RECORDED)):
+            del table[old]
 
 
 class MockWire(Protocol):

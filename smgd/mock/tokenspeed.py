@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from smgd.errors import WireError
-from smgd.mock.engine import GARBAGE, connect_data_sockets
+from smgd.mock.engine import GARBAGE, connect_data_sockets, record
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
 from smgd.wire.tokenspeed.decode import decode_init, decode_request
 from smgd.wire.tokenspeed.engine_side import (
@@ -124,12 +124,12 @@ class TokenspeedMockWire:
             return []
         if isinstance(msg, AbortRequest):
             for rid in msg.rids:
-                self.aborts.append(rid)
+                record(self.aborts, rid)
                 self._client_aborted.add(rid)
                 sched.abort(rid)
             return []
         rid = msg.rid if isinstance(msg.rid, str) else ""
-        self.received.append(rid)
+        record(self.received, rid)
         sp = msg.sampling_params
         prompt = msg.input_ids or []
         if sp.n != 1 or (msg.return_logprob and not self.enable_logprobs):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from smgd.errors import WireError
-from smgd.mock.engine import GARBAGE, connect_data_sockets
+from smgd.mock.engine import GARBAGE, connect_data_sockets, record, record_in
 from smgd.mock.scheduler import MockFinish, MockRequest, MockScheduler, StepOutput
 from smgd.wire.vllm.decode import decode_init, decode_request
 from smgd.wire.vllm.engine_side import (
@@ -153,7 +153,7 @@ class VllmMockWire:
             return []
         if isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
-                self.aborts.append(rid)
+                record(self.aborts, rid)
                 self._client_aborted.add(rid)
                 sched.abort(rid)
             return []
@@ -161,7 +161,7 @@ class VllmMockWire:
             # vLLM's API server asks this at start-up and waits for the answer; LoRA calls
             # as the engine answers them; other utility calls get None (the call succeeded,
             # nothing to report).
-            self.utility_calls.append(msg.method)
+            record(self.utility_calls, msg.method)
             failure, value = self._lora_utility(msg)
             if failure is None and value is None:
                 value = UTILITY_ANSWERS.get(msg.method)
@@ -174,7 +174,7 @@ class VllmMockWire:
         if not isinstance(msg, AddRequest):
             return []  # DP waves: not modelled
         req = msg.request
-        self.received.append(req.request_id)
+        record(self.received, req.request_id)
         if self.log_stats:
             self._queued_at[req.request_id] = time.monotonic()
         if req.pooling_params is not None:  # an embedding request (--runner pooling)
@@ -190,7 +190,8 @@ class VllmMockWire:
             return []
         sp = req.sampling_params or SamplingParams()
         eos = sp._eos_token_id
-        self.eos_seen[req.request_id] = self._eos[req.request_id] = eos
+        record_in(self.eos_seen, req.request_id, eos)
+        self._eos[req.request_id] = eos
         if sp.logprobs is not None:
             self._logprobs[req.request_id] = sp.logprobs
         # vLLM's min_tokens masks _all_stop_token_ids: without them (a front end that sent
