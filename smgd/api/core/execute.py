@@ -262,7 +262,8 @@ def log_request(state: RequestState) -> None:
 
     The line is at info, or at warning when smgd or an engine failed the request (a 5xx-class
     error: the engine died, went silent, the drain ran out): that one asks an operator to look.
-    A client error or a client that went away stays at info.
+    A client error or a client that went away stays at info; the latter's line ends with
+    ``client disconnected (499)`` and has ``client_disconnected`` set.
     """
     now = trio.current_time()
     if state.recorder is not None:
@@ -276,7 +277,12 @@ def log_request(state: RequestState) -> None:
     if not log.isEnabledFor(level):
         return  # a line nobody writes: its fields are not built (2.6 µs per request)
     fields = state.log_fields(now)
-    error = "" if state.error is None else f", error: {state.error}"
+    if fields["client_disconnected"]:
+        # nginx's 499: the request ended because its client went away (a close, a reset, or
+        # a half-close, which a read's end cannot tell from a close: docs/reference/http-api.md).
+        error = ", client disconnected (499)"
+    else:
+        error = "" if state.error is None else f", error: {state.error}"
     log.log(
         level,
         "%s %s done: %s prompt + %s completion tokens, ttft %s ms, e2e %s ms, finish %s%s",

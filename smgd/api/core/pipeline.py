@@ -366,7 +366,16 @@ class RequestState:
                 c.reported_finish or c.finish_reason or "none" for c in self.choices
             ),
             "error": self.error,
+            "client_disconnected": self.client_disconnected,
         }
+
+    @property
+    def client_disconnected(self) -> bool:
+        """It ended with a choice unfinished and no error: its client went away (the metrics'
+        ``cancelled``, counted as a ``client_disconnect`` abort) and its engine requests were
+        aborted. Nothing else ends a request that way: a drain's cut, a timeout and an engine
+        failure each leave their error."""
+        return self.error is None and not all(c.done for c in self.choices)
 
 
 # Logprobs below this are sent as this (vLLM's clamp): -inf, which a fully masked token gets,

@@ -128,6 +128,7 @@ class Call:
     writer: EventWriter | None  # direct SSE writes for this connection, where they apply
     recorder: Recorder | None = None  # the app's metrics recorder
     recorded: bool = False  # the recorder saw this request (errors must not count it again)
+    logged: bool = False  # it wrote its own log line (a generation's, log_request)
     metrics: RequestMetrics | None = None  # the app's request metrics (embeddings record here)
     path_tail: str = ""  # a path template's part: the model of /v1/models/{model}
 
@@ -138,8 +139,9 @@ class Call:
         return await off_the_loop(self, decode_body, self.body)
 
     def record(self, state: RequestState, now: float) -> None:
-        """``RequestState.recorder``: hand the finished request to the metrics recorder once."""
-        self.recorded = True
+        """``RequestState.recorder``: hand the finished request to the metrics recorder once
+        (log_request, which writes its line next)."""
+        self.recorded = self.logged = True
         if self.recorder is not None:
             self.recorder(state, now)
 

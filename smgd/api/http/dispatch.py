@@ -112,6 +112,10 @@ TIMED_OUT = (
 )
 
 BodyOutcome = Literal["complete", "too_large", "timeout", "disconnected"]
+# The status counted for a request whose client went away before any byte of its response:
+# nginx's "client closed request", which operators already filter and alert on. No client
+# ever sees it.
+CLIENT_CLOSED = 499
 
 
 class Route:
@@ -251,8 +255,9 @@ class Dispatcher:
         """One HTTP request, from its body to the end of its response."""
         limit = self.ctx.max_body_bytes
         outcome, data = await read_body(receive, limit, BODY_TIMEOUT_S, scope)
-        if outcome == "disconnected":
-            return  # gone before the body's end: nothing to answer
+        if outcome == "disconnected":  # gone before the body's end: nothing to answer
+            self._client_left(scope, "before its request body ended")
+            return
         conn: DirectSendTCPServer | None = (scope.get("state") or {}).get(CONNECTION_KEY)
         if conn is None:
             async with trio.open_nursery() as nursery:
@@ -261,6 +266,9 @@ class Dispatcher:
                 nursery.cancel_scope.cancel()
             return
         if conn.disconnected:
+            # Gone before the request was handled: its client closed (or half-closed, which
+            # a read's end cannot tell from a close) right after sending it.
+            self._client_left(scope, "before its request was handled")
             return
         if (scope.get("extensions") or _NO_EXTENSIONS).get(CANCELLED_ON_DISCONNECT):
             await self._answer(scope, outcome, data, limit, send)  # a scope of ours is spared
@@ -351,7 +359,13 @@ class Dispatcher:
                 metrics=self._metrics,
                 path_tail=tail,
             )
-            reply = await route.handler(call)
+            try:
+                reply = await route.handler(call)
+            except trio.Cancelled:  # re-raised: only noted, when its client went away
+                if _client_gone(scope):
+                    logged = call.logged  # a generation's own line says so already
+                    self._client_left(scope, "before its response", call.request_id, logged)
+                raise
         except SmgdError as err:
             if call is not None:
                 request_id = call.request_id  # /generate's `rid`, once it was checked
@@ -387,6 +401,8 @@ class Dispatcher:
             return
         events = reply.body
         streamed = True  # counted as the stream's status (not if answered whole instead)
+        ended = False  # the body's end went to the server
+        held: _HeldStart | None = None
         start = _start(reply.status, headers)
         try:
             if RETRACT_HEAD in (scope.get("extensions") or _NO_EXTENSIONS):
@@ -426,10 +442,37 @@ class Dispatcher:
             if failed is not None:
                 await send({"type": "http.response.body", "body": failed.event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            ended = True
         finally:
             if streamed and self._metrics is not None:
-                self._metrics.http(label, method, reply.status)
+                status = reply.status
+                if not ended and not _head_out(writer, held) and _client_gone(scope):
+                    status = CLIENT_CLOSED  # gone before a byte of the response went out
+                self._metrics.http(label, method, status)
             await events.aclose()  # the stream's own finally: engine abort, request log
+
+    def _client_left(
+        self, scope: Any, when: str, request_id: str | None = None, logged: bool = False
+    ) -> None:
+        """The client went away ``when`` (before any byte of its response): counted in
+        ``smgd_http_requests`` as nginx's 499, and logged at info unless the request wrote its
+        own line (``logged``: a generation's, which says ``client disconnected (499)``)."""
+        method: str = scope["method"]
+        path: str = scope["path"]
+        route = self.routes.get(path)
+        template = path
+        if route is None:
+            route, path, template, _ = self._missed(path)
+        label = template if route is not None and method in route.served else UNMATCHED
+        if self._metrics is not None:
+            self._metrics.http(label, method, CLIENT_CLOSED)
+        if not logged:
+            log.info(
+                "%s %s %s: client disconnected %s (499)",
+                request_id or "-", method, _quoted(path), when,
+                extra={"request_id": request_id, "status": CLIENT_CLOSED,
+                       "client_disconnected": True},
+            )  # fmt: skip
 
     def _bound_head(self, writer: DirectWriter) -> None:
         """The held head goes out alone at the pacer's first tick after :data:`HEAD_HOLD_S`,
@@ -661,6 +704,21 @@ class _Body:
             return b""
         parts = self._parts
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _client_gone(scope: Any) -> bool:
+    """Whether the request's client went away: on smgd's worker loop its connection says so;
+    under another server only a disconnect cancels a request (:func:`_cancel_on_disconnect`)."""
+    conn: DirectSendTCPServer | None = (scope.get("state") or {}).get(CONNECTION_KEY)
+    return conn is None or conn.disconnected
+
+
+def _head_out(writer: DirectWriter | None, held: _HeldStart | None) -> bool:
+    """Whether a streamed response's head went to the server: it waits in the fast path's
+    direct writer for the first event, or in ``held`` for hypercorn's path."""
+    if held is not None:
+        return held.sent
+    return writer is None or not writer.head_held
 
 
 async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:

@@ -329,11 +329,16 @@ class FastPath:
         with trio.CancelScope() as scope:
             conn.on_disconnect = scope.cancel
             try:
-                while not self._closed:
+                while True:
                     job = self._job
                     if job is None:
+                        if self._closed:
+                            return
                         await self._lot.park()
                         continue
+                    # A request whose client closed (or half-closed) before this task ran
+                    # still runs: the app finds the connection gone and records the request
+                    # as its client's disconnect (smgd.api.http.dispatch), not nothing.
                     self._job = None
                     if not await self._run(*job):
                         return
