@@ -155,3 +155,20 @@ async def test_a_request_failed_by_an_engine_is_logged_at_warning(
         assert "error" not in record.getMessage()
     else:
         assert error in record.getMessage()  # the human line says what went wrong
+
+
+async def test_a_request_its_client_left_is_logged_as_a_disconnect(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # nginx's 499 in the line, and a field a JSON log can be filtered on; a finished request
+    # beside it says neither.
+    caplog.set_level(logging.INFO, logger="smgd.api")
+    async with open_app(FakeEngine(behaviour=Behaviour(step_s=1.0))) as (app, _):
+        await post_stream(app, "/v1/completions", BODY, disconnect_after=2)
+        await post_stream(app, "/v1/completions", {**BODY, "max_tokens": 3})
+    left, finished = _done_records(caplog)
+    assert left.getMessage().endswith("finish none, client disconnected (499)")
+    assert left.client_disconnected is True  # type: ignore[attr-defined]
+    assert left.levelno == logging.INFO  # the client's doing: nothing for an operator to fix
+    assert "disconnected" not in finished.getMessage()
+    assert finished.client_disconnected is False  # type: ignore[attr-defined]

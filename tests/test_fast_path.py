@@ -8,6 +8,7 @@ or hypercorn's is told by the h11 events hypercorn sends: the fast path sends no
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -991,6 +992,43 @@ async def test_a_client_hanging_up_mid_stream_on_h11_after_a_fast_request_aborts
             await engine.wait_abort(engine.requests[-1].rid)
     assert h11_events.responses() == [200]
     assert len(engine.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(_post("/v1/completions", _plain(1000)), id="fast-path-whole"),
+        pytest.param(_post("/v1/completions", _completion(1000)), id="fast-path-stream"),
+        pytest.param(_chunked(_completion(1000)), id="h11-stream"),
+    ],
+)
+async def test_a_client_half_closing_after_its_request_is_dropped_with_a_trace(
+    caplog: pytest.LogCaptureFixture, request_bytes: bytes
+) -> None:
+    # shutdown(SHUT_WR) after a whole request reads, on the server, as a close: the request
+    # is dropped (nginx's 499), whether its handler ran (its engine request is aborted, its
+    # line says so) or the end was read first (the dispatcher's line); never without a trace.
+    caplog.set_level(logging.INFO, logger="smgd.api")
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                await stream.send_all(request_bytes)
+                await stream.send_eof()
+                assert await stream.receive_some(65536) == b""  # the close, and nothing else
+            for request in engine.requests:
+                await engine.wait_abort(request.rid)
+            client = await _connect(port)
+            async with client.stream:
+                await client.send(_get("/metrics"))
+                metrics = (await client.response("GET")).body.decode()
+    lines = [r.getMessage() for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("(499)"), lines
+    # No byte of an answer went out: a 499, and no 200.
+    series = 'smgd_http_requests_total{method="POST",route="/v1/completions",status="%s"}'
+    assert series % "499" + " 1.0" in metrics, metrics
+    assert series % "200" not in metrics, metrics
 
 
 async def test_a_connections_fast_requests_run_one_after_another_in_one_task(
