@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -1029,6 +1030,32 @@ async def test_a_client_half_closing_after_its_request_is_dropped_with_a_trace(
     series = 'smgd_http_requests_total{method="POST",route="/v1/completions",status="%s"}'
     assert series % "499" + " 1.0" in metrics, metrics
     assert series % "200" not in metrics, metrics
+
+
+async def test_a_request_whose_clients_end_is_read_before_its_task_runs_leaves_a_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The request and the half-close are both in when the server first reads: the read loop
+    # starts the request's task, then finds the end at once, in the same scheduler batch as
+    # that task's first step (trio runs a batch in random order). Whichever runs first, the
+    # request leaves its line; it used to be dropped unseen when the read loop went first.
+    caplog.set_level(logging.INFO, logger="smgd.api")
+    engine = FakeEngine(behaviour=Behaviour(step_s=0.005))
+    connections = 20
+    async with serving(engine) as port:
+        with trio.fail_after(TIMEOUT_S):
+            for _ in range(connections):
+                # Blocking calls, no checkpoint: all is sent before the server accepts.
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(_post("/v1/completions", _plain(1000)))
+                sock.shutdown(socket.SHUT_WR)
+                sock.setblocking(False)
+                async with trio.SocketStream(trio.socket.from_stdlib_socket(sock)) as stream:
+                    assert await stream.receive_some(65536) == b""
+            for request in engine.requests:
+                await engine.wait_abort(request.rid)
+    lines = [r.getMessage() for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert len(lines) == connections, lines
 
 
 async def test_a_connections_fast_requests_run_one_after_another_in_one_task(
