@@ -4,6 +4,7 @@ disconnects on smgd's worker loop. What each route answers is pinned in test_htt
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -159,6 +160,42 @@ async def test_a_client_gone_before_its_body_ends_gets_no_answer_and_no_handler(
             assert conn.status is None
             assert (await request(app, "POST", "/x", b"{}", RID)).status == 200
     assert calls == ["rid-1"]  # the second request only
+
+
+async def test_a_client_gone_before_its_answer_is_logged_and_counted_as_499(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A route with no log line of its own (not a generation): the dispatcher writes one, for
+    # a client gone before its body ended and for one gone while its handler ran, and counts
+    # each as nginx's 499.
+    caplog.set_level(logging.INFO, logger="smgd.api")
+    running = trio.Event()
+
+    async def handler(call: Any) -> Reply:
+        running.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with open_gateway() as gateway:
+        app = create_app(gateway, environ={})
+        app.routes = {**app.routes, "/x": Route("POST", handler)}
+        async with lifespan(app):
+            async with connect(app, http_scope("POST", "/x", RID)) as conn:
+                conn.send(b"he", more=True)
+                conn.disconnect()
+                assert await conn.read_all() == b""
+            async with connect(app, http_scope("POST", "/x", RID)) as conn:
+                conn.send(b"{}")
+                await running.wait()
+                conn.disconnect()
+                assert await conn.read_all() == b""
+            metrics = (await request(app, "GET", "/metrics", b"", RID)).body.decode()
+    lines = [r.getMessage() for r in caplog.records if "client disconnected" in r.getMessage()]
+    assert lines == [
+        "- POST /x: client disconnected before its request body ended (499)",
+        "rid-1 POST /x: client disconnected before its response (499)",
+    ]
+    assert 'smgd_http_requests_total{method="POST",route="/x",status="499"} 2.0' in metrics
 
 
 async def test_the_lifespan_runs_the_background_tasks_and_the_app_nursery() -> None:
