@@ -128,6 +128,21 @@ def test_usage_counts_shared_prompt_once_and_cached() -> None:
     assert fields["engine_rids"] == ["r", "r2"]
 
 
+def test_a_request_left_unfinished_without_an_error_is_its_clients_disconnect() -> None:
+    state = RequestState(request_id="x", kind="completion", model="m", created=0, t_start=0.0)
+    done, running = choice(), choice()
+    state.choices += [done, running]
+    done.apply(delta(IDS[:2], Finish(reason=FinishReason.LENGTH)))
+    running.apply(delta(IDS[:2]))
+    assert state.log_fields(1.0)["client_disconnected"] is True  # a choice was cut off
+    running.apply(delta(IDS[2:3], Finish(reason=FinishReason.LENGTH)))
+    assert state.log_fields(1.0)["client_disconnected"] is False  # every choice finished
+    failed = RequestState(request_id="y", kind="completion", model="m", created=0, t_start=0.0)
+    failed.choices.append(choice())
+    failed.fail(EngineDead("gone"))
+    assert failed.log_fields(1.0)["client_disconnected"] is False  # an error ended it
+
+
 def test_engine_reported_count_wins_when_larger() -> None:
     c = choice()
     c.apply(delta(IDS[:2], completion_tokens=3))
