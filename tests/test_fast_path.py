@@ -1058,6 +1058,31 @@ async def test_a_request_whose_clients_end_is_read_before_its_task_runs_leaves_a
     assert len(lines) == connections, lines
 
 
+async def test_a_half_closing_health_checker_gets_its_answer_every_time(
+    h11_events: H11Events,
+) -> None:
+    # As above, the request and its half-close are in before the server reads, and either the
+    # request's task or the read of the end runs first. A route that starts no engine work
+    # (here /health, answered at once) is answered either way: a health checker that
+    # half-closes (`nc -N`) reads its 200, never nothing in about half its probes.
+    probes = 20
+    answers: list[bytes] = []
+    async with serving(_engine()) as port:
+        with trio.fail_after(TIMEOUT_S):
+            for _ in range(probes):
+                sock = socket.create_connection(("127.0.0.1", port))  # blocking: no checkpoint
+                sock.sendall(_get("/health"))
+                sock.shutdown(socket.SHUT_WR)
+                sock.setblocking(False)
+                async with trio.SocketStream(trio.socket.from_stdlib_socket(sock)) as stream:
+                    data = bytearray()
+                    while chunk := await stream.receive_some(65536):
+                        data += chunk
+                answers.append(bytes(data).split(b"\r\n", 1)[0])
+    assert answers == [b"HTTP/1.1 200 OK"] * probes, answers
+    assert h11_events.sent == []
+
+
 async def test_a_connections_fast_requests_run_one_after_another_in_one_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

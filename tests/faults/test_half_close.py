@@ -5,7 +5,8 @@ A client that sends its whole request and then shuts its sending side (``shutdow
 closed: the read ends. smgd treats both as the client going away, as nginx does (its 499):
 the request is cancelled, its engine request aborted, and the request leaves a trace, its
 log line saying ``client disconnected (499)`` and a 499 in ``smgd_http_requests_total`` when
-no byte of its answer went out (docs/reference/http-api.md, "Client disconnects").
+no byte of its answer went out (docs/reference/http-api.md, "Client disconnects"). A route
+that runs no engine work (``/health``) answers a half-closing client all the same.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TOKENS = 4000  # 20 s of steps: a request the client left must not run until its
 # gauge at 1 for TOKENS steps (20 s), far past this.
 ABORTED_WITHIN_S = 3.0
 READ_S = 5.0  # the daemon's answer to a client gone (its close) comes in milliseconds
+HEALTH_PROBES = 10  # each got nothing about half the time: all 10 answered by chance ~0.3 %
 
 
 def _metric(metrics: str, name: str, **labels: str) -> float:
@@ -96,7 +98,8 @@ async def test_a_client_that_half_closes_after_its_request_gets_it_dropped_and_l
     or the stream cut after what had gone out), the engine is left with nothing in flight
     within a few steps (it would run 20 s), each request's log line says
     ``client disconnected (499)``, and the two left before any byte of their answer count as
-    499 in ``smgd_http_requests_total``, the one left mid-stream as the 200 it had begun."""
+    499 in ``smgd_http_requests_total``, the one left mid-stream as the 200 it had begun.
+    Health probes half-closed the same way each get their 200."""
     config = daemon_toml(mock_engine_toml("e0", "m", step_ms=STEP_MS))
     async with serve(tmp_path, config) as daemon:
         # Not streamed: the request is whole, then the client shuts its sending side.
@@ -143,6 +146,15 @@ async def test_a_client_that_half_closes_after_its_request_gets_it_dropped_and_l
             return len(_aborts(daemon)) == aborts
 
         await until(engine_told, READ_S)
+        # A route that runs no engine work answers a half-closing client (a health checker's
+        # `nc -N`) every time: it got nothing when the daemon read the end first.
+        for _ in range(HEALTH_PROBES):
+            conn = await _raw(daemon)
+            await conn.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            await conn.send_eof()
+            answer = await _read_to_eof(conn)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            await conn.aclose()
         # The daemon serves on.
         async with daemon.client() as client:
             body = {"model": "m", "prompt": "again", "max_tokens": 3}

@@ -265,9 +265,13 @@ class Dispatcher:
                 await self._answer(scope, outcome, data, limit, send)
                 nursery.cancel_scope.cancel()
             return
-        if conn.disconnected:
+        if conn.disconnected and self._runs_engine(scope):
             # Gone before the request was handled: its client closed (or half-closed, which
-            # a read's end cannot tell from a close) right after sending it.
+            # a read's end cannot tell from a close) right after sending it. An engine's work
+            # for nobody is not started. Any other route's answer is at hand and costs
+            # nothing: it is written, and a client that only half-closed (a health checker's
+            # `nc -N`) reads it, whichever of the request's task and the read of the end
+            # came first.
             self._client_left(scope, "before its request was handled")
             return
         if (scope.get("extensions") or _NO_EXTENSIONS).get(CANCELLED_ON_DISCONNECT):
@@ -450,6 +454,13 @@ class Dispatcher:
                     status = CLIENT_CLOSED  # gone before a byte of the response went out
                 self._metrics.http(label, method, status)
             await events.aclose()  # the stream's own finally: engine abort, request log
+
+    def _runs_engine(self, scope: Any) -> bool:
+        """Whether the request's route runs engine requests (a generation or embeddings)."""
+        route = self.routes.get(scope["path"])
+        if route is None:
+            route = self._missed(scope["path"])[0]
+        return route is not None and route.generation
 
     def _client_left(
         self, scope: Any, when: str, request_id: str | None = None, logged: bool = False
