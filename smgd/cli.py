@@ -21,7 +21,7 @@ import msgspec
 from smgd import __version__, assets
 from smgd.config import Config, check_secrets, load_config, scalar_flags
 from smgd.errors import ConfigError, SmgdError
-from smgd.logs import announce, setup_logging
+from smgd.logs import announce, flush_logs, setup_logging
 
 DEFAULT_CONFIG = "smgd.toml"
 EXIT_CONFIG = 2  # a bad config file / flag: exit 2, like argparse's usage errors
@@ -110,13 +110,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(path, overrides=overrides)
     setup_logging(config.logging)  # the config is valid: from here on, lines in its format
     try:
-        check_secrets(config)  # before anything starts or listens
-    except ConfigError as exc:
-        announce(f"smgd: {exc.one_line()}", level=logging.ERROR)
-        return EXIT_CONFIG
-    if builtin:
-        logging.getLogger("smgd").info(_BUILTIN_NOTE, path)
-    return serve_main(config, config_path=path, overrides=overrides)
+        try:
+            check_secrets(config)  # before anything starts or listens
+        except ConfigError as exc:
+            announce(f"smgd: {exc.one_line()}", level=logging.ERROR)
+            return EXIT_CONFIG
+        if builtin:
+            logging.getLogger("smgd").info(_BUILTIN_NOTE, path)
+        return serve_main(config, config_path=path, overrides=overrides)
+    finally:
+        flush_logs()  # the writer thread's last lines (a fatal error's too), within a bound
 
 
 def _cmd_init(args: argparse.Namespace) -> int:

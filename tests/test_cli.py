@@ -16,7 +16,7 @@ import pytest
 from smgd.assets import DEFAULT_CONFIG
 from smgd.cli import main
 from smgd.config import LoggingConfig
-from smgd.logs import announce, setup_logging
+from smgd.logs import announce, flush_logs, setup_logging
 
 
 @pytest.fixture
@@ -128,6 +128,7 @@ def test_announce_is_json_in_json_mode(
     setup_logging(LoggingConfig(format="json"))
     announce("smgd listening on http://127.0.0.1:1", url="http://127.0.0.1:1")
     announce("smgd: boom", level=logging.ERROR)
+    assert flush_logs()  # the writer thread wrote them
     lines = capsys.readouterr().err.splitlines()
     records = [json.loads(line) for line in lines]
     assert records[0]["msg"] == "smgd listening on http://127.0.0.1:1"
@@ -140,6 +141,7 @@ def test_announce_is_a_plain_line_in_human_mode(
 ) -> None:
     setup_logging(LoggingConfig(format="human"))
     announce("smgd listening on http://127.0.0.1:1", url="http://127.0.0.1:1")
+    assert flush_logs()
     assert capsys.readouterr().err == "smgd listening on http://127.0.0.1:1\n"
 
 
