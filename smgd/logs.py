@@ -243,7 +243,10 @@ class _Writer:
                 "smgd.logs", logging.ERROR, __file__, 0, "a log line could not be formatted "
                 "(%s: %s); its message was %r", (type(exc).__name__, exc, record.msg), None,
             )  # fmt: skip
-            return self.formatter.format(failed)
+            try:
+                return self.formatter.format(failed)
+            except Exception:  # its message's repr failed too
+                return self.formatter.format(dropped_report(1))
 
     def _write(self, lines: list[str]) -> None:
         if not lines:
@@ -269,13 +272,6 @@ class QueueingHandler(logging.Handler):
         super().__init__()
         self.writer = writer
         self.json_lines = json_lines
-
-    def handle(self, record: logging.LogRecord) -> bool:
-        # Handler.handle takes the handler's lock around emit; the queue needs none.
-        if self.filter(record):
-            self.emit(record)
-            return True
-        return False
 
     def emit(self, record: logging.LogRecord) -> None:
         item = freeze(record, self.writer.formatter, extras=self.json_lines)
