@@ -274,7 +274,10 @@ class QueueingHandler(logging.Handler):
         self.json_lines = json_lines
 
     def emit(self, record: logging.LogRecord) -> None:
-        item = freeze(record, self.writer.formatter, extras=self.json_lines)
+        try:
+            item = freeze(record, self.writer.formatter, extras=self.json_lines)
+        except Exception:  # it cannot be formatted: the writer writes what it can say of it
+            item = record  # (logging's handleError would print a traceback here, on the loop)
         self.writer.put(item, always=record.__dict__.get(_ANNOUNCE, False))
 
 

@@ -195,3 +195,25 @@ def test_a_reload_changes_the_level_of_the_queued_handler(stream: BlockingStream
     assert flush_logs(timeout=5)
     text = stream.getvalue()
     assert "shown" in text and "hidden" not in text
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize("fmt", ["human", "json"])
+def test_a_record_that_cannot_be_formatted_becomes_a_line_saying_so(
+    stream: BlockingStream, fmt: str
+) -> None:
+    stream.open.set()
+    setup_logging(LoggingConfig(format=fmt), stream=stream)  # type: ignore[arg-type]
+    logging.getLogger("smgd.test").info("value %s", Unprintable())
+    logging.getLogger("smgd.test").info("next")
+    assert flush_logs(timeout=5)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert "could not be formatted (RuntimeError: no text)" in lines[0]
+    assert lines[1].endswith("next") or json.loads(lines[1])["msg"] == "next"
+    if fmt == "json":
+        assert json.loads(lines[0])["level"] == "error"
