@@ -222,11 +222,10 @@ class _Writer:
 
     def _write_all(self, items: list[Item], dropped: int) -> None:
         lines: list[str] = []
+        flushes: list[threading.Event] = []
         for item in items:
             if isinstance(item, threading.Event):
-                self._write(lines)
-                lines = []
-                item.set()  # a flush waits for this: the lines before it are written
+                flushes.append(item)
             elif isinstance(item, str):
                 lines.append(item)
             else:
@@ -234,6 +233,8 @@ class _Writer:
         if dropped:
             lines.append(self._format(dropped_report(dropped)))
         self._write(lines)
+        for flush in flushes:  # set after the whole batch: the exit's flush has the report too
+            flush.set()
 
     def _format(self, record: logging.LogRecord) -> str:
         try:
