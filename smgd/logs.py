@@ -288,13 +288,18 @@ _json_lines = False  # set by setup_logging: announce() writes JSON too
 
 def announce(text: str, *, level: int = logging.INFO, **fields: Any) -> None:
     """A line for the operator: plain text on stderr in the human format (the banner, e.g.
-    ``smgd listening on URL``, which scripts read), a log record in the JSON format.
+    ``smgd listening on URL``, which scripts read), a log record in the JSON format; written
+    whatever the log level.
 
     It goes through the writer in order with the log lines around it and is never dropped
     (it is written once the lines queued before it are); before :func:`setup_logging` it is
     written at once."""
     if _json_lines:
-        logging.getLogger("smgd").log(level, text, extra={**fields, _ANNOUNCE: True})
+        # Past the level, as the human format's plain line is: a script waits for the banner
+        # whatever `logging.level` says (at "warning" it never came).
+        logger = logging.getLogger("smgd")
+        extra = {**fields, _ANNOUNCE: True}
+        logger.handle(logger.makeRecord(logger.name, level, "", 0, text, (), None, extra=extra))
     elif _writer is not None:
         _writer.put(text, always=True)
     else:

@@ -145,6 +145,20 @@ def test_announce_is_a_plain_line_in_human_mode(
     assert capsys.readouterr().err == "smgd listening on http://127.0.0.1:1\n"
 
 
+@pytest.mark.parametrize("form", ["human", "json"])
+def test_announce_is_written_whatever_the_level(
+    restore_logging: None, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    """The banner is what scripts wait for: at `level = "error"` the JSON one was dropped."""
+    setup_logging(LoggingConfig(format=form, level="error"))  # type: ignore[arg-type]
+    logging.getLogger("smgd").info("below the level")
+    announce("smgd listening on http://127.0.0.1:1", url="http://127.0.0.1:1")
+    assert flush_logs()
+    err = capsys.readouterr().err
+    assert "smgd listening on http://127.0.0.1:1" in err
+    assert "below the level" not in err
+
+
 def test_license_file_matches_pyproject() -> None:
     root = Path(__file__).resolve().parent.parent
     meta = tomllib.loads((root / "pyproject.toml").read_text())["project"]
