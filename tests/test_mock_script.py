@@ -12,6 +12,7 @@ from smgd.assets import TINY_MODEL_DIR
 from smgd.config import load_config, load_mock_script
 from smgd.errors import ConfigError
 from smgd.launch import mock_script_args
+from smgd.mock.engine import FAULTS
 from smgd.mock.main import add_mock_args, load_script
 from smgd.text.tokenizer import load_tokenizer
 
@@ -133,3 +134,13 @@ def test_the_documented_example_does_what_the_reference_says(tmp_path: Path) -> 
         "It is 21 °C in Paris.",
         "<think>\nNothing to look up.\n</think>\n\nHello!",
     ]
+
+
+def test_every_fault_but_ok_can_be_injected_from_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    add_mock_args(parser)
+    base = ["--input", "ipc:///x", "--output", "ipc:///y"]
+    for fault in FAULTS:
+        if fault == "ok":
+            continue
+        assert parser.parse_args([*base, "--fault", fault]).fault == fault

@@ -13,7 +13,7 @@ import trio
 
 from smgd.gc_tuning import tune_gc
 from smgd.launchers.lifeline import PARENT_ENV
-from smgd.mock.engine import EngineExit, MockEngine, MockWire
+from smgd.mock.engine import FAULTS, EngineExit, MockEngine, MockWire
 from smgd.mock.scheduler import MockScheduler
 from smgd.mock.script import Script
 
@@ -43,7 +43,7 @@ def add_mock_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", default=None, help="PULL endpoint for fault commands")
     parser.add_argument(
         "--fault",
-        choices=["hang", "garble", "silent", "die"],
+        choices=[fault for fault in FAULTS if fault != "ok"],  # "ok" clears one: nothing to inject
         default=None,
         help="inject this fault after --fault-after-steps steps",
     )
