@@ -330,3 +330,7 @@ def setup_logging(config: LoggingConfig, *, stream: TextIO | None = None) -> Non
     root.setLevel(config.level.upper())
     # hypercorn's access log is separate and off unless asked for.
     logging.getLogger("hypercorn.access").disabled = not config.access_log
+    # Python's warnings (a library's deprecation, a resource never closed) become records of
+    # the `py.warnings` logger: through the writer, in the configured format (one JSON object
+    # per line), not printed to stderr on the loop by warnings.showwarning.
+    logging.captureWarnings(True)

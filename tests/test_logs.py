@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -217,3 +218,23 @@ def test_a_record_that_cannot_be_formatted_becomes_a_line_saying_so(
     assert lines[1].endswith("next") or json.loads(lines[1])["msg"] == "next"
     if fmt == "json":
         assert json.loads(lines[0])["level"] == "error"
+
+
+def test_a_python_warning_is_a_log_line_in_the_configured_format(stream: BlockingStream) -> None:
+    """warnings.showwarning printed to stderr on the caller (the loop), in plain text even
+    where every line must be a JSON object."""
+    stream.open.set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        # pytest records warnings by putting the original showwarning back for each test: an
+        # earlier setup_logging's capture would look in place (logging keeps its own flag).
+        logging.captureWarnings(False)
+        setup_logging(LoggingConfig(format="json"), stream=stream)
+        try:
+            warnings.warn("an old API", DeprecationWarning, stacklevel=1)
+            assert flush_logs(timeout=5)
+        finally:
+            logging.captureWarnings(False)
+    (line,) = stream.getvalue().splitlines()
+    entry = json.loads(line)
+    assert entry["logger"] == "py.warnings" and "an old API" in entry["msg"]
