@@ -191,3 +191,36 @@ def test_a_mock_wires_records_keep_the_latest_and_stay_bounded() -> None:
     assert len(entries) >= RECORDED and entries[-1] == f"r{5 * RECORDED - 1}"
     assert entries == [f"r{i}" for i in range(5 * RECORDED - len(entries), 5 * RECORDED)]
     assert list(table) == entries and table[entries[0]] == 5 * RECORDED - len(entries)
+
+
+def test_aborts_of_finished_requests_leave_nothing_behind_in_the_mock_wires() -> None:
+    """A client that hangs up as its request ends sends the abort after the finish: the mock
+    kept each such rid (to not answer its abort) for good, one entry per request."""
+    from smgd.mock.tokenspeed import TokenspeedMockWire
+    from smgd.mock.vllm import VllmMockWire
+    from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
+    from smgd.wire.vllm.encode import encode_abort as vllm_abort
+
+    sched = MockScheduler(max_batch=1)
+    vllm = VllmMockWire("tcp://127.0.0.1:1", log_stats=False)  # no stats-only message
+    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
+    for i in range(1_000):
+        assert vllm.on_request(vllm_abort([f"gone-{i}"]), sched) == []
+        assert tokenspeed.on_request(tokenspeed_abort([f"gone-{i}"]), sched) == []
+    assert not vllm._client_aborted and not tokenspeed._client_aborted
+    assert sched.idle
+    # The abort of a running request is still not answered (vLLM and TokenSpeed never do).
+    sched.add(MockRequest(rid="run", prompt_ids=[5], max_tokens=100))
+    sched.step()
+    vllm.on_request(vllm_abort(["run"]), sched)
+    assert vllm.encode_step(sched.step(), sched.take_aborted_queued(), sched) == []
+    assert not vllm._client_aborted and sched.idle
+
+
+def test_abort_says_whether_it_found_a_request() -> None:
+    sched = MockScheduler(max_batch=1)
+    sched.add(MockRequest(rid="run", prompt_ids=[5], max_tokens=100))
+    sched.add(MockRequest(rid="queued", prompt_ids=[5], max_tokens=100))
+    sched.step()
+    assert sched.abort("run") and sched.abort("queued")
+    assert not sched.abort("finished-long-ago")

@@ -194,15 +194,20 @@ class MockScheduler:
             req.source = req.source[shift:] + req.source[:shift]
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> None:
-        """Abort by exact rid; an empty rid aborts everything (SGLang's prefix rule)."""
+    def abort(self, rid: str) -> bool:
+        """Abort by exact rid; an empty rid aborts everything (SGLang's prefix rule). Whether
+        a request was found: the abort of one that finished already finds none."""
+        found = False
         for req in list(self.waiting):
             if req.rid.startswith(rid):
                 self.waiting.remove(req)
                 self.aborted_queued.append(req.rid)
+                found = True
         for req in self.running.values():
             if req.rid.startswith(rid):
                 req.aborted = True
+                found = True
+        return found
 
     def _cached(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s first tokens the prefix cache held (whole blocks); the

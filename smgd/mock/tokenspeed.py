@@ -125,8 +125,10 @@ class TokenspeedMockWire:
         if isinstance(msg, AbortRequest):
             for rid in msg.rids:
                 record(self.aborts, rid)
-                self._client_aborted.add(rid)
-                sched.abort(rid)
+                # Only a request still queued or running answers (or not) to it: the abort of
+                # one that finished (the client hung up as it ended) kept its rid here for good.
+                if sched.abort(rid):
+                    self._client_aborted.add(rid)
             return []
         rid = msg.rid if isinstance(msg.rid, str) else ""
         record(self.received, rid)

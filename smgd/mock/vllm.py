@@ -154,8 +154,10 @@ class VllmMockWire:
         if isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
                 record(self.aborts, rid)
-                self._client_aborted.add(rid)
-                sched.abort(rid)
+                # Only a request still queued or running answers (or not) to it: the abort of
+                # one that finished (the client hung up as it ended) kept its rid here for good.
+                if sched.abort(rid):
+                    self._client_aborted.add(rid)
             return []
         if isinstance(msg, UtilityRequest):
             # vLLM's API server asks this at start-up and waits for the answer; LoRA calls
