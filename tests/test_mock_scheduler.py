@@ -224,3 +224,37 @@ def test_abort_says_whether_it_found_a_request() -> None:
     sched.step()
     assert sched.abort("run") and sched.abort("queued")
     assert not sched.abort("finished-long-ago")
+
+
+def test_requests_aborted_in_the_queue_leave_nothing_behind_in_the_mock_wires() -> None:
+    """A request aborted before it ran never finishes in a step: the vLLM mock kept its EOS id
+    and logprobs count, the TokenSpeed mock its logprobs flag, one entry per such request."""
+    from smgd.mock.tokenspeed import TokenspeedMockWire
+    from smgd.mock.vllm import VllmMockWire
+    from smgd.wire.common import GenerateRequest, SamplingParams
+    from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
+    from smgd.wire.tokenspeed.encode import encode_add as tokenspeed_add
+    from smgd.wire.vllm.encode import encode_abort as vllm_abort
+    from smgd.wire.vllm.encode import encode_add as vllm_add
+
+    sampling = SamplingParams(max_tokens=100, logprobs=0, eos_token_ids=(2,))
+    vllm = VllmMockWire("tcp://127.0.0.1:1")
+    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
+    for wire, add, abort in (
+        (vllm, vllm_add, vllm_abort),
+        (tokenspeed, tokenspeed_add, tokenspeed_abort),
+    ):
+        sched = MockScheduler(max_batch=1)
+        wire.on_request(add(GenerateRequest(rid="run", prompt_ids=[5], sampling=sampling)), sched)
+        sched.step()  # "run" runs: the others queue behind it
+        for i in range(100):
+            rid = f"queued-{i}"
+            wire.on_request(add(GenerateRequest(rid=rid, prompt_ids=[5], sampling=sampling)), sched)
+            wire.on_request(abort([rid]), sched)
+            wire.encode_step(sched.step(), sched.take_aborted_queued(), sched)
+        wire.on_request(abort(["run"]), sched)
+        wire.encode_step(sched.step(), sched.take_aborted_queued(), sched)
+        assert sched.idle
+    assert not (vllm._eos or vllm._logprobs or vllm._queued_at or vllm._prefilled)
+    assert not vllm._client_aborted
+    assert not (tokenspeed._logprobs or tokenspeed._client_aborted)

@@ -185,6 +185,7 @@ class TokenspeedMockWire:
             )
         self._rejected.clear()
         self._client_aborted.difference_update(aborted_queued)
+        self._logprobs.difference_update(aborted_queued)  # (they never finish in a step)
         if not rows:
             return []  # TokenSpeed never sends an empty batch
         return [

@@ -284,8 +284,9 @@ class VllmMockWire:
                     table.pop(o.rid, None)
                 self._prefilled.discard(o.rid)
         self._client_aborted.difference_update(aborted_queued)
-        for rid in aborted_queued:
-            self._queued_at.pop(rid, None)
+        for rid in aborted_queued:  # (they never finish in a step: forgotten here, or never)
+            for table in (self._eos, self._logprobs, self._queued_at):
+                table.pop(rid, None)
         if not items and not (self.log_stats and (outputs or aborted_queued)):
             return []  # with log_stats vLLM sends a stats-only message after finishes/aborts
         stats = None
