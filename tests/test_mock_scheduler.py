@@ -258,3 +258,32 @@ def test_requests_aborted_in_the_queue_leave_nothing_behind_in_the_mock_wires() 
     assert not (vllm._eos or vllm._logprobs or vllm._queued_at or vllm._prefilled)
     assert not vllm._client_aborted
     assert not (tokenspeed._logprobs or tokenspeed._client_aborted)
+
+
+def test_requests_the_lose_fault_dropped_are_forgotten_at_their_abort() -> None:
+    """The "lose" fault drops a request in the scheduler after the wire noted its EOS id and
+    logprobs: smgd's abort (``timeouts.request_s``) is the last the mock hears of it."""
+    from smgd.mock.tokenspeed import TokenspeedMockWire
+    from smgd.mock.vllm import VllmMockWire
+    from smgd.wire.common import GenerateRequest, SamplingParams
+    from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
+    from smgd.wire.tokenspeed.encode import encode_add as tokenspeed_add
+    from smgd.wire.vllm.encode import encode_abort as vllm_abort
+    from smgd.wire.vllm.encode import encode_add as vllm_add
+
+    sampling = SamplingParams(max_tokens=100, logprobs=0, eos_token_ids=(2,))
+    vllm = VllmMockWire("tcp://127.0.0.1:1")
+    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
+    for wire, add, abort in (
+        (vllm, vllm_add, vllm_abort),
+        (tokenspeed, tokenspeed_add, tokenspeed_abort),
+    ):
+        sched = MockScheduler(max_batch=1)
+        sched.lose_requests = True
+        for i in range(100):
+            request = GenerateRequest(rid=f"lost-{i}", prompt_ids=[5], sampling=sampling)
+            wire.on_request(add(request), sched)
+            wire.on_request(abort([f"lost-{i}"]), sched)
+        assert sched.idle
+    assert not (vllm._eos or vllm._logprobs or vllm._queued_at or vllm._client_aborted)
+    assert not (tokenspeed._logprobs or tokenspeed._client_aborted)

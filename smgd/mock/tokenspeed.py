@@ -129,6 +129,8 @@ class TokenspeedMockWire:
                 # one that finished (the client hung up as it ended) kept its rid here for good.
                 if sched.abort(rid):
                     self._client_aborted.add(rid)
+                else:  # (a request the "lose" fault dropped: it never finishes in a step)
+                    self._logprobs.discard(rid)
             return []
         rid = msg.rid if isinstance(msg.rid, str) else ""
         record(self.received, rid)

@@ -158,6 +158,9 @@ class VllmMockWire:
                 # one that finished (the client hung up as it ended) kept its rid here for good.
                 if sched.abort(rid):
                     self._client_aborted.add(rid)
+                else:  # (a request the "lose" fault dropped: it never finishes in a step)
+                    for table in (self._eos, self._logprobs, self._queued_at):
+                        table.pop(rid, None)
             return []
         if isinstance(msg, UtilityRequest):
             # vLLM's API server asks this at start-up and waits for the answer; LoRA calls
