@@ -63,6 +63,17 @@ class Daemon:
         """Everything the daemon wrote to stderr so far."""
         return "".join(self._stderr)
 
+    async def logged(self, text: str, within: float = 5.0) -> None:
+        """Wait until the daemon's stderr holds ``text``. Its lines go out from a writer
+        thread (smgd.logs), a moment after what they report: a client can see an error before
+        the line saying why reaches the pipe."""
+
+        async def found() -> bool:
+            await trio.lowlevel.checkpoint()
+            return text in self.log()
+
+        await until(found, within, poll_s=0.01)
+
     def send_signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)
 

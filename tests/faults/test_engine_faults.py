@@ -142,6 +142,30 @@ async def test_engine_kill9_while_its_messages_are_delivered_in_slices(tmp_path:
         assert after.error is None and after.done and len(after.chunks) == 8
 
 
+async def sigstop_under_streams(daemon: Daemon, client: httpx.AsyncClient, detect_s: float) -> int:
+    """Stop the daemon's one engine (``SIGSTOP``) under four streams and check each ends with
+    an error ``detect_s`` (silence + the unanswered probe) after the engine went quiet, not
+    before, and not much after; the stopped pid.
+
+    The silence is counted from the engine's last frame, which can precede the SIGSTOP by a
+    step or more on a loaded machine; the client got that frame's token a moment after smgd
+    did (DELIVERY_S at most), so the error may not come sooner than ``detect_s`` after the
+    stream's last token."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            results = start_streams(client, nursery, 4)
+            await all_under_way(results)
+            (stopped,) = daemon.engine_pids()
+            os.kill(stopped, signal.SIGSTOP)
+            stopped_at = trio.current_time()
+    for outcome in results:
+        assert outcome.ended_at is not None and outcome.last_chunk_at is not None
+        assert outcome.ended_at - outcome.last_chunk_at >= detect_s - DELIVERY_S
+        assert outcome.ended_at - stopped_at < detect_s + 3
+        assert outcome.error is not None and outcome.done and outcome.body_complete
+    return stopped
+
+
 async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
     tmp_path: Path,
 ) -> None:
@@ -157,23 +181,7 @@ async def test_engine_sigstop_streams_fail_after_silence_and_engine_is_replaced(
         f"health_timeout_s = {probe_s}\n",
     )
     async with serve(tmp_path, daemon_toml(engine)) as daemon, daemon.client() as client:
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                results = start_streams(client, nursery, 4)
-                await all_under_way(results)
-                (stopped,) = daemon.engine_pids()
-                os.kill(stopped, signal.SIGSTOP)
-                stopped_at = trio.current_time()
-        for outcome in results:
-            # Not before the engine has been silent for silence_s, not much after it.
-            assert outcome.ended_at is not None and outcome.last_chunk_at is not None
-            # The silence is counted from the engine's last frame, which can precede the
-            # SIGSTOP by a step or more on a loaded machine; the client got that frame's token
-            # a moment after smgd did (DELIVERY_S at most), so the error may not come sooner
-            # than silence_s after the stream's last token.
-            assert outcome.ended_at - outcome.last_chunk_at >= silence_s + probe_s - DELIVERY_S
-            assert outcome.ended_at - stopped_at < silence_s + probe_s + 3
-            assert outcome.error is not None and outcome.done and outcome.body_complete
+        stopped = await sigstop_under_streams(daemon, client, silence_s + probe_s)
         await daemon.wait_ready()
         (replacement,) = daemon.engine_pids()
         assert replacement != stopped
@@ -260,20 +268,8 @@ async def test_a_sigstopped_vllm_engine_is_replaced_after_silence_and_an_unanswe
         serve(tmp_path, daemon_toml(vllm_mock_toml(timeouts))) as daemon,
         daemon.client() as client,
     ):
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                results = start_streams(client, nursery, 4)
-                await all_under_way(results)
-                (stopped,) = daemon.engine_pids()
-                os.kill(stopped, signal.SIGSTOP)
-                stopped_at = trio.current_time()
-        for outcome in results:
-            assert outcome.ended_at is not None and outcome.last_chunk_at is not None
-            # As the SGLang case above: the silence counts from the engine's last frame.
-            assert outcome.ended_at - outcome.last_chunk_at >= silence_s + probe_s - DELIVERY_S
-            assert outcome.ended_at - stopped_at < silence_s + probe_s + 3
-            assert outcome.error is not None and outcome.done and outcome.body_complete
-        assert "no output for 1.5 s" in daemon.log()
+        stopped = await sigstop_under_streams(daemon, client, silence_s + probe_s)
+        await daemon.logged("no output for 1.5 s")
         await daemon.wait_ready()
         (replacement,) = daemon.engine_pids()
         assert replacement != stopped

@@ -175,7 +175,7 @@ async def test_an_engine_that_exits_is_reported_by_its_exit_code_not_its_disconn
         assert error["message"] == "engine rogue failed: engine process exited with code 3"
         report = (await client.get("/readiness")).json()["engines"]["rogue"]
         assert report["last_error"] == "engine process exited with code 3", report
-        assert "engine rogue dead: engine process exited with code 3" in daemon.log()
+        await daemon.logged("engine rogue dead: engine process exited with code 3")
         good = await stream(client, "m", "hello there", 8)
         assert good.done and good.error is None
 
