@@ -534,6 +534,36 @@ async def test_a_silent_engine_that_leaves_the_probe_unanswered_is_dead(
             await trio.sleep_forever()
 
 
+async def test_one_rank_wedged_beside_a_streaming_one_is_the_engines_silence(
+    socket_autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two ranks, each with a request; rank 1 hangs while rank 0 streams on. The engine's
+    frames keep coming (rank 0's), so only each rank's own silence shows rank 1's: after
+    silence_s its requests' engine gets the probe, rank 1 leaves it unanswered, and the engine
+    is dead (its requests hung for ever, and the least-load pick kept sending it more)."""
+    with pytest.RaisesGroup(EngineDead, flatten_subgroups=True):
+        async with vllm_setup(ranks=2, step_s=0.5, silence_s=4.0, health_timeout_s=1.0) as s:
+            table = s.client.table
+            assert table is not None
+            async with (
+                s.client.open_stream(request("a" * 32, [5, 6], 2000)) as first,
+                s.client.open_stream(request("b" * 32, [5, 6], 2000)) as second,
+            ):
+                await first.receive()
+                await second.receive()
+                ranks = {table.owner(rid).index: stream for rid, stream in  # type: ignore[union-attr]
+                         (("a" * 32, first), ("b" * 32, second))}  # fmt: skip
+                assert set(ranks) == {0, 1}
+                s.ranks[1].mock.inject("hang")
+                start = trio.current_time()
+                with pytest.raises(EngineDead, match="no output"):
+                    while True:
+                        await ranks[1].receive()
+                # A step after the last frame at most, a quarter of silence_s after it at most.
+                assert 4.0 + 1.0 - 0.5 <= trio.current_time() - start <= 4.0 * 1.25 + 1.0 + 0.5
+            await trio.sleep_forever()
+
+
 async def test_idle_probe_keeps_a_healthy_engine_ready(
     socket_autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -181,6 +181,11 @@ class ClientCore:
                 self._outbox_send.send_nowait(self._encode_abort(rid))
         return failed
 
+    def _silent_since(self) -> float:
+        """Since when the engine has been silent with requests in flight, for the silence
+        watchdog: its last frame (a data-parallel client looks at each rank)."""
+        return self._last_frame
+
     def _forget(self, rid: str) -> None:
         """Request ``rid`` ended (its final delta came): drop what the wire client kept of it.
 

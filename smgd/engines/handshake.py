@@ -214,6 +214,10 @@ class Rank:
     identity: bytes
     in_flight: set[str] = field(default_factory=set)
     load: EngineLoad | None = None
+    # When the rank last sent a message, or got a request while it had none in flight: the
+    # start of its silence (ClientCore._silent_since), so that one rank wedged beside others
+    # that stream is found as the whole engine's silence is.
+    last_frame: float = 0.0
 
     def score(self) -> float:
         """SMG's least-load score: the larger of what we sent and what the rank reports."""
@@ -255,6 +259,9 @@ class RankTable:
 
     def owner(self, rid: str) -> Rank | None:
         return self._owner.get(rid)
+
+    def by_index(self, index: int) -> Rank | None:
+        return self._by_index.get(index)
 
     def release(self, rid: str) -> Rank | None:
         """Forget ``rid`` (idempotent); returns the rank that held it."""
@@ -677,6 +684,8 @@ class HandshakeEngineClient(EngineClient):
         frames = self._wire_add(req)  # raises before a rank is reserved
         assert self.table is not None
         rank = self.table.pick(req.rid)
+        if len(rank.in_flight) == 1:  # it had none: its silence counts from this request
+            rank.last_frame = trio.current_time()
         return [rank.identity, *frames]
 
     def _encode_abort(self, rid: str) -> list[bytes]:
@@ -688,12 +697,26 @@ class HandshakeEngineClient(EngineClient):
         if self.table is not None:
             self.table.release(rid)
 
+    def _silent_since(self) -> float:
+        """The engine's last frame, or the oldest last frame of a rank with requests in
+        flight if that is older: a data-parallel engine is one engine to smgd (a rank that
+        dies kills it), and one rank wedged beside others that stream went unnoticed (its
+        requests hung, and the least-load pick kept sending it more)."""
+        since = self._last_frame
+        if self.table is not None and len(self.table.ranks) > 1:
+            for rank in self.table.ranks:
+                if rank.in_flight and rank.last_frame < since:
+                    since = rank.last_frame
+        return since
+
     def _decode_frames(self, frames: list[Any]) -> Sequence[TokenDelta]:
         head = memoryview(frames[0])
         if head.nbytes == len(ENGINE_CORE_DEAD) and head == ENGINE_CORE_DEAD:
             self.die("the engine sent ENGINE_CORE_DEAD")
             return ()
         batch = self._wire_outputs(frames)
+        if self.table is not None and (rank := self.table.by_index(batch.engine_index)):
+            rank.last_frame = self._last_frame  # the reader's time of this message
         if batch.load is not None and self.table is not None:
             self.table.update_load(batch.engine_index, batch.load)
             self.load = self.table.total_load()

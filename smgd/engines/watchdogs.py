@@ -52,7 +52,7 @@ async def silence_watchdog(client: ClientCore) -> None:
         await _sleep_unless_reconfigured(client, client.config.timeouts.silence_s / 4)
         silence = client.config.timeouts.silence_s  # after the sleep: a reload may change it
         now = trio.current_time()
-        if client._streams and now - client._last_frame > silence:
+        if client._streams and now - client._silent_since() > silence:
             if await _lost_not_wedged(client, now, silence):
                 continue
             client.die(
