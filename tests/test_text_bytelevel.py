@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -67,6 +67,9 @@ def batches(ids: list[int], sizes: list[int]) -> list[list[int]]:
     keep_held=st.booleans(),
     prompt=st.lists(st.integers(0, 1023), max_size=30),
 )
+# Found by this test: "!" then a stray byte and specials in one push; the DecodeStream path's
+# flush took the specials' empty text for a complete end and dropped the "!".
+@example(ids=[0, 6, 100, 0, 0, 0, 0, 0, 0], sizes=[1], skip=True, keep_held=False, prompt=[])
 def test_the_table_gives_decode_streams_pieces_step_by_step(
     ids: list[int], sizes: list[int], skip: bool, keep_held: bool, prompt: list[int]
 ) -> None:

@@ -274,7 +274,11 @@ class IncrementalDetokenizer:
         end = len(self._ids)
         while end > held:
             window = self._ids[max(start, end - _CONTEXT_IDS) : end]
-            if not self._decode(window).endswith(_REPLACEMENT):
+            text = self._decode(window)
+            # A window of ids with no text (skipped specials) says nothing of the text before
+            # it: taken for complete, it hid a character left unfinished before it, and the
+            # whole held text was dropped with it ('!' of '!' + a stray byte + specials).
+            if text and not text.endswith(_REPLACEMENT):
                 break
             end -= 1
         return end
