@@ -3,8 +3,10 @@ cache; and the bounds of what a mock wire records."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from smgd.config import MockReply, MockScript
-from smgd.mock.engine import RECORDED, record, record_in
+from smgd.mock.engine import RECORDED, MockWire, record, record_in
 from smgd.mock.scheduler import (
     PREFIX_BLOCK,
     PREFIX_CACHE_BLOCKS,
@@ -13,6 +15,13 @@ from smgd.mock.scheduler import (
     MockScheduler,
 )
 from smgd.mock.script import Script
+from smgd.mock.tokenspeed import TokenspeedMockWire
+from smgd.mock.vllm import VllmMockWire
+from smgd.wire.common import GenerateRequest, SamplingParams
+from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
+from smgd.wire.tokenspeed.encode import encode_add as tokenspeed_add
+from smgd.wire.vllm.encode import encode_abort as vllm_abort
+from smgd.wire.vllm.encode import encode_add as vllm_add
 
 
 def run_to_end(sched: MockScheduler, limit: int = 10_000) -> dict[str, list[int]]:
@@ -226,33 +235,47 @@ def test_abort_says_whether_it_found_a_request() -> None:
     assert not sched.abort("finished-long-ago")
 
 
+Frames = Callable[[str], list[bytes]]
+
+
+def _mock_wires() -> tuple[VllmMockWire, TokenspeedMockWire, list[tuple[MockWire, Frames, Frames]]]:
+    """The vLLM and TokenSpeed mock wires, each with its wire's ADD (a 1-token prompt, 100
+    tokens, logprobs and an EOS id: every per-request table filled) and ABORT of one rid."""
+    sampling = SamplingParams(max_tokens=100, logprobs=0, eos_token_ids=(2,))
+
+    def request(rid: str) -> GenerateRequest:
+        return GenerateRequest(rid=rid, prompt_ids=[5], sampling=sampling)
+
+    vllm = VllmMockWire("tcp://127.0.0.1:1")
+    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
+    return (
+        vllm,
+        tokenspeed,
+        [
+            (vllm, lambda rid: vllm_add(request(rid)), lambda rid: vllm_abort([rid])),
+            (
+                tokenspeed,
+                lambda rid: tokenspeed_add(request(rid)),
+                lambda rid: tokenspeed_abort([rid]),
+            ),
+        ],
+    )
+
+
 def test_requests_aborted_in_the_queue_leave_nothing_behind_in_the_mock_wires() -> None:
     """A request aborted before it ran never finishes in a step: the vLLM mock kept its EOS id
     and logprobs count, the TokenSpeed mock its logprobs flag, one entry per such request."""
-    from smgd.mock.tokenspeed import TokenspeedMockWire
-    from smgd.mock.vllm import VllmMockWire
-    from smgd.wire.common import GenerateRequest, SamplingParams
-    from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
-    from smgd.wire.tokenspeed.encode import encode_add as tokenspeed_add
-    from smgd.wire.vllm.encode import encode_abort as vllm_abort
-    from smgd.wire.vllm.encode import encode_add as vllm_add
-
-    sampling = SamplingParams(max_tokens=100, logprobs=0, eos_token_ids=(2,))
-    vllm = VllmMockWire("tcp://127.0.0.1:1")
-    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
-    for wire, add, abort in (
-        (vllm, vllm_add, vllm_abort),
-        (tokenspeed, tokenspeed_add, tokenspeed_abort),
-    ):
+    vllm, tokenspeed, cases = _mock_wires()
+    for wire, add, abort in cases:
         sched = MockScheduler(max_batch=1)
-        wire.on_request(add(GenerateRequest(rid="run", prompt_ids=[5], sampling=sampling)), sched)
+        wire.on_request(add("run"), sched)
         sched.step()  # "run" runs: the others queue behind it
         for i in range(100):
             rid = f"queued-{i}"
-            wire.on_request(add(GenerateRequest(rid=rid, prompt_ids=[5], sampling=sampling)), sched)
-            wire.on_request(abort([rid]), sched)
+            wire.on_request(add(rid), sched)
+            wire.on_request(abort(rid), sched)
             wire.encode_step(sched.step(), sched.take_aborted_queued(), sched)
-        wire.on_request(abort(["run"]), sched)
+        wire.on_request(abort("run"), sched)
         wire.encode_step(sched.step(), sched.take_aborted_queued(), sched)
         assert sched.idle
     assert not (vllm._eos or vllm._logprobs or vllm._queued_at or vllm._prefilled)
@@ -263,27 +286,13 @@ def test_requests_aborted_in_the_queue_leave_nothing_behind_in_the_mock_wires() 
 def test_requests_the_lose_fault_dropped_are_forgotten_at_their_abort() -> None:
     """The "lose" fault drops a request in the scheduler after the wire noted its EOS id and
     logprobs: smgd's abort (``timeouts.request_s``) is the last the mock hears of it."""
-    from smgd.mock.tokenspeed import TokenspeedMockWire
-    from smgd.mock.vllm import VllmMockWire
-    from smgd.wire.common import GenerateRequest, SamplingParams
-    from smgd.wire.tokenspeed.encode import encode_abort as tokenspeed_abort
-    from smgd.wire.tokenspeed.encode import encode_add as tokenspeed_add
-    from smgd.wire.vllm.encode import encode_abort as vllm_abort
-    from smgd.wire.vllm.encode import encode_add as vllm_add
-
-    sampling = SamplingParams(max_tokens=100, logprobs=0, eos_token_ids=(2,))
-    vllm = VllmMockWire("tcp://127.0.0.1:1")
-    tokenspeed = TokenspeedMockWire("tcp://127.0.0.1:1")
-    for wire, add, abort in (
-        (vllm, vllm_add, vllm_abort),
-        (tokenspeed, tokenspeed_add, tokenspeed_abort),
-    ):
+    vllm, tokenspeed, cases = _mock_wires()
+    for wire, add, abort in cases:
         sched = MockScheduler(max_batch=1)
         sched.lose_requests = True
         for i in range(100):
-            request = GenerateRequest(rid=f"lost-{i}", prompt_ids=[5], sampling=sampling)
-            wire.on_request(add(request), sched)
-            wire.on_request(abort([f"lost-{i}"]), sched)
+            wire.on_request(add(f"lost-{i}"), sched)
+            wire.on_request(abort(f"lost-{i}"), sched)
         assert sched.idle
     assert not (vllm._eos or vllm._logprobs or vllm._queued_at or vllm._client_aborted)
     assert not (tokenspeed._logprobs or tokenspeed._client_aborted)
