@@ -153,13 +153,19 @@ async def serve(
             yield daemon
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            survivors = descendants(proc.pid)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            for pid in survivors:  # engines of a daemon the case killed: not the next case's
-                _kill(pid)
+        await kill_tree(proc)
+
+
+async def kill_tree(proc: trio.Process) -> None:
+    """Kill a daemon the case started and every process under it (shielded: a case's cleanup,
+    cancelled or not): engines of a daemon the case killed are not the next case's."""
+    with trio.CancelScope(shield=True):
+        survivors = descendants(proc.pid)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        for pid in survivors:
+            _kill(pid)
 
 
 async def _pump_stderr(daemon: Daemon, listening: trio.Event) -> None:

@@ -24,7 +24,7 @@ import trio
 from smgd.api.http.app import PREFIX_ROUTES, ROUTES, admin_routes
 
 from ..engine_harness import short_ipc_dir
-from .harness import daemon_toml, descendants, mock_engine_toml, serve, stream
+from .harness import daemon_toml, kill_tree, mock_engine_toml, serve, stream
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -322,14 +322,7 @@ async def serve_in(cwd: Path, *args: str) -> AsyncIterator[Running]:
             yield running
             nursery.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            left = descendants(proc.pid)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            for pid in left:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        await kill_tree(proc)
 
 
 async def wait_ready(client: httpx.AsyncClient) -> None:

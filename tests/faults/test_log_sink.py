@@ -3,11 +3,9 @@ costs log lines, never requests: smgd's writer thread alone blocks on stderr."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-from contextlib import suppress
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,7 +18,7 @@ from .harness import (
     Daemon,
     StreamOutcome,
     daemon_toml,
-    descendants,
+    kill_tree,
     mock_engine_toml,
     stream_h11,
 )
@@ -133,11 +131,4 @@ async def test_a_stderr_nobody_reads_costs_log_lines_not_requests(tmp_path: Path
             assert await proc.wait() == 0, rest.decode(errors="replace")[-2000:]
         assert b"SIGTERM: draining" in rest and b"Traceback" not in rest
     finally:
-        with trio.CancelScope(shield=True):
-            left = descendants(proc.pid)
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            for pid in left:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        await kill_tree(proc)
